@@ -1,0 +1,673 @@
+"""``PrefixCache``: the facade that ties keys, the block tree, pools, policies, tenancy
+and invalidation together.
+
+The life of a request::
+
+    m = cache.match(tokens, ctx)     # longest cached prefix, verified; pins it
+    ...                               # the caller loads m's blocks, prefills the rest
+    m.release()                       # unpin
+    cache.insert(tokens, ctx)         # store the new blocks (evicting if needed)
+
+Invalidation never scans on the request path: ``bump_epoch`` changes the context root
+(so every old key is unreachable at once) and queues the old roots; their blocks are
+reclaimed, children first, before any live block is evicted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from operator import attrgetter
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from prefixcache.config import CacheConfig
+from prefixcache.events import (
+    BlocksRemoved,
+    BlocksStored,
+    EpochBumped,
+    Event,
+    EventLog,
+    PrefixPromoted,
+    RemovalReason,
+)
+from prefixcache.hashing import (
+    CacheContext,
+    Hasher,
+    HashFactory,
+    KeyChain,
+    Segment,
+    Segments,
+    get_hash,
+    root_encoding,
+    token_bytes,
+)
+from prefixcache.index import Block, BlockTree, Lookup, common_tokens, path_to, postorder
+from prefixcache.tenancy import GLOBAL, PUBLIC, Pool, Tenancy
+
+Tokens = Sequence[int] | np.ndarray
+_key_of = attrgetter("key")
+
+
+def _always(_block: Block) -> bool:
+    return True
+
+
+@dataclass
+class TenantStats:
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    hit_requests: int = 0
+    inserted_tokens: int = 0
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    hit_requests: int = 0
+    partial_hit_tokens: int = 0
+    inserted_tokens: int = 0
+    inserted_blocks: int = 0
+    declined_tokens: int = 0
+    evictions: int = 0
+    evicted_tokens: int = 0
+    collisions: int = 0
+    stale_reclaimed: int = 0
+    expired: int = 0
+    purged: int = 0
+    replaced: int = 0
+    promoted_blocks: int = 0
+    epoch_bumps: int = 0
+    tenants: dict[str, TenantStats] = field(default_factory=dict)
+
+    def tenant(self, name: str) -> TenantStats:
+        stats = self.tenants.get(name)
+        if stats is None:
+            stats = self.tenants[name] = TenantStats()
+        return stats
+
+
+_REASON_COUNTER = {
+    RemovalReason.EVICTED: "evictions",
+    RemovalReason.STALE: "stale_reclaimed",
+    RemovalReason.EXPIRED: "expired",
+    RemovalReason.PURGED: "purged",
+    RemovalReason.REPLACED: "replaced",
+}
+
+
+class Match:
+    """The result of ``PrefixCache.match``: how many leading tokens are cached, and a
+    pin on them until ``release`` (also a context manager).
+
+    ``cached_tokens`` = ``num_blocks * block_size + partial_tokens``; the partial part,
+    when ``partial_blocks`` is on, is the first ``partial_tokens`` tokens of one more
+    cached block that shares them with the request.
+    """
+
+    __slots__ = ("_block", "_cache", "_released", "cached_tokens", "num_blocks", "partial_tokens", "tenant")
+
+    def __init__(
+        self,
+        cache: PrefixCache,
+        block: Block | None,
+        num_blocks: int,
+        partial_tokens: int,
+        tenant: str,
+    ) -> None:
+        self._cache = cache
+        self._block = block
+        self._released = block is None
+        self.num_blocks = num_blocks
+        self.partial_tokens = partial_tokens
+        self.cached_tokens = num_blocks * cache.config.block_size + partial_tokens
+        self.tenant = tenant
+
+    @property
+    def block_keys(self) -> tuple[bytes, ...]:
+        """Keys of the matched blocks, root-most first (the partial block last). Read
+        it before ``release``: afterwards the blocks may be gone."""
+        if self._block is None:
+            return ()
+        if self._released:
+            raise RuntimeError("block_keys of a released match: the blocks may have been evicted")
+        return tuple(map(_key_of, path_to(self._block)))
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        """Unpin the matched blocks. Releasing twice is harmless."""
+        if not self._released:
+            self._released = True
+            assert self._block is not None
+            self._cache._release(self._block)
+
+    def __enter__(self) -> Match:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"Match(cached_tokens={self.cached_tokens}, partial_tokens={self.partial_tokens})"
+
+
+class PrefixCache:
+    """A prefix cache of KV blocks, on metadata (capacity accounting without bytes).
+
+    ``clock`` (seconds, monotonic) drives TTLs and is injected so that the simulator can
+    replay virtual time; ``hash_factory`` overrides ``config.hash`` (tests inject weak
+    hashes through it).
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        hash_factory: HashFactory | None = None,
+    ) -> None:
+        self.config = config if config is not None else CacheConfig()
+        self._hash = hash_factory if hash_factory is not None else get_hash(self.config.hash)
+        self._clock = clock
+        self._tree = BlockTree()
+        self._tenancy = Tenancy(self.config)
+        self._epochs: dict[tuple[str, str | None], int] = {}
+        self._roots: dict[tuple[Any, ...], tuple[Block, Hasher]] = {}
+        self._stale: deque[Iterator[Block]] = deque()
+        self._ttl: OrderedDict[bytes, Block] | None = OrderedDict() if self.config.ttl_seconds else None
+        self._declared: list[tuple[bytes, tuple[Any, ...]]] = []
+        self._events = EventLog(self.config.events_capacity)
+        self._stats = CacheStats()
+        self._used = 0
+        self._lock = threading.RLock()
+
+    # ================================================================ public API
+
+    def match(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None) -> Match:
+        """The longest cached prefix of ``tokens`` that ``ctx`` may reuse, pinned."""
+        with self._lock:
+            lookup = self._lookup(tokens, ctx, segments)
+            alive = self._alive()
+            path = self._find(lookup, alive)
+            bs = self.config.block_size
+            n_tokens = len(lookup.data) // 4
+            partial, partial_len = None, 0
+            if self.config.partial_blocks and len(path) * bs < n_tokens:
+                parents = [path[-1]] if path else list(lookup.roots)
+                partial, partial_len = self._tree.partial(lookup, parents, len(path) * bs, bs, alive)
+            pinned = partial if partial is not None else (path[-1] if path else None)
+            if pinned is not None:
+                pinned.pins += 1
+                self._touch([*path, partial] if partial is not None else path)
+            result = Match(self, pinned, len(path), partial_len, ctx.tenant)
+            self._count_lookup(ctx.tenant, n_tokens, result.cached_tokens, partial_len)
+            return result
+
+    def insert(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None) -> int:
+        """Cache the full blocks of ``tokens`` (and the tail, with ``partial_blocks``).
+        Returns how many tokens were newly stored; fewer than asked when the pool has
+        no room left that eviction can make (pinned or quota-bound)."""
+        with self._lock:
+            lookup = self._lookup(tokens, ctx, segments)
+            n_tokens = len(lookup.data) // 4
+            if n_tokens == 0:
+                return 0
+            if (self._tenancy.promotion is not None or self._declared) and self._promote(lookup, ctx):
+                lookup = self._lookup(tokens, ctx, segments)
+            path = self._find(lookup, _always)  # an expired block is revived, not duplicated
+            bs = self.config.block_size
+            ends = list(range(bs * (len(path) + 1), n_tokens + 1, bs))
+            if self.config.partial_blocks and n_tokens % bs:
+                ends.append(n_tokens)
+            parent = path[-1] if path else lookup.roots[0]
+            created = self._store(lookup, 0, parent, ends, ctx, public=False)
+            stored = created[-1].end - parent.end if created else 0
+            self._stats.tenant(ctx.tenant).inserted_tokens += stored
+            return stored
+
+    def bump_epoch(self, model: str, adapter: str | None = None) -> int:
+        """Invalidate every block of ``model`` (or of one adapter of it) at once: O(roots
+        of that model), no scan of blocks. Returns the new epoch."""
+        with self._lock:
+            epoch = self._epochs.get((model, adapter), 0) + 1
+            self._epochs[(model, adapter)] = epoch
+            for name, (root, _) in list(self._roots.items()):
+                _, root_model, root_adapter = name[:3]
+                if root_model == model and (adapter is None or root_adapter == adapter):
+                    del self._roots[name]
+                    root.stale = True
+                    self._stale.append(postorder(root))
+            self._stats.epoch_bumps += 1
+            self._events.record(EpochBumped(model, adapter, epoch))
+            return epoch
+
+    def purge(self, tenant: str) -> int:
+        """Remove every block ``tenant`` stored (and, where others built on them in
+        shared mode, what hangs below). Pinned blocks become unmatchable now and are
+        freed on release. Returns the tokens removed or doomed. O(blocks): an admin call."""
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError("purge needs a non-empty tenant name")
+        with self._lock:
+            tops = [
+                b
+                for b in self._tree.nodes.values()
+                if b.owner == tenant and (b.parent is None or b.parent.owner != tenant)
+            ]
+            return sum(self._purge_subtree(b) for b in tops)
+
+    def purge_prefix(
+        self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None
+    ) -> int:
+        """Remove every cached sequence that ``ctx`` can see and that starts with
+        ``tokens``: the block holding its end and everything below it."""
+        with self._lock:
+            lookup = self._lookup(tokens, ctx, segments)
+            n_tokens, bs = len(lookup.data) // 4, self.config.block_size
+            n_full, tail = divmod(n_tokens, bs)
+            if n_tokens == 0:
+                raise ValueError("purge_prefix needs a non-empty prefix (use purge for a whole tenant)")
+            parents: list[Block] = list(lookup.roots)
+            if n_full:
+                parents = []
+                for chain in lookup.chains:
+                    node = self._tree.nodes.get(chain.at(n_full * bs))
+                    if node is not None and self._tree.verify(lookup, path_to(node)):
+                        parents.append(node)
+            tops = (
+                parents
+                if not tail
+                else [
+                    child
+                    for parent in parents
+                    for child in parent.children.values()
+                    if lookup.can_see(child) and child.tokens.startswith(lookup.data[4 * n_full * bs :])
+                ]
+            )
+            return sum(self._purge_subtree(b) for b in tops)
+
+    def declare_public(self, tokens: Tokens, ctx: CacheContext) -> None:
+        """An operator's word that this prefix (e.g. a system prompt) may be shared by
+        every tenant of ``ctx.model``: from the next request that sends it, its full
+        blocks are stored once, in the public pool."""
+        if self._tenancy.mode == "shared":
+            raise ValueError("declare_public applies to 'namespace' and 'partitioned' isolation")
+        with self._lock:
+            data = token_bytes(tokens, self.config.vocab_size)
+            self._declared.append((data, self._context_name(ctx)))
+
+    def reclaim(self, max_blocks: int | None = None) -> int:
+        """Free stale and expired blocks now instead of on demand; returns how many."""
+        with self._lock:
+            done = 0
+            while (max_blocks is None or done < max_blocks) and self._reclaim_one():
+                done += 1
+            return done
+
+    def take_events(self) -> list[Event]:
+        """Drain the events recorded since the last call."""
+        with self._lock:
+            return self._events.take()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since start, and the current occupancy, overall and per tenant."""
+        with self._lock:
+            out = asdict(self._stats)
+            out["per_tenant"] = out.pop("tenants")
+            out.update(
+                capacity_tokens=self.config.capacity,
+                used_tokens=self._used,
+                blocks=len(self._tree),
+                stale_roots_pending=len(self._stale),
+                events_dropped=self._events.dropped,
+                pools={
+                    p.name: {
+                        "quota_tokens": p.quota,
+                        "used_tokens": p.used,
+                        "blocks": p.blocks,
+                        "evictions": p.evictions,
+                    }
+                    for p in self._tenancy.pools.values()
+                },
+            )
+            if self._tenancy.partitioned:
+                for name, pool in self._tenancy.pools.items():
+                    if name != PUBLIC:
+                        out["per_tenant"].setdefault(name, asdict(TenantStats()))["used_tokens"] = pool.used
+            return out
+
+    @property
+    def used_tokens(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._tree)
+
+    # ================================================================ lookup
+
+    def _context_name(self, ctx: CacheContext) -> tuple[Any, ...]:
+        return (ctx.model, ctx.adapter, ctx.tokenizer, ctx.extra)
+
+    def _root(self, ctx: CacheContext, namespace: str, create: bool = True) -> tuple[Block, Hasher] | None:
+        name = (namespace, ctx.model, ctx.adapter, ctx.tokenizer, ctx.extra)
+        entry = self._roots.get(name)
+        if entry is None and create:
+            model_epoch = self._epochs.get((ctx.model, None), 0)
+            adapter_epoch = self._epochs.get((ctx.model, ctx.adapter), 0) if ctx.adapter is not None else 0
+            enc = root_encoding(self.config.seed, ctx, namespace, model_epoch, adapter_epoch)
+            hasher = self._hash()
+            hasher.update(enc)
+            root = Block(hasher.copy().digest(), None, b"", None, namespace, namespace == PUBLIC)
+            entry = self._roots[name] = (root, hasher)
+        return entry
+
+    def _lookup(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None) -> Lookup:
+        if not isinstance(ctx, CacheContext):
+            raise TypeError(f"ctx must be a CacheContext, got {type(ctx).__name__}")
+        data = token_bytes(tokens, self.config.vocab_size)
+        segs = Segments.of(segments, len(data) // 4)
+        own = self._root(ctx, self._tenancy.namespace(ctx.tenant))
+        assert own is not None
+        entries = [own]
+        if self._tenancy.mode != "shared":
+            public = self._root(ctx, PUBLIC, create=False)
+            if public is not None and public[0].children:
+                entries.append(public)
+        chains = [KeyChain(hasher, data, segs) for _, hasher in entries]
+        return Lookup(data, segs, chains, [root for root, _ in entries])
+
+    def _alive(self) -> Callable[[Block], bool]:
+        ttl = self.config.ttl_seconds
+        if ttl is None:
+            return _always
+        horizon = self._clock() - ttl
+        return lambda block: block.last_access >= horizon
+
+    def _find(self, lookup: Lookup, alive: Callable[[Block], bool]) -> list[Block]:
+        """The longest verified cached path of full blocks for this lookup."""
+        bs = self.config.block_size
+        n_full = len(lookup.data) // 4 // bs
+        best = self._tree.deepest(lookup, n_full, bs, alive)
+        path = path_to(best) if best is not None else []
+        if self._tree.verify(lookup, path):
+            return path
+        self._stats.collisions += 1
+        return self._tree.walk(lookup, n_full, bs, alive)
+
+    def _touch(self, blocks: list[Block]) -> None:
+        """Tell the policies (and the TTL clock) about a hit, deepest block first so
+        that every ancestor ends up at least as recent as its descendants."""
+        deepest_first = blocks[::-1]
+        if not self._tenancy.partitioned:
+            self._tenancy.pools[GLOBAL].policy.access_many(list(map(_key_of, deepest_first)))
+        else:
+            by_pool: dict[str, list[bytes]] = {}
+            for block in deepest_first:
+                assert block.pool is not None
+                by_pool.setdefault(block.pool.name, []).append(block.key)
+            for name, keys in by_pool.items():
+                self._tenancy.pools[name].policy.access_many(keys)
+        if self._ttl is not None:
+            now, ttl = self._clock(), self._ttl
+            for block in deepest_first:
+                block.last_access = now
+                ttl.move_to_end(block.key)
+
+    def _count_lookup(self, tenant: str, n_tokens: int, hit: int, partial: int) -> None:
+        for stats in (self._stats, self._stats.tenant(tenant)):
+            stats.lookups += 1
+            stats.lookup_tokens += n_tokens
+            stats.hit_tokens += hit
+            stats.hit_requests += hit > 0
+        self._stats.partial_hit_tokens += partial
+
+    # ================================================================ storing
+
+    def _store(
+        self, lookup: Lookup, which: int, parent: Block, ends: list[int], ctx: CacheContext, public: bool
+    ) -> list[Block]:
+        """Store the blocks ending at ``ends`` under ``parent``, keyed by the lookup's
+        chain ``which``, as far as room allows; returns the blocks created."""
+        if not ends:
+            return []
+        owner = PUBLIC if public else ctx.tenant
+        pool = self._tenancy.pool_for(owner, public)
+        begin = parent.end
+        parent.pins += 1  # NOTE: the parent may be a leaf right now; it must survive the eviction below
+        try:
+            room = self._make_room(pool, ends[-1] - begin)
+        finally:
+            parent.pins -= 1
+        data, segs, root = lookup.data, lookup.segments, lookup.roots[which]
+        created: list[Block] = []
+        for key, end in zip(lookup.chains[which].many(ends), ends, strict=True):
+            if end - begin > room:
+                break
+            if key in self._tree.nodes:  # only a hash collision gets here: stop, never alias
+                self._stats.collisions += 1
+                break
+            extra = segs.enc_between(begin, end) if segs.starts else b""
+            block = Block(key, parent, data[4 * begin : 4 * end], root, owner, public, extra)
+            block.n_segments = parent.n_segments + segs.count_before(end) - segs.count_before(begin)
+            self._add(block, pool)
+            created.append(block)
+            room -= end - begin
+            parent, begin = block, end
+        self._stats.declined_tokens += ends[-1] - begin
+        if created:
+            self._stored(created, pool, ctx, public)
+        return created
+
+    def _stored(self, created: list[Block], pool: Pool, ctx: CacheContext, public: bool) -> None:
+        for block in reversed(created):
+            pool.policy.insert(block.key, block.num_tokens)
+        if self._ttl is not None:
+            now = self._clock()
+            for block in reversed(path_to(created[-1])):  # the new blocks and their ancestors
+                block.last_access = now
+                self._ttl[block.key] = block
+                self._ttl.move_to_end(block.key)
+        self._supersede_tails(created[0])
+        first_parent = created[0].parent
+        assert first_parent is not None
+        stored = created[-1].end - first_parent.end
+        self._stats.inserted_tokens += stored
+        self._stats.inserted_blocks += len(created)
+        parent_key = None if first_parent.is_root else first_parent.key
+        keys = tuple(b.key for b in created)
+        self._events.record(BlocksStored(keys, parent_key, stored, ctx.tenant, ctx.model, pool.name, public))
+
+    def _add(self, block: Block, pool: Pool) -> None:
+        block.pool = pool
+        self._tree.link(block)
+        n = block.num_tokens
+        pool.used += n
+        pool.blocks += 1
+        self._used += n
+
+    def _supersede_tails(self, block: Block) -> None:
+        """A partial tail is redundant once a sibling holds its tokens and more."""
+        parent = block.parent
+        if parent is None:
+            return
+        for sibling in list(parent.children.values()):
+            if (
+                sibling is not block
+                and sibling.num_tokens < block.num_tokens
+                and sibling.num_tokens < self.config.block_size
+                and sibling.owner == block.owner
+                and sibling.extra == block.extra[: len(sibling.extra)]
+                and block.tokens.startswith(sibling.tokens)
+                and sibling.pins == 0
+                and not sibling.children
+            ):
+                self._remove(sibling, RemovalReason.REPLACED)
+
+    def _make_room(self, pool: Pool, need: int) -> int:
+        """Evict until ``need`` tokens fit in ``pool`` and in the cache; returns how many
+        tokens fit at most (``need`` when all do). Stale and expired blocks go first."""
+        capacity = self.config.capacity
+        need = min(need, pool.quota, capacity)
+        while True:
+            free = min(pool.quota - pool.used, capacity - self._used)
+            if free >= need:
+                return need
+            if self._reclaim_one():
+                continue
+            victim = self._victim(pool, pool.used + need > pool.quota)
+            if victim is None:
+                return max(free, 0)
+            self._remove(victim, RemovalReason.EVICTED, in_policy=False)
+
+    def _evictable(self, key: Any) -> bool:
+        block = self._tree.nodes[key]
+        return block.pins == 0 and not block.children
+
+    def _victim(self, pool: Pool, own_quota_binds: bool) -> Block | None:
+        """The next block to evict: from ``pool`` when its own quota binds, otherwise
+        from a pool over its quota (a partitioned tenant never loses blocks to another
+        tenant's burst while it stays within its share)."""
+        candidates = [pool] if own_quota_binds else self._tenancy.over_quota() or [pool]
+        for candidate in candidates:
+            key = candidate.policy.victim(self._evictable)
+            if key is not None:
+                return self._tree.nodes[key]  # type: ignore[index]
+        return None
+
+    # ================================================================ removing
+
+    def _remove(self, block: Block, reason: RemovalReason, in_policy: bool = True) -> None:
+        pool = block.pool
+        assert pool is not None and block.pins == 0 and not block.children
+        self._tree.detach(block)
+        if in_policy and not block.doomed:
+            pool.policy.remove(block.key)
+        if self._ttl is not None:
+            self._ttl.pop(block.key, None)
+        n = block.num_tokens
+        pool.used -= n
+        pool.blocks -= 1
+        self._used -= n
+        block.pool = None
+        if reason is RemovalReason.EVICTED:
+            pool.evictions += 1
+            self._stats.evicted_tokens += n
+        counter = _REASON_COUNTER[reason]
+        setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+        self._events.record(BlocksRemoved((block.key,), n, reason, pool.name))
+
+    def _reclaim_one(self) -> bool:
+        """Free one stale or expired block, if any can be freed now."""
+        while self._stale:
+            for block in self._stale[0]:
+                if block.pool is not None and block.pins == 0 and not block.children:
+                    self._remove(block, RemovalReason.STALE)
+                    return True
+            self._stale.popleft()
+        if self._ttl:
+            ttl = self.config.ttl_seconds
+            assert ttl is not None
+            horizon = self._clock() - ttl
+            for block in self._ttl.values():
+                if block.last_access >= horizon:
+                    break
+                if block.pins == 0 and not block.children:
+                    self._remove(block, RemovalReason.EXPIRED)
+                    return True
+        return False
+
+    def _release(self, block: Block) -> None:
+        with self._lock:
+            block.pins -= 1
+            assert block.pins >= 0
+            while (
+                block.pins == 0
+                and block.pool is not None
+                and not block.children
+                and (block.doomed or block.root.stale)
+            ):
+                parent = block.parent
+                self._remove(block, RemovalReason.PURGED if block.doomed else RemovalReason.STALE)
+                if parent is None or parent.is_root:
+                    break
+                block = parent
+
+    def _purge_subtree(self, top: Block) -> int:
+        removed = 0
+        for block in list(postorder(top)):
+            if block.pool is None:
+                continue
+            removed += block.num_tokens
+            if block.pins == 0 and not block.children:
+                self._remove(block, RemovalReason.PURGED)
+            elif not block.doomed:
+                # NOTE: in use right now; make it unmatchable at once and free it on release
+                self._tree.unlink(block)
+                block.pool.policy.remove(block.key)
+                if self._ttl is not None:
+                    self._ttl.pop(block.key, None)
+                block.doomed = True
+        return removed
+
+    # ================================================================ promotion
+
+    def _promote(self, lookup: Lookup, ctx: CacheContext) -> bool:
+        """Copy the prefix of this request that has become public -- declared by an
+        operator, or sent by enough distinct tenants -- under the public root. Returns
+        whether any public block was created."""
+        bs = self.config.block_size
+        n_full = len(lookup.data) // 4 // bs
+        depth, tenants = self._declared_depth(lookup.data, ctx), 0
+        promo = self._tenancy.promotion
+        public = self._root(ctx, PUBLIC)
+        assert public is not None
+        if promo is not None:
+            first = max(1, -(-promo.min_tokens // bs))
+            ends = [bs * i for i in range(first, n_full + 1)]
+            keys = KeyChain(public[1], lookup.data, lookup.segments).many(ends)
+            for i, key in zip(range(first, n_full + 1), keys, strict=True):
+                node = self._tree.nodes.get(key)
+                if node is not None and node.public:
+                    depth = max(depth, i)
+                    continue
+                seen = self._tenancy.count(key, ctx.tenant)
+                if seen >= promo.min_tenants and i > depth:
+                    depth, tenants = i, seen
+        if depth == 0:
+            return False
+        chain = KeyChain(public[1], lookup.data, lookup.segments)
+        pub_lookup = Lookup(lookup.data, lookup.segments, [chain], [public[0]])
+        path = self._tree.walk(pub_lookup, depth, bs, _always)
+        if len(path) >= depth:
+            return False
+        parent = path[-1] if path else public[0]
+        ends = [bs * (i + 1) for i in range(len(path), depth)]
+        created = self._store(pub_lookup, 0, parent, ends, ctx, public=True)
+        for block in path_to(created[-1]) if created else ():
+            self._tenancy.forget(block.key)
+        if created:
+            self._stats.promoted_blocks += len(created)
+            stored = created[-1].end - parent.end
+            self._events.record(PrefixPromoted(tuple(b.key for b in created), stored, ctx.model, tenants))
+        return bool(created)
+
+    def _declared_depth(self, data: bytes, ctx: CacheContext) -> int:
+        if not self._declared:
+            return 0
+        name, bs, best = self._context_name(ctx), self.config.block_size, 0
+        for declared, declared_name in self._declared:
+            if declared_name == name:
+                best = max(best, common_tokens(declared, data) // bs)
+        return best

@@ -1,0 +1,140 @@
+"""Typed, validated configuration: one frozen dataclass per component.
+
+A bad value is a ``ValueError`` raised at construction that says which field is wrong
+and why, so that a misconfigured deployment fails at start, not on the first request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from prefixcache.hashing import get_hash
+from prefixcache.policies import POLICIES
+
+ISOLATION_MODES = ("shared", "namespace", "partitioned")
+DEFAULT_CAPACITY_TOKENS = 1 << 20
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class PromotionConfig:
+    """Hot-prefix promotion: a prefix sent by at least ``min_tenants`` distinct tenants,
+    and at least ``min_tokens`` long, moves to the shared pool where every tenant can
+    match it. Distinct tenants are counted, never hits, so that no tenant can promote
+    (and so reveal) a prefix by itself. ``max_candidates`` bounds the memory of the
+    counting table (least recently seen candidates are forgotten first)."""
+
+    min_tenants: int = 3
+    min_tokens: int = 256
+    max_candidates: int = 100_000
+
+    def __post_init__(self) -> None:
+        _check_int("promotion.min_tenants", self.min_tenants, 2)
+        _check_int("promotion.min_tokens", self.min_tokens, 1)
+        _check_int("promotion.max_candidates", self.max_candidates, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Configuration of a ``PrefixCache``.
+
+    Capacity is given either in tokens (``capacity_tokens``) or in bytes
+    (``capacity_bytes`` with ``bytes_per_token``); partitioned ``quotas`` and
+    ``shared_quota`` are in the same unit as the capacity.
+    """
+
+    block_size: int = 16
+    capacity_tokens: int | None = None
+    capacity_bytes: int | None = None
+    bytes_per_token: int | None = None
+    policy: str = "s3fifo"
+    isolation: str = "namespace"
+    partial_blocks: bool = False
+    hash: str = "xxh3_128"
+    seed: str = "prefixcache"
+    vocab_size: int | None = None
+    ttl_seconds: float | None = None
+    quotas: Mapping[str, int] = field(default_factory=dict)
+    shared_quota: int | None = None
+    promotion: PromotionConfig | None = None
+    events_capacity: int = 65_536
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1)
+        self._check_capacity()
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; valid: {', '.join(sorted(POLICIES))}")
+        if self.isolation not in ISOLATION_MODES:
+            raise ValueError(f"unknown isolation {self.isolation!r}; valid: {', '.join(ISOLATION_MODES)}")
+        get_hash(self.hash)
+        if not isinstance(self.seed, str) or not self.seed:
+            raise ValueError("seed must be a non-empty string (the same on every server that shares keys)")
+        if self.vocab_size is not None:
+            _check_int("vocab_size", self.vocab_size, 1)
+        if self.ttl_seconds is not None and not (
+            isinstance(self.ttl_seconds, int | float) and self.ttl_seconds > 0
+        ):
+            raise ValueError(f"ttl_seconds must be a positive number or None, got {self.ttl_seconds!r}")
+        _check_int("events_capacity", self.events_capacity, 0)
+        self._check_tenancy()
+
+    def _check_capacity(self) -> None:
+        if self.capacity_tokens is not None and self.capacity_bytes is not None:
+            raise ValueError("give capacity_tokens or capacity_bytes, not both")
+        if self.capacity_bytes is not None:
+            _check_int("capacity_bytes", self.capacity_bytes, 0)
+            if self.bytes_per_token is None:
+                raise ValueError("capacity_bytes needs bytes_per_token (the KV size of one token)")
+        elif self.capacity_tokens is not None:
+            _check_int("capacity_tokens", self.capacity_tokens, 0)
+        if self.bytes_per_token is not None:
+            _check_int("bytes_per_token", self.bytes_per_token, 1)
+
+    def _check_tenancy(self) -> None:
+        if not isinstance(self.quotas, Mapping):
+            raise ValueError("quotas must be a mapping of tenant -> quota")
+        object.__setattr__(self, "quotas", MappingProxyType(dict(self.quotas)))
+        partitioned = self.isolation == "partitioned"
+        if (self.quotas or self.shared_quota is not None) and not partitioned:
+            raise ValueError("quotas and shared_quota apply to isolation='partitioned' only")
+        for tenant, quota in self.quotas.items():
+            if not isinstance(tenant, str) or not tenant:
+                raise ValueError(f"quota tenant names must be non-empty strings, got {tenant!r}")
+            _check_int(f"quotas[{tenant!r}]", quota, 0)
+        if self.shared_quota is not None:
+            _check_int("shared_quota", self.shared_quota, 0)
+        total = sum(self.quotas.values()) + (self.shared_quota or 0)
+        if total > self.capacity_units:
+            raise ValueError(
+                f"partitioned quotas add up to {total}, above the capacity of {self.capacity_units}"
+            )
+        if self.promotion is not None and self.isolation == "shared":
+            raise ValueError(
+                "promotion applies to 'namespace' and 'partitioned' isolation (shared shares all)"
+            )
+
+    @property
+    def capacity_units(self) -> int:
+        """Capacity in the unit it was given in (bytes or tokens)."""
+        if self.capacity_bytes is not None:
+            return self.capacity_bytes
+        return self.capacity_tokens if self.capacity_tokens is not None else DEFAULT_CAPACITY_TOKENS
+
+    @property
+    def capacity(self) -> int:
+        """Capacity in tokens."""
+        return self.to_tokens(self.capacity_units)
+
+    def to_tokens(self, units: int) -> int:
+        """A capacity or quota in the configured unit, converted to tokens."""
+        if self.capacity_bytes is not None and self.bytes_per_token is not None:
+            return units // self.bytes_per_token
+        return units

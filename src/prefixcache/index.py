@@ -1,0 +1,283 @@
+"""The block tree: key -> block, each block with its parent, children and tokens.
+
+::
+
+    Root(ctx A, ns "")          Root(ctx A, ns "acme")        <- one sentinel per context root
+      |-- b0 [public] --- b1 [public] --- b2 [acme] --- b3 [acme]
+      |                              \\-- b2' [globex]
+      \\-- ...
+
+A block is the KV of ``block_size`` tokens (or fewer, for a partial tail) that extends
+its parent's prefix. Every block's key covers its context and its whole prefix (see
+``hashing``), but a hit is never taken on the key alone: ``find`` checks the tokens of
+the whole path, the path's context root and the namespace of the deepest block, so a
+hash collision is a counted miss, never a wrong answer (invariant 3).
+
+Prefix-closure makes binary search valid: a block is in the tree only while its parent
+is, so "the prefix of d blocks is cached" is monotone in d.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from operator import attrgetter
+from typing import TYPE_CHECKING
+
+from prefixcache.hashing import KeyChain, Segments
+
+if TYPE_CHECKING:
+    from prefixcache.tenancy import Pool
+
+_tokens_of = attrgetter("tokens")
+_extra_of = attrgetter("extra")
+
+
+class Block:
+    """A node of the tree. A context root is a ``Block`` too (a sentinel with no tokens
+    and no pool), so that every real block has a parent."""
+
+    __slots__ = (
+        "children",
+        "doomed",
+        "end",
+        "extra",
+        "key",
+        "last_access",
+        "n_segments",
+        "owner",
+        "parent",
+        "pins",
+        "pool",
+        "public",
+        "root",
+        "stale",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        key: bytes,
+        parent: Block | None,
+        tokens: bytes,
+        root: Block | None,
+        owner: str,
+        public: bool,
+        extra: bytes = b"",
+    ) -> None:
+        self.key = key
+        self.parent = parent
+        self.children: dict[bytes, Block] = {}
+        self.tokens = tokens  # little-endian uint32 token ids of this block only
+        self.extra = extra  # encoding of the segments that start in this block
+        self.root: Block = root if root is not None else self
+        self.owner = owner  # the tenant that stored it ("" for public blocks)
+        self.public = public
+        self.end: int = (parent.end if parent is not None else 0) + len(tokens) // 4
+        self.n_segments = 0  # segments starting in the prefix up to ``end``
+        self.pins = 0
+        self.pool: Pool | None = None  # None for a root sentinel and after removal
+        self.last_access = 0.0
+        self.stale = False  # on a root: its epoch was bumped
+        self.doomed = False  # purged while pinned: unlinked, freed on release
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // 4
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def __repr__(self) -> str:
+        return f"Block({self.key.hex()[:12]}, end={self.end}, owner={self.owner!r}, pins={self.pins})"
+
+
+def path_to(block: Block) -> list[Block]:
+    """The blocks from the root (excluded) down to ``block``, root-most first."""
+    path: list[Block] = []
+    append = path.append
+    node: Block | None = block
+    while node is not None and node.parent is not None:
+        append(node)
+        node = node.parent
+    path.reverse()
+    return path
+
+
+def postorder(top: Block) -> Iterator[Block]:
+    """Every block under ``top`` (and ``top`` itself unless it is a root), children
+    before parents: the only order in which a subtree can be removed without orphans."""
+    stack: list[tuple[Block, bool]] = [(top, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            if node.parent is not None:
+                yield node
+            continue
+        stack.append((node, True))
+        stack.extend((child, False) for child in list(node.children.values()))
+
+
+def common_tokens(a: bytes, b: bytes) -> int:
+    """Length, in tokens, of the longest common prefix of two token byte strings."""
+    n = min(len(a), len(b)) // 4
+    if a[: 4 * n] == b[: 4 * n]:
+        return n
+    lo, hi = 0, n - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[: 4 * mid] == b[: 4 * mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class Lookup:
+    """One request's view of the tree: the key chains it may match (its own namespace,
+    then the public one), in order of preference, and the roots they belong to."""
+
+    __slots__ = ("chains", "data", "roots", "segments", "visible")
+
+    def __init__(self, data: bytes, segments: Segments, chains: Sequence[KeyChain], roots: Sequence[Block]):
+        self.data = data
+        self.segments = segments
+        self.chains = chains
+        self.roots = roots
+        self.visible = frozenset(id(r) for r in roots)
+
+    def can_see(self, block: Block) -> bool:
+        return id(block.root) in self.visible
+
+
+class BlockTree:
+    """Key -> block, plus the search that turns a prompt into its longest cached path."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[bytes, Block] = {}
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def link(self, block: Block) -> None:
+        """Make ``block`` findable and attach it under its parent."""
+        assert block.parent is not None
+        self.nodes[block.key] = block
+        block.parent.children[block.key] = block
+
+    def unlink(self, block: Block) -> None:
+        """Make ``block`` unfindable (idempotent); it stays attached to its parent."""
+        if self.nodes.get(block.key) is block:
+            del self.nodes[block.key]
+
+    def detach(self, block: Block) -> None:
+        """Take a childless block out of the tree for good."""
+        assert not block.children, "detaching a block with children would orphan them"
+        self.unlink(block)
+        parent = block.parent
+        if parent is not None and parent.children.get(block.key) is block:
+            del parent.children[block.key]
+
+    # ----------------------------------------------------------------- search
+
+    def probe(self, lookup: Lookup, end: int, alive: Callable[[Block], bool]) -> Block | None:
+        get = self.nodes.get
+        for chain in lookup.chains:
+            node = get(chain.at(end))
+            if node is not None and alive(node):
+                return node
+        return None
+
+    def deepest(
+        self, lookup: Lookup, n_blocks: int, block_size: int, alive: Callable[[Block], bool]
+    ) -> Block | None:
+        """Binary search for the deepest cached full block, by key alone (unverified)."""
+        lo, hi, best = 0, n_blocks, None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            node = self.probe(lookup, mid * block_size, alive)
+            if node is not None:
+                lo, best = mid, node
+            else:
+                hi = mid - 1
+        return best
+
+    def verify(self, lookup: Lookup, path: list[Block]) -> bool:
+        """Does this path really hold the request's tokens and segments, under a root and
+        in a namespace the request may see?"""
+        if not path:
+            return True
+        deepest = path[-1]
+        if not lookup.can_see(deepest) or id(path[0].parent) not in lookup.visible:
+            return False
+        end = deepest.end
+        if b"".join(map(_tokens_of, path)) != lookup.data[: 4 * end]:
+            return False
+        segs = lookup.segments
+        count = segs.count_before(end) if segs.starts else 0
+        if deepest.n_segments != count:
+            return False
+        return count == 0 or b"".join(map(_extra_of, path)) == segs.prefix_enc[count]
+
+    def walk(
+        self, lookup: Lookup, n_blocks: int, block_size: int, alive: Callable[[Block], bool]
+    ) -> list[Block]:
+        """The slow, block-by-block verified walk, used after ``verify`` rejected the
+        fast path (a hash collision): it stops at the first block that is missing or
+        whose parent, tokens, segments or namespace do not match."""
+        path: list[Block] = []
+        parents = {id(r): r for r in lookup.roots}
+        ends = [block_size * (i + 1) for i in range(n_blocks)]
+        per_chain = [chain.many(ends) for chain in lookup.chains]
+        data, segs = lookup.data, lookup.segments
+        for i, end in enumerate(ends):
+            chunk = data[4 * (end - block_size) : 4 * end]
+            extra = segs.enc_between(end - block_size, end)
+            found = None
+            for keys in per_chain:
+                node = self.nodes.get(keys[i])
+                if (
+                    node is not None
+                    and alive(node)
+                    and lookup.can_see(node)
+                    and id(node.parent) in parents
+                    and node.tokens == chunk
+                    and node.extra == extra
+                ):
+                    found = node
+                    break
+            if found is None:
+                break
+            path.append(found)
+            parents = {id(found): found}
+        return path
+
+    @staticmethod
+    def partial(
+        lookup: Lookup,
+        parents: Sequence[Block],
+        begin: int,
+        block_size: int,
+        alive: Callable[[Block], bool],
+    ) -> tuple[Block | None, int]:
+        """The child of ``parents`` sharing the longest token prefix with the request's
+        block at ``begin`` (token-granular reuse, like SGLang's radix tree). Only blocks
+        the request may see and whose segments agree are candidates."""
+        data = lookup.data
+        want = data[4 * begin : 4 * min(begin + block_size, len(data) // 4)]
+        if not want:
+            return None, 0
+        segs = lookup.segments
+        extra = segs.enc_between(begin, begin + block_size) if segs.starts else b""
+        best, best_len = None, 0
+        first = want[:4]
+        for parent in parents:
+            for child in parent.children.values():
+                if child.tokens[:4] != first or child.extra != extra:
+                    continue
+                if not (lookup.can_see(child) and alive(child)):
+                    continue
+                n = common_tokens(child.tokens, want)
+                if n > best_len:
+                    best, best_len = child, n
+        return best, best_len
