@@ -47,7 +47,19 @@ from prefixcache.hashing import (
     root_encoding,
     token_bytes,
 )
-from prefixcache.index import Block, BlockTree, Lookup, common_tokens, path_to, postorder
+from prefixcache.index import (
+    Block,
+    BlockTree,
+    Lookup,
+    Run,
+    RunSpan,
+    blocks_of,
+    common_tokens,
+    keys_of,
+    path_to,
+    postorder,
+    runs_to,
+)
 from prefixcache.tenancy import GLOBAL, PUBLIC, Pool, Tenancy
 
 Tokens = Sequence[int] | np.ndarray
@@ -201,18 +213,19 @@ class PrefixCache:
         with self._lock:
             lookup = self._lookup(tokens, ctx, segments)
             alive = self._alive()
-            path = self._find(lookup, alive)
+            deepest, spans = self._find(lookup, alive)
             bs = self.config.block_size
             n_tokens = len(lookup.data) // 4
+            n_blocks = deepest.end // bs if deepest is not None else 0
             partial, partial_len = None, 0
-            if self.config.partial_blocks and len(path) * bs < n_tokens:
-                parents = [path[-1]] if path else list(lookup.roots)
-                partial, partial_len = self._tree.partial(lookup, parents, len(path) * bs, bs, alive)
-            pinned = partial if partial is not None else (path[-1] if path else None)
+            if self.config.partial_blocks and n_blocks * bs < n_tokens:
+                parents = [deepest] if deepest is not None else list(lookup.roots)
+                partial, partial_len = self._tree.partial(lookup, parents, n_blocks * bs, bs, alive)
+            pinned = partial if partial is not None else deepest
             if pinned is not None:
                 pinned.pins += 1
-                self._touch([*path, partial] if partial is not None else path)
-            result = Match(self, pinned, len(path), partial_len, ctx.tenant)
+                self._touch(spans, partial)
+            result = Match(self, pinned, n_blocks, partial_len, ctx.tenant)
             self._count_lookup(ctx.tenant, n_tokens, result.cached_tokens, partial_len)
             return result
 
@@ -227,12 +240,12 @@ class PrefixCache:
                 return 0
             if (self._tenancy.promotion is not None or self._declared) and self._promote(lookup, ctx):
                 lookup = self._lookup(tokens, ctx, segments)
-            path = self._find(lookup, _always)  # an expired block is revived, not duplicated
+            deepest, _ = self._find(lookup, _always)  # an expired block is revived, not duplicated
+            parent = deepest if deepest is not None else lookup.roots[0]
             bs = self.config.block_size
-            ends = list(range(bs * (len(path) + 1), n_tokens + 1, bs))
+            ends = list(range(parent.end + bs, n_tokens + 1, bs))
             if self.config.partial_blocks and n_tokens % bs:
                 ends.append(n_tokens)
-            parent = path[-1] if path else lookup.roots[0]
             created = self._store(lookup, 0, parent, ends, ctx, public=False)
             stored = created[-1].end - parent.end if created else 0
             self._stats.tenant(ctx.tenant).inserted_tokens += stored
@@ -284,7 +297,7 @@ class PrefixCache:
                 parents = []
                 for chain in lookup.chains:
                     node = self._tree.nodes.get(chain.at(n_full * bs))
-                    if node is not None and self._tree.verify(lookup, path_to(node)):
+                    if node is not None and self._tree.verify(lookup, runs_to(node)):
                         parents.append(node)
             tops = (
                 parents
@@ -395,30 +408,39 @@ class PrefixCache:
         horizon = self._clock() - ttl
         return lambda block: block.last_access >= horizon
 
-    def _find(self, lookup: Lookup, alive: Callable[[Block], bool]) -> list[Block]:
-        """The longest verified cached path of full blocks for this lookup."""
+    def _find(self, lookup: Lookup, alive: Callable[[Block], bool]) -> tuple[Block | None, list[RunSpan]]:
+        """The deepest verified cached full block for this lookup, and its path."""
         bs = self.config.block_size
         n_full = len(lookup.data) // 4 // bs
-        best = self._tree.deepest(lookup, n_full, bs, alive)
-        path = path_to(best) if best is not None else []
-        if self._tree.verify(lookup, path):
-            return path
+        deepest = self._tree.deepest(lookup, n_full, bs, alive)
+        spans = runs_to(deepest)
+        if self._tree.verify(lookup, spans):
+            return deepest, spans
         self._stats.collisions += 1
-        return self._tree.walk(lookup, n_full, bs, alive)
+        path = self._tree.walk(lookup, n_full, bs, alive)
+        deepest = path[-1] if path else None
+        return deepest, runs_to(deepest)
 
-    def _touch(self, blocks: list[Block]) -> None:
+    def _touch(self, spans: list[RunSpan], partial: Block | None) -> None:
         """Tell the policies (and the TTL clock) about a hit, deepest block first so
         that every ancestor ends up at least as recent as its descendants."""
-        deepest_first = blocks[::-1]
+        keys = keys_of(spans)
+        if partial is not None:
+            keys.insert(0, partial.key)
         if not self._tenancy.partitioned:
-            self._tenancy.pools[GLOBAL].policy.access_many(list(map(_key_of, deepest_first)))
-        else:
+            self._tenancy.pools[GLOBAL].policy.access_many(keys)
+        if not self._tenancy.partitioned and self._ttl is None:
+            return
+        deepest_first = blocks_of(spans)[::-1]
+        if partial is not None:
+            deepest_first.insert(0, partial)
+        if self._tenancy.partitioned:
             by_pool: dict[str, list[bytes]] = {}
             for block in deepest_first:
                 assert block.pool is not None
                 by_pool.setdefault(block.pool.name, []).append(block.key)
-            for name, keys in by_pool.items():
-                self._tenancy.pools[name].policy.access_many(keys)
+            for name, pool_keys in by_pool.items():
+                self._tenancy.pools[name].policy.access_many(pool_keys)
         if self._ttl is not None:
             now, ttl = self._clock(), self._ttl
             for block in deepest_first:
@@ -467,6 +489,9 @@ class PrefixCache:
             parent, begin = block, end
         self._stats.declined_tokens += ends[-1] - begin
         if created:
+            first = created[0].parent
+            assert first is not None
+            Run(first, created, data[4 * first.end : 4 * begin])
             self._stored(created, pool, ctx, public)
         return created
 
@@ -552,6 +577,8 @@ class PrefixCache:
         pool = block.pool
         assert pool is not None and block.pins == 0 and not block.children
         self._tree.detach(block)
+        if block.run is not None:
+            block.run.truncate(block.run_index)
         if in_policy and not block.doomed:
             pool.policy.remove(block.key)
         if self._ttl is not None:

@@ -28,7 +28,6 @@ from prefixcache.hashing import KeyChain, Segments
 if TYPE_CHECKING:
     from prefixcache.tenancy import Pool
 
-_tokens_of = attrgetter("tokens")
 _extra_of = attrgetter("extra")
 
 
@@ -50,6 +49,8 @@ class Block:
         "pool",
         "public",
         "root",
+        "run",
+        "run_index",
         "stale",
         "tokens",
     )
@@ -79,6 +80,8 @@ class Block:
         self.last_access = 0.0
         self.stale = False  # on a root: its epoch was bumped
         self.doomed = False  # purged while pinned: unlinked, freed on release
+        self.run: Run | None = None  # the chain stored with it (None on a root)
+        self.run_index = 0
 
     @property
     def num_tokens(self) -> int:
@@ -92,16 +95,67 @@ class Block:
         return f"Block({self.key.hex()[:12]}, end={self.end}, owner={self.owner!r}, pins={self.pins})"
 
 
+class Run:
+    """The chain of blocks one ``insert`` stored under one parent, with their tokens
+    and keys side by side.
+
+    NOTE: a path from a root enters a run only through its first block, and blocks
+    leave a run only from its end (children before parents), so the part of a run on
+    any path is a prefix of it. Verifying, listing and touching a path therefore
+    costs one comparison and one list slice per run, not a Python step per block:
+    this is what keeps ``match`` of a 4,096-token prompt in tens of microseconds.
+    """
+
+    __slots__ = ("begin", "blocks", "keys", "parent", "src")
+
+    def __init__(self, parent: Block, blocks: list[Block], src: bytes) -> None:
+        self.parent = parent
+        self.begin = parent.end  # token offset of the run's first block
+        self.blocks = blocks
+        self.keys = [b.key for b in blocks]
+        self.src = src  # tokens of all its blocks, little-endian uint32
+        for i, block in enumerate(blocks):
+            block.run, block.run_index = self, i
+
+    def truncate(self, index: int) -> None:
+        """Blocks from ``index`` on have left the tree."""
+        del self.blocks[index:]
+        del self.keys[index:]
+        self.src = self.src[: 4 * (self.blocks[-1].end - self.begin)] if self.blocks else b""
+
+
+RunSpan = tuple[Run, int]  # a run and how many of its leading blocks are on a path
+
+
+def runs_to(block: Block | None) -> list[RunSpan]:
+    """The runs of the path from the root down to ``block``, deepest first."""
+    spans: list[RunSpan] = []
+    while block is not None and block.run is not None:
+        run = block.run
+        spans.append((run, block.run_index + 1))
+        block = run.parent
+    return spans
+
+
+def blocks_of(spans: list[RunSpan]) -> list[Block]:
+    """The blocks of a path, root-most first."""
+    path: list[Block] = []
+    for run, n in reversed(spans):
+        path.extend(run.blocks[:n])
+    return path
+
+
+def keys_of(spans: list[RunSpan]) -> list[bytes]:
+    """The keys of a path, deepest first."""
+    keys: list[bytes] = []
+    for run, n in spans:
+        keys.extend(reversed(run.keys[:n]))
+    return keys
+
+
 def path_to(block: Block) -> list[Block]:
     """The blocks from the root (excluded) down to ``block``, root-most first."""
-    path: list[Block] = []
-    append = path.append
-    node: Block | None = block
-    while node is not None and node.parent is not None:
-        append(node)
-        node = node.parent
-    path.reverse()
-    return path
+    return blocks_of(runs_to(block))
 
 
 def postorder(top: Block) -> Iterator[Block]:
@@ -202,22 +256,28 @@ class BlockTree:
                 hi = mid - 1
         return best
 
-    def verify(self, lookup: Lookup, path: list[Block]) -> bool:
+    def verify(self, lookup: Lookup, spans: list[RunSpan]) -> bool:
         """Does this path really hold the request's tokens and segments, under a root and
         in a namespace the request may see?"""
-        if not path:
+        if not spans:
             return True
-        deepest = path[-1]
-        if not lookup.can_see(deepest) or id(path[0].parent) not in lookup.visible:
+        last_run, n = spans[0]
+        deepest = last_run.blocks[n - 1]
+        if not lookup.can_see(deepest) or id(spans[-1][0].parent) not in lookup.visible:
             return False
+        data = lookup.data
+        for run, n in spans:
+            src = run.src if n == len(run.blocks) else run.src[: 4 * (run.blocks[n - 1].end - run.begin)]
+            if not data.startswith(src, 4 * run.begin):
+                return False
         end = deepest.end
-        if b"".join(map(_tokens_of, path)) != lookup.data[: 4 * end]:
+        if len(data) < 4 * end:
             return False
         segs = lookup.segments
         count = segs.count_before(end) if segs.starts else 0
         if deepest.n_segments != count:
             return False
-        return count == 0 or b"".join(map(_extra_of, path)) == segs.prefix_enc[count]
+        return count == 0 or b"".join(map(_extra_of, blocks_of(spans))) == segs.prefix_enc[count]
 
     def walk(
         self, lookup: Lookup, n_blocks: int, block_size: int, alive: Callable[[Block], bool]
