@@ -277,13 +277,11 @@ class PrefixCache:
             tops = [
                 b
                 for b in self._tree.nodes.values()
-                if b.owner == tenant and (b.parent is None or b.parent.owner != tenant)
+                if b.owner == tenant and (b.parent is None or b.parent.is_root or b.parent.owner != tenant)
             ]
             return sum(self._purge_subtree(b) for b in tops)
 
-    def purge_prefix(
-        self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None
-    ) -> int:
+    def purge_prefix(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None) -> int:
         """Remove every cached sequence that ``ctx`` can see and that starts with
         ``tokens``: the block holding its end and everything below it."""
         with self._lock:
@@ -477,11 +475,16 @@ class PrefixCache:
         for key, end in zip(lookup.chains[which].many(ends), ends, strict=True):
             if end - begin > room:
                 break
-            if key in self._tree.nodes:  # only a hash collision gets here: stop, never alias
-                self._stats.collisions += 1
-                break
             extra = segs.enc_between(begin, end) if segs.starts else b""
-            block = Block(key, parent, data[4 * begin : 4 * end], root, owner, public, extra)
+            tokens = data[4 * begin : 4 * end]
+            existing = self._tree.nodes.get(key)
+            if existing is not None:
+                if existing.parent is parent and existing.tokens == tokens and existing.extra == extra:
+                    parent, begin = existing, end  # already cached (a partial tail the search skips)
+                    continue
+                self._stats.collisions += 1  # a hash collision: stop, never alias
+                break
+            block = Block(key, parent, tokens, root, owner, public, extra)
             block.n_segments = parent.n_segments + segs.count_before(end) - segs.count_before(begin)
             self._add(block, pool)
             created.append(block)
@@ -620,10 +623,7 @@ class PrefixCache:
             block.pins -= 1
             assert block.pins >= 0
             while (
-                block.pins == 0
-                and block.pool is not None
-                and not block.children
-                and (block.doomed or block.root.stale)
+                block.pins == 0 and block.pool is not None and not block.children and (block.doomed or block.root.stale)
             ):
                 parent = block.parent
                 self._remove(block, RemovalReason.PURGED if block.doomed else RemovalReason.STALE)

@@ -79,9 +79,7 @@ class CacheConfig:
             raise ValueError("seed must be a non-empty string (the same on every server that shares keys)")
         if self.vocab_size is not None:
             _check_int("vocab_size", self.vocab_size, 1)
-        if self.ttl_seconds is not None and not (
-            isinstance(self.ttl_seconds, int | float) and self.ttl_seconds > 0
-        ):
+        if self.ttl_seconds is not None and not (isinstance(self.ttl_seconds, int | float) and self.ttl_seconds > 0):
             raise ValueError(f"ttl_seconds must be a positive number or None, got {self.ttl_seconds!r}")
         _check_int("events_capacity", self.events_capacity, 0)
         self._check_tenancy()
@@ -113,13 +111,9 @@ class CacheConfig:
             _check_int("shared_quota", self.shared_quota, 0)
         total = sum(self.quotas.values()) + (self.shared_quota or 0)
         if total > self.capacity_units:
-            raise ValueError(
-                f"partitioned quotas add up to {total}, above the capacity of {self.capacity_units}"
-            )
+            raise ValueError(f"partitioned quotas add up to {total}, above the capacity of {self.capacity_units}")
         if self.promotion is not None and self.isolation == "shared":
-            raise ValueError(
-                "promotion applies to 'namespace' and 'partitioned' isolation (shared shares all)"
-            )
+            raise ValueError("promotion applies to 'namespace' and 'partitioned' isolation (shared shares all)")
 
     @property
     def capacity_units(self) -> int:

@@ -101,8 +101,7 @@ def encode(value: Any) -> bytes:
     if isinstance(value, tuple | list):
         return b"T" + _U64.pack(len(value)) + b"".join(encode(v) for v in value)
     raise TypeError(
-        f"cannot use a {type(value).__name__} in a cache key; "
-        "use None, bool, int, str, bytes, float or tuples of them"
+        f"cannot use a {type(value).__name__} in a cache key; use None, bool, int, str, bytes, float or tuples of them"
     )
 
 
@@ -183,9 +182,7 @@ class Segments:
             if not isinstance(seg, Segment):
                 raise TypeError(f"segments must be Segment objects, got {type(seg).__name__}")
             if seg.end > num_tokens:
-                raise ValueError(
-                    f"segment [{seg.start}, {seg.end}) runs past the prompt ({num_tokens} tokens)"
-                )
+                raise ValueError(f"segment [{seg.start}, {seg.end}) runs past the prompt ({num_tokens} tokens)")
             encs.append(encs[-1] + encode((seg.start, seg.end, seg.key)))
         return Segments(tuple(s.start for s in ordered), tuple(encs))
 

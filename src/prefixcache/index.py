@@ -242,9 +242,7 @@ class BlockTree:
                 return node
         return None
 
-    def deepest(
-        self, lookup: Lookup, n_blocks: int, block_size: int, alive: Callable[[Block], bool]
-    ) -> Block | None:
+    def deepest(self, lookup: Lookup, n_blocks: int, block_size: int, alive: Callable[[Block], bool]) -> Block | None:
         """Binary search for the deepest cached full block, by key alone (unverified)."""
         lo, hi, best = 0, n_blocks, None
         while lo < hi:
@@ -279,9 +277,7 @@ class BlockTree:
             return False
         return count == 0 or b"".join(map(_extra_of, blocks_of(spans))) == segs.prefix_enc[count]
 
-    def walk(
-        self, lookup: Lookup, n_blocks: int, block_size: int, alive: Callable[[Block], bool]
-    ) -> list[Block]:
+    def walk(self, lookup: Lookup, n_blocks: int, block_size: int, alive: Callable[[Block], bool]) -> list[Block]:
         """The slow, block-by-block verified walk, used after ``verify`` rejected the
         fast path (a hash collision): it stops at the first block that is missing or
         whose parent, tokens, segments or namespace do not match."""

@@ -77,9 +77,7 @@ class Tenancy:
 
     @property
     def has_public_pool(self) -> bool:
-        return self.partitioned and (
-            self.config.promotion is not None or self.config.shared_quota is not None
-        )
+        return self.partitioned and (self.config.promotion is not None or self.config.shared_quota is not None)
 
     def namespace(self, tenant: str) -> str:
         return PUBLIC if self.mode == "shared" else tenant

@@ -116,9 +116,7 @@ class S3FIFOPolicy(EvictionPolicy):
         if ghost_size is not None:
             self._ghost_used -= ghost_size
             self._to_main(key, size)
-        elif size > self._small_cap or (
-            not self._has_evicted and self._small_used >= self._small_cap
-        ):
+        elif size > self._small_cap or (not self._has_evicted and self._small_used >= self._small_cap):
             self._to_main(key, size)
         else:
             self._small[key] = size

@@ -1,0 +1,38 @@
+# The two commands of the quick start: `make serve` and `make test`.
+# Both create .venv on first use and reuse it afterwards.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-test
+
+.PHONY: test serve lint bench setup clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Reinstall when the dependencies change.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+setup: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest
+
+# Until the OpenAI-compatible server lands, `make serve` runs the built-in demo.
+serve: $(STAMP)
+	$(BIN)/prefixcache demo
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_match.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

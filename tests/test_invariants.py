@@ -1,0 +1,260 @@
+"""Random sequences of match / insert / release / bump_epoch / purge / purge_prefix /
+clock steps, checked after every step against a reference model and the invariants
+of design.md: no orphans, pinned never evicted, capacity never exceeded, stale never
+matched, namespaces never crossed, accounting exact, and (when nothing can be
+evicted) every cached prefix found."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from prefixcache import CacheConfig, CacheContext, Match, PrefixCache
+from prefixcache.index import path_to
+from prefixcache.tenancy import PUBLIC
+
+TENANTS = ("a", "b", "c")
+MODELS = ("m1", "m2")
+ADAPTERS = (None, "lora")
+BS = 4
+
+# Prompts are built from a few shared pieces, so that they share prefixes often.
+PIECES = [list(range(10 * i, 10 * i + n)) for i, n in enumerate((3, 4, 5, 8, 9, 2))]
+prompts = st.lists(st.sampled_from(range(len(PIECES))), min_size=0, max_size=5).map(
+    lambda idx: [tok for i in idx for tok in PIECES[i]]
+)
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Reference:
+    """What may be served: for each (namespace, model, adapter, epochs) the sequences
+    inserted and not purged, with the time each prefix was last used."""
+
+    seqs: dict[tuple[object, ...], dict[tuple[int, ...], float]] = field(default_factory=dict)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.held: list[tuple[Match, str]] = []
+        self.ref = Reference()
+        self.epochs: dict[tuple[str, str | None], int] = {}
+
+    @initialize(
+        isolation=st.sampled_from(["shared", "namespace", "partitioned"]),
+        policy=st.sampled_from(["lru", "fifo", "s3fifo", "sieve", "lfu"]),
+        partial=st.booleans(),
+        capacity_blocks=st.sampled_from([3, 8, 40, 10_000]),
+        ttl=st.sampled_from([None, 5.0]),
+    )
+    def setup(self, isolation: str, policy: str, partial: bool, capacity_blocks: int, ttl: float | None) -> None:
+        self.config = CacheConfig(
+            block_size=BS,
+            capacity_tokens=capacity_blocks * BS,
+            policy=policy,
+            isolation=isolation,
+            partial_blocks=partial,
+            ttl_seconds=ttl,
+        )
+        self.cache = PrefixCache(self.config, clock=self.clock)
+        # Completeness is only owed when nothing can ever be evicted or expire.
+        self.roomy = capacity_blocks == 10_000 and ttl is None
+
+    # ------------------------------------------------------------ reference
+
+    def namespace(self, tenant: str) -> str:
+        return PUBLIC if self.config.isolation == "shared" else tenant
+
+    def ref_key(self, tenant: str, model: str, adapter: str | None) -> tuple[object, ...]:
+        epochs = (self.epochs.get((model, None), 0), self.epochs.get((model, adapter), 0) if adapter else 0)
+        return (self.namespace(tenant), model, adapter, epochs)
+
+    def best_reference(self, prompt: list[int], key: tuple[object, ...]) -> int:
+        """The longest prefix of ``prompt`` that the cache may hold for ``key``, at the
+        granularity it stores."""
+        best = 0
+        for seq in self.ref.seqs.get(key, {}):
+            n = lcp(prompt, list(seq))
+            if not self.config.partial_blocks:
+                n = n // BS * BS
+            best = max(best, n)
+        return best
+
+    # ------------------------------------------------------------ rules
+
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        model=st.sampled_from(MODELS),
+        adapter=st.sampled_from(ADAPTERS),
+        prompt=prompts,
+        keep=st.booleans(),
+    )
+    def match(self, tenant: str, model: str, adapter: str | None, prompt: list[int], keep: bool) -> None:
+        ctx = CacheContext(tenant=tenant, model=model, adapter=adapter)
+        m = self.cache.match(prompt, ctx)
+        allowed = self.best_reference(prompt, self.ref_key(tenant, model, adapter))
+        # Soundness: never more than what was inserted, in this namespace and epoch.
+        assert m.cached_tokens <= allowed, (m.cached_tokens, allowed)
+        if self.roomy:
+            assert m.cached_tokens == allowed, (m.cached_tokens, allowed)
+        assert m.cached_tokens == m.num_blocks * BS + m.partial_tokens
+        assert m.partial_tokens < BS or not self.config.partial_blocks
+        if m._block is not None:
+            blocks = path_to(m._block)
+            assert len(blocks) == m.num_blocks + (1 if m.partial_tokens else 0)
+            # Namespaces never crossed, and the blocks hold exactly the prompt's tokens.
+            ns = self.namespace(tenant)
+            assert all(b.root.owner == ns for b in blocks)
+            matched = b"".join(b.tokens for b in blocks)
+            stored = [int.from_bytes(matched[i : i + 4], "little") for i in range(0, len(matched), 4)]
+            assert stored[: m.cached_tokens] == prompt[: m.cached_tokens]
+        if keep and m._block is not None:
+            self.held.append((m, tenant))
+        else:
+            m.release()
+
+    @precondition(lambda self: self.held)
+    @rule(i=st.integers(min_value=0))
+    def release(self, i: int) -> None:
+        m, _ = self.held.pop(i % len(self.held))
+        m.release()
+
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        model=st.sampled_from(MODELS),
+        adapter=st.sampled_from(ADAPTERS),
+        prompt=prompts,
+    )
+    def insert(self, tenant: str, model: str, adapter: str | None, prompt: list[int]) -> None:
+        ctx = CacheContext(tenant=tenant, model=model, adapter=adapter)
+        used_before = self.cache.used_tokens
+        stored = self.cache.insert(prompt, ctx)
+        assert 0 <= stored <= len(prompt)
+        assert stored == 0 or self.cache.used_tokens <= used_before + stored
+        self.ref.seqs.setdefault(self.ref_key(tenant, model, adapter), {})[tuple(prompt)] = self.clock.now
+
+    @rule(model=st.sampled_from(MODELS), adapter=st.sampled_from(ADAPTERS))
+    def bump(self, model: str, adapter: str | None) -> None:
+        self.cache.bump_epoch(model, adapter)
+        self.epochs[(model, adapter)] = self.epochs.get((model, adapter), 0) + 1
+
+    @rule(tenant=st.sampled_from(TENANTS))
+    def purge(self, tenant: str) -> None:
+        self.cache.purge(tenant)
+        if self.config.isolation == "shared":
+            # Who owns a shared block depends on who stored it first and on evictions:
+            # what remains is still a subset of what was inserted, but no longer all of it.
+            self.roomy = False
+        else:
+            for key in [k for k in self.ref.seqs if k[0] == tenant]:
+                del self.ref.seqs[key]
+
+    @rule(tenant=st.sampled_from(TENANTS), model=st.sampled_from(MODELS), prompt=prompts)
+    def purge_prefix(self, tenant: str, model: str, prompt: list[int]) -> None:
+        if not prompt:
+            return
+        ctx = CacheContext(tenant=tenant, model=model)
+        self.cache.purge_prefix(prompt, ctx)
+        seqs = self.ref.seqs.get(self.ref_key(tenant, model, None), {})
+        # Every sequence starting with the prefix loses the block holding the prefix's
+        # end and all below it; what lies before that block stays.
+        cut = (len(prompt) - 1) // BS * BS
+        for seq in [s for s in seqs if list(s[: len(prompt)]) == prompt]:
+            stamp = seqs.pop(seq)
+            if cut:
+                seqs[seq[:cut]] = max(stamp, seqs.get(seq[:cut], stamp))
+
+    @rule(dt=st.sampled_from([1.0, 3.0, 10.0]))
+    def tick(self, dt: float) -> None:
+        self.clock.now += dt
+        if self.config.ttl_seconds is not None:
+            horizon = self.clock.now - self.config.ttl_seconds
+            for seqs in self.ref.seqs.values():
+                for seq in [s for s, t in seqs.items() if t < horizon]:
+                    del seqs[seq]
+
+    @rule()
+    def reclaim(self) -> None:
+        self.cache.reclaim()
+
+    # ------------------------------------------------------------ invariants
+
+    @invariant()
+    def structure(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        cache = self.cache
+        nodes = cache._tree.nodes
+        live: set[int] = set()
+        for key, block in nodes.items():
+            assert block.key == key and block.pool is not None and not block.doomed
+            live.add(id(block))
+        used_by_pool: dict[str, int] = {}
+        seen: set[int] = set()
+
+        def visit(block_children: dict[bytes, object]) -> None:
+            for child in block_children.values():
+                assert child.pool is not None  # type: ignore[attr-defined]
+                seen.add(id(child))
+                name = child.pool.name  # type: ignore[attr-defined]
+                used_by_pool[name] = used_by_pool.get(name, 0) + child.num_tokens  # type: ignore[attr-defined]
+                visit(child.children)  # type: ignore[attr-defined]
+
+        roots = {id(r): r for r, _ in cache._roots.values()}
+        for block in nodes.values():
+            top = block
+            while top.parent is not None:
+                # No orphans: every ancestor of a findable block is still in the tree.
+                assert top.pool is not None
+                assert top.parent.children.get(top.key) is top or top.doomed
+                top = top.parent
+            roots[id(top)] = top
+        for root in roots.values():
+            visit(root.children)
+        assert live <= seen
+        # Accounting: pools add up to what the tree holds; capacity never exceeded.
+        total = 0
+        for name, pool in cache._tenancy.pools.items():
+            assert pool.used == used_by_pool.get(name, 0), (name, pool.used, used_by_pool)
+            total += pool.used
+            linked = [b for b in nodes.values() if b.pool is pool]
+            assert len(pool.policy) == len(linked)
+        assert cache.used_tokens == total <= self.config.capacity
+        # With a real 128-bit hash no verification ever fails.
+        assert cache.stats()["collisions"] == 0
+
+    @invariant()
+    def pinned_never_evicted(self) -> None:
+        for m, _ in self.held:
+            assert m._block is not None and m._block.pool is not None
+            assert m._block.pins >= 1
+
+
+CacheMachine.TestCase.settings = settings(
+    max_examples=300,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestCacheInvariants = CacheMachine.TestCase
