@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from prefixcache import CacheConfig, CacheContext, Match, PrefixCache
+from prefixcache import CacheConfig, CacheContext, Match, PrefixCache, PromotionConfig
 from prefixcache.index import path_to
 from prefixcache.tenancy import PUBLIC
 
@@ -51,6 +51,8 @@ class Reference:
     inserted and not purged, with the time each prefix was last used."""
 
     seqs: dict[tuple[object, ...], dict[tuple[int, ...], float]] = field(default_factory=dict)
+    # Promotion: distinct tenants per (context, block-aligned prefix), and the public prefixes.
+    senders: dict[tuple[object, ...], set[str]] = field(default_factory=dict)
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -67,9 +69,14 @@ class CacheMachine(RuleBasedStateMachine):
         partial=st.booleans(),
         capacity_blocks=st.sampled_from([3, 8, 40, 10_000]),
         ttl=st.sampled_from([None, 5.0]),
+        promote=st.booleans(),
     )
-    def setup(self, isolation: str, policy: str, partial: bool, capacity_blocks: int, ttl: float | None) -> None:
+    def setup(
+        self, isolation: str, policy: str, partial: bool, capacity_blocks: int, ttl: float | None, promote: bool
+    ) -> None:
+        promotion = PromotionConfig(min_tenants=2, min_tokens=2 * BS) if promote and isolation != "shared" else None
         self.config = CacheConfig(
+            promotion=promotion,
             block_size=BS,
             capacity_tokens=capacity_blocks * BS,
             policy=policy,
@@ -89,6 +96,21 @@ class CacheMachine(RuleBasedStateMachine):
     def ref_key(self, tenant: str, model: str, adapter: str | None) -> tuple[object, ...]:
         epochs = (self.epochs.get((model, None), 0), self.epochs.get((model, adapter), 0) if adapter else 0)
         return (self.namespace(tenant), model, adapter, epochs)
+
+    def public_key(self, model: str, adapter: str | None) -> tuple[object, ...]:
+        return (PUBLIC, *self.ref_key("-", model, adapter)[1:])
+
+    def count_senders(self, tenant: str, model: str, adapter: str | None, prompt: list[int]) -> None:
+        promo = self.config.promotion
+        assert promo is not None
+        public = self.public_key(model, adapter)
+        for end in range(promo.min_tokens // BS * BS, len(prompt) + 1, BS):
+            if end < promo.min_tokens:
+                continue
+            senders = self.ref.senders.setdefault((*public, tuple(prompt[:end])), set())
+            senders.add(tenant)
+            if len(senders) >= promo.min_tenants:
+                self.ref.seqs.setdefault(public, {})[tuple(prompt[:end])] = self.clock.now
 
     def best_reference(self, prompt: list[int], key: tuple[object, ...]) -> int:
         """The longest prefix of ``prompt`` that the cache may hold for ``key``, at the
@@ -114,6 +136,8 @@ class CacheMachine(RuleBasedStateMachine):
         ctx = CacheContext(tenant=tenant, model=model, adapter=adapter)
         m = self.cache.match(prompt, ctx)
         allowed = self.best_reference(prompt, self.ref_key(tenant, model, adapter))
+        if self.config.promotion is not None:
+            allowed = max(allowed, self.best_reference(prompt, self.public_key(model, adapter)))
         # Soundness: never more than what was inserted, in this namespace and epoch.
         assert m.cached_tokens <= allowed, (m.cached_tokens, allowed)
         if self.roomy:
@@ -125,7 +149,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert len(blocks) == m.num_blocks + (1 if m.partial_tokens else 0)
             # Namespaces never crossed, and the blocks hold exactly the prompt's tokens.
             ns = self.namespace(tenant)
-            assert all(b.root.owner == ns for b in blocks)
+            assert all(b.root.owner in (ns, PUBLIC) for b in blocks)
+            assert all(b.public == (b.root.owner == PUBLIC) for b in blocks)
             matched = b"".join(b.tokens for b in blocks)
             stored = [int.from_bytes(matched[i : i + 4], "little") for i in range(0, len(matched), 4)]
             assert stored[: m.cached_tokens] == prompt[: m.cached_tokens]
@@ -151,6 +176,8 @@ class CacheMachine(RuleBasedStateMachine):
         used_before = self.cache.used_tokens
         stored = self.cache.insert(prompt, ctx)
         assert 0 <= stored <= len(prompt)
+        if self.config.promotion is not None:
+            self.count_senders(tenant, model, adapter, prompt)
         assert stored == 0 or self.cache.used_tokens <= used_before + stored
         self.ref.seqs.setdefault(self.ref_key(tenant, model, adapter), {})[tuple(prompt)] = self.clock.now
 
@@ -176,14 +203,21 @@ class CacheMachine(RuleBasedStateMachine):
             return
         ctx = CacheContext(tenant=tenant, model=model)
         self.cache.purge_prefix(prompt, ctx)
-        seqs = self.ref.seqs.get(self.ref_key(tenant, model, None), {})
         # Every sequence starting with the prefix loses the block holding the prefix's
         # end and all below it; what lies before that block stays.
         cut = (len(prompt) - 1) // BS * BS
-        for seq in [s for s in seqs if list(s[: len(prompt)]) == prompt]:
-            stamp = seqs.pop(seq)
-            if cut:
-                seqs[seq[:cut]] = max(stamp, seqs.get(seq[:cut], stamp))
+        keys = [self.ref_key(tenant, model, None)]
+        if self.config.promotion is not None:
+            keys.append(self.public_key(model, None))
+            # Others' continuations under a purged public block go too; the reference
+            # keeps them (still sound), so it no longer knows every cached prefix.
+            self.roomy = False
+        for key in keys:
+            seqs = self.ref.seqs.get(key, {})
+            for seq in [s for s in seqs if list(s[: len(prompt)]) == prompt]:
+                stamp = seqs.pop(seq)
+                if cut:
+                    seqs[seq[:cut]] = max(stamp, seqs.get(seq[:cut], stamp))
 
     @rule(dt=st.sampled_from([1.0, 3.0, 10.0]))
     def tick(self, dt: float) -> None:
@@ -222,6 +256,13 @@ class CacheMachine(RuleBasedStateMachine):
                 visit(child.children)  # type: ignore[attr-defined]
 
         roots = {id(r): r for r, _ in cache._roots.values()}
+        held = [m._block for m, _ in self.held if m._block is not None]
+        for block in held:  # purged or stale while pinned: still accounted, reachable only from here
+            roots[id(block.root)] = block.root
+            top = block
+            while top.parent is not None:
+                top = top.parent
+            roots[id(top)] = top
         for block in nodes.values():
             top = block
             while top.parent is not None:

@@ -223,8 +223,8 @@ class PrefixCache:
                 partial, partial_len = self._tree.partial(lookup, parents, n_blocks * bs, bs, alive)
             pinned = partial if partial is not None else deepest
             if pinned is not None:
-                pinned.pins += 1
                 self._touch(spans, partial)
+                pinned.pins += 1
             result = Match(self, pinned, n_blocks, partial_len, ctx.tenant)
             self._count_lookup(ctx.tenant, n_tokens, result.cached_tokens, partial_len)
             return result
@@ -238,16 +238,20 @@ class PrefixCache:
             n_tokens = len(lookup.data) // 4
             if n_tokens == 0:
                 return 0
-            if (self._tenancy.promotion is not None or self._declared) and self._promote(lookup, ctx):
-                lookup = self._lookup(tokens, ctx, segments)
+            stored = 0
+            if self._tenancy.promotion is not None or self._declared:
+                stored = self._promote(lookup, ctx)
+                if stored:
+                    lookup = self._lookup(tokens, ctx, segments)
             deepest, _ = self._find(lookup, _always)  # an expired block is revived, not duplicated
             parent = deepest if deepest is not None else lookup.roots[0]
             bs = self.config.block_size
             ends = list(range(parent.end + bs, n_tokens + 1, bs))
             if self.config.partial_blocks and n_tokens % bs:
                 ends.append(n_tokens)
-            created = self._store(lookup, 0, parent, ends, ctx, public=False)
-            stored = created[-1].end - parent.end if created else 0
+            shared = self._tenancy.mode == "shared"
+            created = self._store(lookup, 0, parent, ends, ctx, public=shared)
+            stored += created[-1].end - parent.end if created else 0
             self._stats.tenant(ctx.tenant).inserted_tokens += stored
             return stored
 
@@ -369,10 +373,10 @@ class PrefixCache:
     # ================================================================ lookup
 
     def _context_name(self, ctx: CacheContext) -> tuple[Any, ...]:
-        return (ctx.model, ctx.adapter, ctx.tokenizer, ctx.extra)
+        return (ctx.model, ctx.adapter, ctx.tokenizer, ctx.extra_key)
 
     def _root(self, ctx: CacheContext, namespace: str, create: bool = True) -> tuple[Block, Hasher] | None:
-        name = (namespace, ctx.model, ctx.adapter, ctx.tokenizer, ctx.extra)
+        name = (namespace, ctx.model, ctx.adapter, ctx.tokenizer, ctx.extra_key)
         entry = self._roots.get(name)
         if entry is None and create:
             model_epoch = self._epochs.get((ctx.model, None), 0)
@@ -459,10 +463,13 @@ class PrefixCache:
         self, lookup: Lookup, which: int, parent: Block, ends: list[int], ctx: CacheContext, public: bool
     ) -> list[Block]:
         """Store the blocks ending at ``ends`` under ``parent``, keyed by the lookup's
-        chain ``which``, as far as room allows; returns the blocks created."""
+        chain ``which``, as far as room allows; returns the blocks created. Public blocks
+        belong to nobody, except in shared mode where the tenant that stored a block
+        stays its owner (for ``purge``)."""
         if not ends:
+            self._refresh_ttl(parent)
             return []
-        owner = PUBLIC if public else ctx.tenant
+        owner = PUBLIC if public and self._tenancy.mode != "shared" else ctx.tenant
         pool = self._tenancy.pool_for(owner, public)
         begin = parent.end
         parent.pins += 1  # NOTE: the parent may be a leaf right now; it must survive the eviction below
@@ -484,29 +491,29 @@ class PrefixCache:
                     continue
                 self._stats.collisions += 1  # a hash collision: stop, never alias
                 break
+            if end - begin < self.config.block_size:
+                cover = self._covering_tail(parent, tokens, extra, owner)
+                if cover is not None:  # a longer tail already holds this one
+                    parent, begin = cover, end
+                    break
             block = Block(key, parent, tokens, root, owner, public, extra)
             block.n_segments = parent.n_segments + segs.count_before(end) - segs.count_before(begin)
             self._add(block, pool)
             created.append(block)
             room -= end - begin
             parent, begin = block, end
-        self._stats.declined_tokens += ends[-1] - begin
+        self._stats.declined_tokens += max(ends[-1] - begin, 0)
         if created:
             first = created[0].parent
             assert first is not None
-            Run(first, created, data[4 * first.end : 4 * begin])
+            Run(first, created, data[4 * first.end : 4 * created[-1].end])
             self._stored(created, pool, ctx, public)
+        self._refresh_ttl(parent)
         return created
 
     def _stored(self, created: list[Block], pool: Pool, ctx: CacheContext, public: bool) -> None:
         for block in reversed(created):
             pool.policy.insert(block.key, block.num_tokens)
-        if self._ttl is not None:
-            now = self._clock()
-            for block in reversed(path_to(created[-1])):  # the new blocks and their ancestors
-                block.last_access = now
-                self._ttl[block.key] = block
-                self._ttl.move_to_end(block.key)
         self._supersede_tails(created[0])
         first_parent = created[0].parent
         assert first_parent is not None
@@ -516,6 +523,28 @@ class PrefixCache:
         parent_key = None if first_parent.is_root else first_parent.key
         keys = tuple(b.key for b in created)
         self._events.record(BlocksStored(keys, parent_key, stored, ctx.tenant, ctx.model, pool.name, public))
+
+    def _refresh_ttl(self, block: Block) -> None:
+        """A stored (or re-stored) block and its ancestors count as just used."""
+        if self._ttl is None or block.is_root:
+            return
+        now, ttl = self._clock(), self._ttl
+        for b in reversed(path_to(block)):
+            b.last_access = now
+            ttl[b.key] = b
+            ttl.move_to_end(b.key)
+
+    def _covering_tail(self, parent: Block, tokens: bytes, extra: bytes, owner: str) -> Block | None:
+        for child in parent.children.values():
+            if (
+                child.owner == owner
+                and not child.doomed
+                and child.tokens.startswith(tokens)
+                and child.extra.startswith(extra)
+                and self._tree.nodes.get(child.key) is child
+            ):
+                return child
+        return None
 
     def _add(self, block: Block, pool: Pool) -> None:
         block.pool = pool
@@ -584,8 +613,8 @@ class PrefixCache:
             block.run.truncate(block.run_index)
         if in_policy and not block.doomed:
             pool.policy.remove(block.key)
-        if self._ttl is not None:
-            self._ttl.pop(block.key, None)
+        if self._ttl is not None and self._ttl.get(block.key) is block:
+            del self._ttl[block.key]
         n = block.num_tokens
         pool.used -= n
         pool.blocks -= 1
@@ -643,17 +672,17 @@ class PrefixCache:
                 # NOTE: in use right now; make it unmatchable at once and free it on release
                 self._tree.unlink(block)
                 block.pool.policy.remove(block.key)
-                if self._ttl is not None:
-                    self._ttl.pop(block.key, None)
+                if self._ttl is not None and self._ttl.get(block.key) is block:
+                    del self._ttl[block.key]
                 block.doomed = True
         return removed
 
     # ================================================================ promotion
 
-    def _promote(self, lookup: Lookup, ctx: CacheContext) -> bool:
+    def _promote(self, lookup: Lookup, ctx: CacheContext) -> int:
         """Copy the prefix of this request that has become public -- declared by an
         operator, or sent by enough distinct tenants -- under the public root. Returns
-        whether any public block was created."""
+        how many tokens were stored there."""
         bs = self.config.block_size
         n_full = len(lookup.data) // 4 // bs
         depth, tenants = self._declared_depth(lookup.data, ctx), 0
@@ -673,12 +702,12 @@ class PrefixCache:
                 if seen >= promo.min_tenants and i > depth:
                     depth, tenants = i, seen
         if depth == 0:
-            return False
+            return 0
         chain = KeyChain(public[1], lookup.data, lookup.segments)
         pub_lookup = Lookup(lookup.data, lookup.segments, [chain], [public[0]])
         path = self._tree.walk(pub_lookup, depth, bs, _always)
         if len(path) >= depth:
-            return False
+            return 0
         parent = path[-1] if path else public[0]
         ends = [bs * (i + 1) for i in range(len(path), depth)]
         created = self._store(pub_lookup, 0, parent, ends, ctx, public=True)
@@ -688,7 +717,8 @@ class PrefixCache:
             self._stats.promoted_blocks += len(created)
             stored = created[-1].end - parent.end
             self._events.record(PrefixPromoted(tuple(b.key for b in created), stored, ctx.model, tenants))
-        return bool(created)
+            return stored
+        return 0
 
     def _declared_depth(self, data: bytes, ctx: CacheContext) -> int:
         if not self._declared:

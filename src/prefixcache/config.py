@@ -79,7 +79,8 @@ class CacheConfig:
             raise ValueError("seed must be a non-empty string (the same on every server that shares keys)")
         if self.vocab_size is not None:
             _check_int("vocab_size", self.vocab_size, 1)
-        if self.ttl_seconds is not None and not (isinstance(self.ttl_seconds, int | float) and self.ttl_seconds > 0):
+        ttl = self.ttl_seconds
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0):
             raise ValueError(f"ttl_seconds must be a positive number or None, got {self.ttl_seconds!r}")
         _check_int("events_capacity", self.events_capacity, 0)
         self._check_tenancy()

@@ -119,6 +119,9 @@ class CacheContext:
     adapter: str | None = None
     extra: tuple[Any, ...] = ()
     tokenizer: str = ""
+    # NOTE: the encoded ``extra`` names the context in dicts: ``(1,)`` and ``(True,)``
+    # are equal as tuples but are different keys, and a list inside is unhashable.
+    extra_key: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tenant, str) or not self.tenant:
@@ -129,7 +132,7 @@ class CacheContext:
             raise ValueError("CacheContext.adapter must be a string or None")
         if not isinstance(self.extra, tuple):
             raise ValueError("CacheContext.extra must be a tuple")
-        encode(self.extra)  # reject unencodable values now, not on the request path
+        object.__setattr__(self, "extra_key", encode(self.extra))  # rejects unencodable values now
 
 
 def root_encoding(
@@ -209,7 +212,8 @@ NO_SEGMENTS = Segments()
 
 def token_bytes(tokens: Sequence[int] | np.ndarray, vocab_size: int | None = None) -> bytes:
     """Token ids as little-endian uint32 bytes, validated: a bad id is a ``ValueError``
-    that names its position, never a silent wrap-around."""
+    that names its position, never a silent wrap-around. (A Python ``bool`` is an
+    ``int`` and passes as 0 or 1; a numpy array must have an integer dtype.)"""
     if isinstance(tokens, np.ndarray):
         return _ndarray_bytes(tokens, vocab_size)
     try:
@@ -243,7 +247,7 @@ def _ndarray_bytes(tokens: np.ndarray, vocab_size: int | None) -> bytes:
 def _raise_bad_token(tokens: Any, vocab_size: int | None) -> Any:
     limit = _MAX_TOKEN if vocab_size is None else vocab_size
     for i, tok in enumerate(tokens):
-        if isinstance(tok, bool) or not isinstance(tok, int | np.integer):
+        if not isinstance(tok, int | np.integer):
             raise ValueError(f"token id at position {i} is not an integer: {tok!r}")
         if not 0 <= int(tok) < limit:
             where = f"vocabulary size {vocab_size}" if vocab_size is not None else "2**32"

@@ -329,7 +329,7 @@ class BlockTree:
         first = want[:4]
         for parent in parents:
             for child in parent.children.values():
-                if child.tokens[:4] != first or child.extra != extra:
+                if child.tokens[:4] != first or child.extra != extra or child.doomed:
                     continue
                 if not (lookup.can_see(child) and alive(child)):
                     continue
