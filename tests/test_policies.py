@@ -174,9 +174,7 @@ OPS = st.lists(
 @pytest.mark.parametrize("name", NAMES)
 @settings(max_examples=150, deadline=None)
 @given(ops=OPS, capacity=st.integers(0, 40))
-def test_random_operations_keep_the_contract(
-    name: str, ops: list[tuple[Any, ...]], capacity: int
-) -> None:
+def test_random_operations_keep_the_contract(name: str, ops: list[tuple[Any, ...]], capacity: int) -> None:
     """Random insert/access/remove/victim sequences against a set model."""
     policy = make_policy(name, capacity)
     resident: set[Key] = set()
@@ -390,9 +388,7 @@ def zipf() -> list[int]:
     return zipf_requests(10_000, 100_000, alpha=1.0, seed=42)
 
 
-def our_miss_ratio(
-    policy: EvictionPolicy, requests: list[int], capacity: int, size_of: Callable[[int], int]
-) -> float:
+def our_miss_ratio(policy: EvictionPolicy, requests: list[int], capacity: int, size_of: Callable[[int], int]) -> float:
     """A flat cache: a miss evicts until the object fits, then inserts it."""
     used, misses = 0, 0
     sizes: dict[Key, int] = {}

@@ -130,6 +130,8 @@ class CacheContext:
             raise ValueError("CacheContext.model must be a non-empty string")
         if self.adapter is not None and not isinstance(self.adapter, str):
             raise ValueError("CacheContext.adapter must be a string or None")
+        if not isinstance(self.tokenizer, str):
+            raise ValueError("CacheContext.tokenizer must be a string")
         if not isinstance(self.extra, tuple):
             raise ValueError("CacheContext.extra must be a tuple")
         object.__setattr__(self, "extra_key", encode(self.extra))  # rejects unencodable values now
@@ -216,6 +218,8 @@ def token_bytes(tokens: Sequence[int] | np.ndarray, vocab_size: int | None = Non
     ``int`` and passes as 0 or 1; a numpy array must have an integer dtype.)"""
     if isinstance(tokens, np.ndarray):
         return _ndarray_bytes(tokens, vocab_size)
+    if isinstance(tokens, str | bytes | bytearray | memoryview):
+        raise ValueError(f"token ids must be a sequence of integers, not {type(tokens).__name__}")
     try:
         packed = array("I", tokens)
     except (TypeError, OverflowError, ValueError):
