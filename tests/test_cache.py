@@ -21,6 +21,7 @@ from prefixcache import (
     RemovalReason,
 )
 from prefixcache.policies import POLICIES
+from support import Clock, lcp
 
 POLICY_NAMES = sorted(POLICIES)
 ACME = CacheContext(tenant="acme", model="smollm2")
@@ -47,14 +48,6 @@ def hit(cache: PrefixCache, tokens: list[int], ctx: CacheContext = ACME) -> int:
 
 def removed(events: list[Any], reason: RemovalReason) -> list[BlocksRemoved]:
     return [e for e in events if isinstance(e, BlocksRemoved) and e.reason is reason]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # ====================================================================== public API
@@ -172,21 +165,12 @@ def test_a_weak_hash_never_gives_a_wrong_answer() -> None:
     for _ in range(120):
         tokens = [rng.randrange(6) for _ in range(rng.randrange(4, 24))]
         with cache.match(tokens, ACME) as m:
-            best = max((_common(tokens, p) for p in inserted), default=0)
+            best = max((lcp(tokens, p) for p in inserted), default=0)
             assert m.cached_tokens <= best
             assert m.cached_tokens % 4 == 0
         cache.insert(tokens, ACME)
         inserted.append(tokens)
     assert cache.stats()["collisions"] > 0
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # ====================================================================== capacity

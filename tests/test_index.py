@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from prefixcache import CacheConfig, CacheContext, PrefixCache, Segment
 from prefixcache.index import Block, BlockTree, common_tokens, path_to, postorder
+from support import lcp
 
 A = CacheContext(tenant="a", model="m")
 B = CacheContext(tenant="b", model="m")  # same length as "a": under a weak hash all keys collide
@@ -21,15 +22,6 @@ ROOMY = 1 << 24
 
 def tok(*ids: int) -> bytes:
     return struct.pack(f"<{len(ids)}I", *ids)
-
-
-def lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def hit(cache: PrefixCache, tokens: list[int], ctx: CacheContext, segments: list[Segment] | None = None) -> int:

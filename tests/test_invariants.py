@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from prefixcache import CacheConfig, CacheContext, Match, PrefixCache, PromotionConfig
 from prefixcache.index import path_to
 from prefixcache.tenancy import PUBLIC
+from support import Clock, lcp
 
 TENANTS = ("a", "b", "c")
 MODELS = ("m1", "m2")
@@ -26,23 +27,6 @@ PIECES = [list(range(10 * i, 10 * i + n)) for i, n in enumerate((3, 4, 5, 8, 9, 
 prompts = st.lists(st.sampled_from(range(len(PIECES))), min_size=0, max_size=5).map(
     lambda idx: [tok for i in idx for tok in PIECES[i]]
 )
-
-
-def lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass
