@@ -820,3 +820,19 @@ def test_empty_prompts() -> None:
 def test_bad_contexts(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         CacheContext(**kwargs)
+
+
+def test_context_roots_are_forgotten_when_empty_but_not_while_storing_under_them() -> None:
+    """A root with nothing under it is dropped (contexts seen once do not pile up), but
+    never while an insert is evicting its last child to make room under it."""
+    cache = make(capacity_tokens=4)
+    for i in range(50):
+        cache.match(seq(1000 * i, 4), CacheContext(tenant=f"visitor-{i}", model="smollm2")).release()
+    assert len(cache._roots) == 0
+    cache.insert(seq(0, 4), ACME)
+    assert cache.insert(seq(100, 4), ACME) == 4  # evicts the root's only child, stores under it
+    assert hit(cache, seq(100, 4)) == 4
+    assert cache.stats()["collisions"] == 0
+    assert len(cache._roots) == 1
+    cache.purge("acme")
+    assert len(cache._roots) == 0

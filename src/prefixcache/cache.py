@@ -227,6 +227,7 @@ class PrefixCache:
                 pinned.pins += 1
             result = Match(self, pinned, n_blocks, partial_len, ctx.tenant)
             self._count_lookup(ctx.tenant, n_tokens, result.cached_tokens, partial_len)
+            self._drop_if_empty(lookup.roots[0])
             return result
 
     def insert(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None) -> int:
@@ -385,8 +386,15 @@ class PrefixCache:
             hasher = self._hash()
             hasher.update(enc)
             root = Block(hasher.copy().digest(), None, b"", None, namespace, namespace == PUBLIC)
+            root.ctx_name = name
             entry = self._roots[name] = (root, hasher)
         return entry
+
+    def _drop_if_empty(self, root: Block) -> None:
+        """Forget a context root with nothing under it, so that contexts seen once (a
+        tenant that never inserts, a one-off ``extra``) do not accumulate."""
+        if not root.children and not root.pins and self._roots.get(root.ctx_name, (None,))[0] is root:
+            del self._roots[root.ctx_name]
 
     def _lookup(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None) -> Lookup:
         if not isinstance(ctx, CacheContext):
@@ -620,6 +628,8 @@ class PrefixCache:
         pool.blocks -= 1
         self._used -= n
         block.pool = None
+        if block.parent is not None and block.parent.is_root:
+            self._drop_if_empty(block.parent)
         if reason is RemovalReason.EVICTED:
             pool.evictions += 1
             self._stats.evicted_tokens += n
@@ -702,6 +712,7 @@ class PrefixCache:
                 if seen >= promo.min_tenants and i > depth:
                     depth, tenants = i, seen
         if depth == 0:
+            self._drop_if_empty(public[0])
             return 0
         chain = KeyChain(public[1], lookup.data, lookup.segments)
         pub_lookup = Lookup(lookup.data, lookup.segments, [chain], [public[0]])

@@ -37,6 +37,7 @@ class Block:
 
     __slots__ = (
         "children",
+        "ctx_name",
         "doomed",
         "end",
         "extra",
@@ -80,6 +81,7 @@ class Block:
         self.last_access = 0.0
         self.stale = False  # on a root: its epoch was bumped
         self.doomed = False  # purged while pinned: unlinked, freed on release
+        self.ctx_name: tuple[object, ...] = ()  # on a root: its name in the cache's root table
         self.run: Run | None = None  # the chain stored with it (None on a root)
         self.run_index = 0
 
