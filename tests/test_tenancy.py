@@ -301,3 +301,26 @@ def test_declare_public_in_shared_mode_is_an_error() -> None:
     cache = make(isolation="shared")
     with pytest.raises(ValueError, match="declare_public"):
         cache.declare_public(SYSTEM, ctx("a"))
+
+
+def test_private_blocks_under_a_promoted_prefix_survive_their_root_being_emptied() -> None:
+    """Found by the state machine: promoting a prefix evicted tenant b's only private
+    block, emptying b's root while b's next block was being stored (under the public
+    prefix). A second identical insert must find that block: no re-store, no collision."""
+    config = CacheConfig(
+        block_size=4,
+        capacity_tokens=12,
+        policy="lru",
+        isolation="namespace",
+        promotion=PromotionConfig(min_tenants=2, min_tokens=8),
+    )
+    cache = PrefixCache(config)
+    a, b = CacheContext(tenant="a", model="m1"), CacheContext(tenant="b", model="m1")
+    prompt = [10, 11, 12, 13, 20, 21, 22, 23, 24, 0, 1, 2]
+    cache.insert(prompt[:9], a)
+    cache.insert([0, 1, 2, 0, 1, 2], b)
+    assert cache.insert(prompt, b) == 12  # 8 promoted + 4 private under them
+    assert cache.insert(prompt, b) == 0
+    assert cache.stats()["collisions"] == 0
+    with cache.match(prompt, b) as m:
+        assert m.cached_tokens == 12

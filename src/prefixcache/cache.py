@@ -386,14 +386,14 @@ class PrefixCache:
             hasher = self._hash()
             hasher.update(enc)
             root = Block(hasher.copy().digest(), None, b"", None, namespace, namespace == PUBLIC)
-            root.ctx_name = name
+            root.ctx_name, root.ctx_enc = name, enc
             entry = self._roots[name] = (root, hasher)
         return entry
 
     def _drop_if_empty(self, root: Block) -> None:
-        """Forget a context root with nothing under it, so that contexts seen once (a
+        """Forget a context root that no block belongs to, so that contexts seen once (a
         tenant that never inserts, a one-off ``extra``) do not accumulate."""
-        if not root.children and not root.pins and self._roots.get(root.ctx_name, (None,))[0] is root:
+        if not root.members and not root.pins and self._roots.get(root.ctx_name, (None,))[0] is root:
             del self._roots[root.ctx_name]
 
     def _lookup(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None) -> Lookup:
@@ -480,12 +480,16 @@ class PrefixCache:
         owner = PUBLIC if public and self._tenancy.mode != "shared" else ctx.tenant
         pool = self._tenancy.pool_for(owner, public)
         begin = parent.end
-        parent.pins += 1  # NOTE: the parent may be a leaf right now; it must survive the eviction below
+        data, segs, root = lookup.data, lookup.segments, lookup.roots[which]
+        # NOTE: the parent may be a leaf right now, and the root empty: both must survive
+        # the eviction below (a pin keeps a block, and keeps a root in the root table).
+        parent.pins += 1
+        root.pins += 1
         try:
             room = self._make_room(pool, ends[-1] - begin)
         finally:
             parent.pins -= 1
-        data, segs, root = lookup.data, lookup.segments, lookup.roots[which]
+            root.pins -= 1
         created: list[Block] = []
         for key, end in zip(lookup.chains[which].many(ends), ends, strict=True):
             if end - begin > room:
@@ -556,6 +560,7 @@ class PrefixCache:
 
     def _add(self, block: Block, pool: Pool) -> None:
         block.pool = pool
+        block.root.members += 1
         self._tree.link(block)
         n = block.num_tokens
         pool.used += n
@@ -628,8 +633,8 @@ class PrefixCache:
         pool.blocks -= 1
         self._used -= n
         block.pool = None
-        if block.parent is not None and block.parent.is_root:
-            self._drop_if_empty(block.parent)
+        block.root.members -= 1
+        self._drop_if_empty(block.root)
         if reason is RemovalReason.EVICTED:
             pool.evictions += 1
             self._stats.evicted_tokens += n

@@ -37,12 +37,14 @@ class Block:
 
     __slots__ = (
         "children",
+        "ctx_enc",
         "ctx_name",
         "doomed",
         "end",
         "extra",
         "key",
         "last_access",
+        "members",
         "n_segments",
         "owner",
         "parent",
@@ -82,6 +84,8 @@ class Block:
         self.stale = False  # on a root: its epoch was bumped
         self.doomed = False  # purged while pinned: unlinked, freed on release
         self.ctx_name: tuple[object, ...] = ()  # on a root: its name in the cache's root table
+        self.ctx_enc = b""  # on a root: the exact encoding of its context (epochs included)
+        self.members = 0  # on a root: how many blocks name it as their root
         self.run: Run | None = None  # the chain stored with it (None on a root)
         self.run_index = 0
 
@@ -200,10 +204,13 @@ class Lookup:
         self.segments = segments
         self.chains = chains
         self.roots = roots
-        self.visible = frozenset(id(r) for r in roots)
+        # NOTE: roots are compared by their exact context encoding, neither by identity (a
+        # root dropped while empty and made again for the same context and epoch is the
+        # same root) nor by key (a weak hash could give two contexts one key).
+        self.visible = frozenset(r.ctx_enc for r in roots)
 
     def can_see(self, block: Block) -> bool:
-        return id(block.root) in self.visible
+        return block.root.ctx_enc in self.visible
 
 
 class BlockTree:
@@ -263,7 +270,7 @@ class BlockTree:
             return True
         last_run, n = spans[0]
         deepest = last_run.blocks[n - 1]
-        if not lookup.can_see(deepest) or id(spans[-1][0].parent) not in lookup.visible:
+        if not lookup.can_see(deepest) or spans[-1][0].parent.ctx_enc not in lookup.visible:
             return False
         data = lookup.data
         for run, n in spans:
@@ -284,7 +291,7 @@ class BlockTree:
         fast path (a hash collision): it stops at the first block that is missing or
         whose parent, tokens, segments or namespace do not match."""
         path: list[Block] = []
-        parents = {id(r): r for r in lookup.roots}
+        parent: Block | None = None  # None: the first block must hang under a visible root
         ends = [block_size * (i + 1) for i in range(n_blocks)]
         per_chain = [chain.many(ends) for chain in lookup.chains]
         data, segs = lookup.data, lookup.segments
@@ -298,7 +305,8 @@ class BlockTree:
                     node is not None
                     and alive(node)
                     and lookup.can_see(node)
-                    and id(node.parent) in parents
+                    and node.parent is not None
+                    and (node.parent is parent if parent is not None else node.parent.ctx_enc in lookup.visible)
                     and node.tokens == chunk
                     and node.extra == extra
                 ):
@@ -307,7 +315,7 @@ class BlockTree:
             if found is None:
                 break
             path.append(found)
-            parents = {id(found): found}
+            parent = found
         return path
 
     @staticmethod
