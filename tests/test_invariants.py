@@ -165,6 +165,27 @@ class CacheMachine(RuleBasedStateMachine):
         assert stored == 0 or self.cache.used_tokens <= used_before + stored
         self.ref.seqs.setdefault(self.ref_key(tenant, model, adapter), {})[tuple(prompt)] = self.clock.now
 
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        model=st.sampled_from(MODELS),
+        adapter=st.sampled_from(ADAPTERS),
+        prompt=prompts,
+    )
+    def access(self, tenant: str, model: str, adapter: str | None, prompt: list[int]) -> None:
+        """The simulator's one-step match + insert + release agrees with the reference too."""
+        ctx = CacheContext(tenant=tenant, model=model, adapter=adapter)
+        allowed = self.best_reference(prompt, self.ref_key(tenant, model, adapter))
+        if self.config.promotion is not None:
+            allowed = max(allowed, self.best_reference(prompt, self.public_key(model, adapter)))
+        cached, stored = self.cache.access(prompt, ctx)
+        assert cached <= allowed, (cached, allowed)
+        if self.roomy:
+            assert cached == allowed
+        assert 0 <= stored <= len(prompt)  # a partial hit's block is stored whole, so not len - cached
+        self.ref.seqs.setdefault(self.ref_key(tenant, model, adapter), {})[tuple(prompt)] = self.clock.now
+        if self.config.promotion is not None:
+            self.count_senders(tenant, model, adapter, prompt)
+
     @rule(model=st.sampled_from(MODELS), adapter=st.sampled_from(ADAPTERS))
     def bump(self, model: str, adapter: str | None) -> None:
         self.cache.bump_epoch(model, adapter)

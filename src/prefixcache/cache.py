@@ -212,49 +212,32 @@ class PrefixCache:
         """The longest cached prefix of ``tokens`` that ``ctx`` may reuse, pinned."""
         with self._lock:
             lookup = self._lookup(tokens, ctx, segments)
-            alive = self._alive()
-            deepest, spans = self._find(lookup, alive)
-            bs = self.config.block_size
-            n_tokens = len(lookup.data) // 4
-            n_blocks = deepest.end // bs if deepest is not None else 0
-            partial, partial_len = None, 0
-            if self.config.partial_blocks and n_blocks * bs < n_tokens:
-                parents = [deepest] if deepest is not None else list(lookup.roots)
-                partial, partial_len = self._tree.partial(lookup, parents, n_blocks * bs, bs, alive)
-            pinned = partial if partial is not None else deepest
-            if pinned is not None:
-                self._touch(spans, partial)
-                pinned.pins += 1
-            result = Match(self, pinned, n_blocks, partial_len, ctx.tenant)
-            self._count_lookup(ctx.tenant, n_tokens, result.cached_tokens, partial_len)
+            pinned, n_blocks, partial_len, _ = self._match(lookup, ctx, self._alive())
             self._drop_if_empty(lookup.roots[0])
-            return result
+            return Match(self, pinned, n_blocks, partial_len, ctx.tenant)
 
     def insert(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None) -> int:
         """Cache the full blocks of ``tokens`` (and the tail, with ``partial_blocks``).
         Returns how many tokens were newly stored; fewer than asked when the pool has
         no room left that eviction can make (pinned or quota-bound)."""
         with self._lock:
+            return self._insert(self._lookup(tokens, ctx, segments), tokens, ctx, segments, None)
+
+    def access(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None) -> tuple[int, int]:
+        """Match, insert, release as one step -- what a simulator does with each request.
+        Returns (cached tokens, newly stored tokens). It searches the tree once when no
+        TTL, promotion or declared prefix can make the insert see another tree."""
+        with self._lock:
             lookup = self._lookup(tokens, ctx, segments)
-            n_tokens = len(lookup.data) // 4
-            if n_tokens == 0:
-                return 0
-            stored = 0
-            if self._tenancy.promotion is not None or self._declared:
-                stored = self._promote(lookup, ctx)
-                if stored:
-                    lookup = self._lookup(tokens, ctx, segments)
-            deepest, _ = self._find(lookup, _always)  # an expired block is revived, not duplicated
-            parent = deepest if deepest is not None else lookup.roots[0]
-            bs = self.config.block_size
-            ends = list(range(parent.end + bs, n_tokens + 1, bs))
-            if self.config.partial_blocks and n_tokens % bs:
-                ends.append(n_tokens)
-            shared = self._tenancy.mode == "shared"
-            created = self._store(lookup, 0, parent, ends, ctx, public=shared)
-            stored += created[-1].end - parent.end if created else 0
-            self._stats.tenant(ctx.tenant).inserted_tokens += stored
-            return stored
+            pinned, n_blocks, partial_len, deepest = self._match(lookup, ctx, self._alive())
+            reuse = self._ttl is None and self._tenancy.promotion is None and not self._declared
+            try:
+                stored = self._insert(lookup, tokens, ctx, segments, deepest if reuse else None)
+            finally:
+                if pinned is not None:
+                    self._release(pinned)
+            self._drop_if_empty(lookup.roots[0])
+            return n_blocks * self.config.block_size + partial_len, stored
 
     def bump_epoch(self, model: str, adapter: str | None = None) -> int:
         """Invalidate every block of ``model`` (or of one adapter of it) at once: O(roots
@@ -456,6 +439,54 @@ class PrefixCache:
             for block in deepest_first:
                 block.last_access = now
                 ttl.move_to_end(block.key)
+
+    def _match(
+        self, lookup: Lookup, ctx: CacheContext, alive: Callable[[Block], bool]
+    ) -> tuple[Block | None, int, int, Block | None]:
+        """Find, pin, touch and count: (pinned block, full blocks, partial tokens, deepest)."""
+        deepest, spans = self._find(lookup, alive)
+        bs = self.config.block_size
+        n_tokens = len(lookup.data) // 4
+        n_blocks = deepest.end // bs if deepest is not None else 0
+        partial, partial_len = None, 0
+        if self.config.partial_blocks and n_blocks * bs < n_tokens:
+            parents = [deepest] if deepest is not None else list(lookup.roots)
+            partial, partial_len = self._tree.partial(lookup, parents, n_blocks * bs, bs, alive)
+        pinned = partial if partial is not None else deepest
+        if pinned is not None:
+            self._touch(spans, partial)
+            pinned.pins += 1
+        self._count_lookup(ctx.tenant, n_tokens, n_blocks * bs + partial_len, partial_len)
+        return pinned, n_blocks, partial_len, deepest
+
+    def _insert(
+        self,
+        lookup: Lookup,
+        tokens: Tokens,
+        ctx: CacheContext,
+        segments: Sequence[Segment] | None,
+        deepest: Block | None,
+    ) -> int:
+        """Store what ``lookup`` lacks; ``deepest`` is a search result to reuse (or None)."""
+        n_tokens = len(lookup.data) // 4
+        if n_tokens == 0:
+            return 0
+        stored = 0
+        if self._tenancy.promotion is not None or self._declared:
+            stored = self._promote(lookup, ctx)
+            if stored:
+                lookup = self._lookup(tokens, ctx, segments)
+        if deepest is None:
+            deepest, _ = self._find(lookup, _always)  # an expired block is revived, not duplicated
+        parent = deepest if deepest is not None else lookup.roots[0]
+        bs = self.config.block_size
+        ends = list(range(parent.end + bs, n_tokens + 1, bs))
+        if self.config.partial_blocks and n_tokens % bs:
+            ends.append(n_tokens)
+        created = self._store(lookup, 0, parent, ends, ctx, public=self._tenancy.mode == "shared")
+        stored += created[-1].end - parent.end if created else 0
+        self._stats.tenant(ctx.tenant).inserted_tokens += stored
+        return stored
 
     def _count_lookup(self, tenant: str, n_tokens: int, hit: int, partial: int) -> None:
         for stats in (self._stats, self._stats.tenant(tenant)):
