@@ -599,9 +599,13 @@ class PrefixCache:
         self._used += n
 
     def _supersede_tails(self, block: Block) -> None:
-        """A partial tail is redundant once a sibling holds its tokens and more."""
+        """A partial tail is redundant once a sibling holds its tokens and more.
+
+        NOTE: tails exist only with ``partial_blocks``; without it this is skipped, since a
+        popular prefix can have thousands of children (with it, the partial search scans
+        them on a miss anyway)."""
         parent = block.parent
-        if parent is None:
+        if parent is None or not self.config.partial_blocks:
             return
         for sibling in list(parent.children.values()):
             if (

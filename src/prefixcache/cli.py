@@ -1,8 +1,10 @@
 """The ``prefixcache`` command.
 
-``prefixcache demo`` drives the cache with synthetic multi-tenant chat traffic (shared
-system prompts, multi-turn sessions, one-off prompts) and prints what it saved. It is
-what ``make serve`` runs until the OpenAI-compatible server lands.
+- ``prefixcache replay TRACE``: replay a request trace through the cache under several
+  configurations and report hit rates, the offline optimum and prefill compute saved.
+- ``prefixcache workload OUT``: write a deterministic synthetic multi-tenant trace.
+- ``prefixcache demo``: drive the cache with synthetic chat traffic and print what it
+  saved; what ``make serve`` runs until the OpenAI-compatible server lands.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from prefixcache.cache import PrefixCache
 from prefixcache.config import ISOLATION_MODES, CacheConfig, PromotionConfig
 from prefixcache.hashing import CacheContext
 from prefixcache.policies import POLICIES
+from prefixcache.sim.cli import add_replay_parser, add_workload_parser, run_replay, run_workload
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -85,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefixcache", description="A prefix (KV) cache for LLM serving.")
     parser.add_argument("--version", action="version", version=f"prefixcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_replay_parser(sub)
+    add_workload_parser(sub)
     demo = sub.add_parser("demo", help="replay synthetic multi-tenant chat traffic through the cache")
     demo.add_argument("--requests", type=int, default=2000, help="number of requests (default 2000)")
     demo.add_argument("--tenants", type=int, default=5, help="number of tenants (default 5)")
@@ -93,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--capacity-tokens", type=int, default=200_000, help="cache capacity in tokens")
     demo.add_argument("--seed", type=int, default=0, help="workload seed")
     args = parser.parse_args(argv)
+    if args.command == "replay":
+        return run_replay(args, parser)
+    if args.command == "workload":
+        return run_workload(args, parser)
     if args.requests < 1 or args.tenants < 1 or args.capacity_tokens < 0:
         parser.error("--requests and --tenants must be >= 1 and --capacity-tokens >= 0")
     lines: list[str] = []

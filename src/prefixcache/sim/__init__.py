@@ -1,0 +1,1 @@
+"""Trace simulator: replays request traces through the real cache and reports what they would save."""

@@ -1,0 +1,237 @@
+"""``prefixcache replay`` and ``prefixcache workload``: the simulator's command line."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from prefixcache.config import ISOLATION_MODES
+from prefixcache.policies import POLICIES
+from prefixcache.sim.costmodel import GPUS, MODELS, CostModel, get_gpu, get_model
+from prefixcache.sim.replay import replay, summarize
+from prefixcache.sim.results import ReplayConfig
+from prefixcache.sim.traces import FORMATS, Request, load_tokenizer, read_trace
+from prefixcache.sim.workloads import WorkloadSpec, write_jsonl
+
+T = TypeVar("T")
+
+REPLAY_EPILOG = """\
+examples:
+  prefixcache replay trace.jsonl --format mooncake --policy lru,s3fifo --capacity-tokens 1e6,1e7,inf --warmup 0.5
+  prefixcache replay users.jsonl --isolation shared,namespace,partitioned --block-size 16,64 --json
+  prefixcache replay users.jsonl --mode flat --policy lru,fifo,s3fifo --html report.html
+
+Lists are comma-separated; every combination is replayed (policies x capacities x block
+sizes x isolation modes). A pre-hashed trace (Mooncake, Bailian, or JSONL with hash_ids)
+is replayed at its own block size. Capacity "inf" means unlimited: the trace's ceiling.
+The optimum is Belady with bypass on the block sequence at the same capacity.
+"""
+
+
+def _parse_list(text: str, convert: Callable[[str], T], what: str, valid: Iterable[str] | None = None) -> list[T]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{what}: give at least one value")
+    out = []
+    for item in items:
+        if valid is not None and item not in valid:
+            raise argparse.ArgumentTypeError(f"{what}: unknown {item!r}; valid: {', '.join(sorted(valid))}")
+        try:
+            out.append(convert(item))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: not a valid value: {item!r}") from None
+    return out
+
+
+def _capacity(item: str) -> float:
+    value = float(item)
+    if math.isnan(value) or value < 0 or (not math.isinf(value) and value != int(value)):
+        raise ValueError(item)
+    return value
+
+
+def _block_size(item: str) -> int:
+    value = int(item)
+    if value < 1:
+        raise ValueError(item)
+    return value
+
+
+def add_replay_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "replay",
+        help="replay a request trace through the cache and report hit rates and savings",
+        description="Replay a request trace through the real cache (metadata only) under one or more "
+        "configurations, and report token and request hit rates, the offline optimum, and prefill "
+        "compute saved.",
+        epilog=REPLAY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("trace", type=Path, help="trace file (JSONL, optionally .gz)")
+    p.add_argument("--format", choices=("auto", *FORMATS), default="auto", help="trace format (default: auto)")
+    p.add_argument(
+        "--policy",
+        default="lru",
+        type=lambda t: _parse_list(t, str, "--policy", POLICIES),
+        help=f"eviction policies, comma-separated ({', '.join(sorted(POLICIES))}; default lru)",
+    )
+    p.add_argument(
+        "--capacity-tokens",
+        default="inf",
+        type=lambda t: _parse_list(t, _capacity, "--capacity-tokens"),
+        help="cache capacities in tokens, comma-separated, 'inf' for unlimited (default inf)",
+    )
+    p.add_argument(
+        "--block-size",
+        default="16",
+        type=lambda t: _parse_list(t, _block_size, "--block-size"),
+        help="block sizes for token traces, comma-separated (default 16; pre-hashed traces use their own)",
+    )
+    p.add_argument(
+        "--isolation",
+        default="shared",
+        type=lambda t: _parse_list(t, str, "--isolation", ISOLATION_MODES),
+        help="isolation modes, comma-separated (shared, namespace, partitioned; default shared)",
+    )
+    p.add_argument(
+        "--mode",
+        default="tree",
+        type=lambda t: _parse_list(t, str, "--mode", ("tree", "flat")),
+        help="tree: the real PrefixCache; flat: block ids as independent objects (default tree)",
+    )
+    p.add_argument("--partial-blocks", action="store_true", help="token-granular matching inside a block")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help="fraction of requests that only warm the cache (0.5 "
+        "compares with published curves that measure the second half; default 0)",
+    )
+    p.add_argument(
+        "--include-output",
+        action="store_true",
+        help="also insert each request's output tokens, as its next turn would send them (token traces)",
+    )
+    p.add_argument(
+        "--no-optimal", action="store_true", help="skip the Belady optimum (it holds the block sequence in memory)"
+    )
+    p.add_argument(
+        "--model",
+        default="llama-3-8b",
+        help=f"cost model profile: {', '.join(sorted(MODELS))}, "
+        "'none', or 'name:params=7e9,layers=32,hidden=4096,context=32768' (default llama-3-8b)",
+    )
+    p.add_argument(
+        "--gpu", default="h100", help=f"GPU profile: {', '.join(sorted(GPUS))} or 'name:peak=500e12' (default h100)"
+    )
+    p.add_argument(
+        "--utilization", type=float, default=0.5, help="assumed prefill utilization of GPU peak (default 0.5)"
+    )
+    p.add_argument("--tokenizer", default="utf8", help="tokenizer for 'text' records: utf8 or a tokenizer.json path")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--html", type=Path, help="also write an HTML report with plots to this file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_workload_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "workload",
+        help="write a deterministic synthetic multi-tenant trace (our JSONL)",
+        description="Write seeded synthetic multi-tenant traffic -- chat sessions, RAG over a shared "
+        "document pool, agents with long tool prompts, one-off scans -- in the project's JSONL trace format.",
+    )
+    p.add_argument("out", type=Path, help="output file (.jsonl, or .jsonl.gz)")
+    p.add_argument("--requests", type=int, default=10_000)
+    p.add_argument("--tenants", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--duration", type=float, default=3600.0, help="seconds the arrivals span")
+    p.add_argument(
+        "--emit",
+        choices=("hash_ids", "tokens"),
+        default="hash_ids",
+        help="record prompts as block ids (compact) or token ids",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="block size of emitted hash_ids")
+
+
+def _cost_model(args: argparse.Namespace) -> CostModel | None:
+    if args.model == "none":
+        return None
+    return CostModel(get_model(args.model), get_gpu(args.gpu), args.utilization)
+
+
+def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if not args.trace.exists():
+        parser.error(f"no such trace file: {args.trace}")
+    if not 0.0 <= args.warmup < 1.0:
+        parser.error("--warmup must be a fraction in [0, 1)")
+    try:
+        from prefixcache.sim import report  # rich and matplotlib: the 'sim' extra
+    except ImportError as exc:
+        parser.error(
+            f"replay reports need the simulator extras ({exc.name} is missing): pip install 'prefixcache[sim]'"
+        )
+    try:
+        cost = _cost_model(args)
+        tokenizer = load_tokenizer(args.tokenizer)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    def source() -> Iterable[Request]:
+        return read_trace(args.trace, args.format, tokenizer)
+
+    configs = [
+        ReplayConfig(policy, capacity, block_size, isolation, args.partial_blocks, mode)
+        for mode in args.mode
+        for isolation in args.isolation
+        for block_size in args.block_size
+        for policy in args.policy
+        for capacity in args.capacity_tokens
+    ]
+    show = not args.no_progress and not args.json and sys.stderr.isatty()
+    try:
+        summary = summarize(source)
+        results = replay(
+            source,
+            configs,
+            trace_name=args.trace.name,
+            warmup=args.warmup,
+            include_output=args.include_output,
+            optimal=not args.no_optimal,
+            cost=cost,
+            progress=lambda total, label: report.progress(total, label, show),
+            summary=summary,
+        )
+    except ValueError as exc:  # a malformed trace names its file, line and field
+        print(f"prefixcache replay: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(report.to_json(results))
+    else:
+        report.render_table(results)
+    if args.html is not None:
+        report.write_html(results, args.html)
+        if not args.json:
+            print(f"HTML report: {args.html}")
+    return 0
+
+
+def run_workload(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        spec = WorkloadSpec(
+            requests=args.requests,
+            tenants=args.tenants,
+            seed=args.seed,
+            duration_s=args.duration,
+            emit=args.emit,
+            block_size=args.block_size,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    n = write_jsonl(spec, args.out)
+    print(f"wrote {n:,} requests to {args.out}")
+    return 0

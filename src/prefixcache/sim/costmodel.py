@@ -1,0 +1,288 @@
+"""Prefill compute a prefix cache saves, in FLOPs and GPU-hours.
+
+A hit rate says how many tokens were reused; what an operator pays for is compute.
+Attention makes the two differ: a token late in a prompt costs more than an early
+one, so a cached prefix saves *less* than its share of the tokens, because the
+uncached suffix holds the expensive late positions. This module turns (prompt
+length, cached tokens) into FLOPs with one closed form, and FLOPs into GPU time.
+
+Prefill FLOPs of a prompt of ``L`` tokens, for a model of ``P`` parameters, ``n``
+layers and hidden size ``d``::
+
+    total(L)   = 2 P L  +  attn(0, L)
+    attn(a, b) = 4 n d * sum(p for p in range(a, b))          # positions a .. b-1
+               = 4 n d * (b (b - 1) - a (a - 1)) / 2
+
+``2 P`` per token is the dense matmuls (one multiply-add, 2 FLOPs, per parameter);
+the token at position ``p`` attends to ``p`` earlier tokens in each layer, through
+two products (Q K^T and A V) of ``d`` multiply-adds each: ``4 n d p``. When the
+first ``h`` tokens come from the cache, prefill computes only tokens ``[h, L)``::
+
+    computed(L, h) = 2 P (L - h) + attn(h, L)
+    saved(L, h)    = total(L) - computed(L, h) = 2 P h + attn(0, h)
+
+It ignores the LM head and embedding details beyond what ``P`` counts, softmax,
+norms and the causal-mask halving some kernels exploit; it is a planning model, not
+a profiler. A prompt longer than the model's context length is an error: the
+model could not have served it, so its "savings" would be fiction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TypeVar
+
+from prefixcache.sim.results import ReplayResult
+
+_T = TypeVar("_T")
+
+
+def _check_name(field_name: str, value: object) -> None:
+    if not isinstance(value, str) or not value or ":" in value or "," in value:
+        raise ValueError(f"{field_name} must be a non-empty string without ':' or ',', got {value!r}")
+
+
+def _check_positive(field_name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{field_name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{field_name} must be finite and > 0, got {value!r}")
+
+
+def _check_count(field_name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field_name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{field_name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    """The few numbers of a model that decide its prefill cost."""
+
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    context_length: int
+
+    def __post_init__(self) -> None:
+        _check_name("name", self.name)
+        _check_positive("params", self.params)
+        _check_count("layers", self.layers, 1)
+        _check_count("hidden", self.hidden, 1)
+        _check_count("context_length", self.context_length, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class GPUProfile:
+    """A GPU by its peak dense throughput (FLOP/s, the datasheet's BF16 dense figure)."""
+
+    name: str
+    peak_flops: float
+
+    def __post_init__(self) -> None:
+        _check_name("name", self.name)
+        _check_positive("peak_flops", self.peak_flops)
+
+
+MODELS: Mapping[str, ModelProfile] = MappingProxyType(
+    {
+        p.name: p
+        for p in (
+            ModelProfile("llama-3-8b", 8.03e9, 32, 4096, 131072),
+            ModelProfile("llama-3-70b", 70.6e9, 80, 8192, 131072),
+            ModelProfile("smollm2-135m", 1.35e8, 30, 576, 8192),
+        )
+    }
+)
+"""Built-in model profiles by name (read-only: user profiles come from specs, not edits)."""
+
+GPUS: Mapping[str, GPUProfile] = MappingProxyType(
+    {
+        g.name: g
+        for g in (
+            GPUProfile("h100", 989e12),
+            GPUProfile("h200", 989e12),  # same compute as the H100; more, faster memory
+            GPUProfile("a100", 312e12),
+            GPUProfile("l40s", 362e12),
+        )
+    }
+)
+"""Built-in GPU profiles by name, peak dense BF16 FLOP/s."""
+
+_MODEL_EXAMPLE = "name:params=7e9,layers=32,hidden=4096,context=32768"
+_GPU_EXAMPLE = "name:peak=500e12"
+
+
+def _parse_float(field_name: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{field_name}: not a number: {text!r}") from None
+
+
+def _parse_int(field_name: str, text: str) -> int:
+    """``32`` and also ``128e3``, as long as the value is whole."""
+    try:
+        return int(text)
+    except ValueError:
+        value = _parse_float(field_name, text)
+    if not math.isfinite(value) or not value.is_integer():
+        raise ValueError(f"{field_name} must be an integer, got {text!r}")
+    return int(value)
+
+
+def _parse_spec(spec: str, keys: tuple[str, ...], example: str) -> tuple[str, dict[str, str]]:
+    """Split ``name:key=value,...`` into the name and the raw value of every key."""
+    name, sep, body = spec.partition(":")
+    if not sep:
+        raise ValueError(f"profile spec {spec!r} has no ':'; expected e.g. {example!r}")
+    _check_name("name", name.strip())
+    values: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in body.split(","))):
+        key, eq, text = (part.strip() for part in item.partition("="))
+        if not eq:
+            raise ValueError(f"profile spec {spec!r}: expected key=value, got {item!r}")
+        if key not in keys:
+            raise ValueError(f"profile spec {spec!r}: unknown field {key!r}; valid: {', '.join(keys)}")
+        if key in values:
+            raise ValueError(f"profile spec {spec!r}: field {key!r} given twice")
+        values[key] = text
+    missing = [key for key in keys if key not in values]
+    if missing:
+        raise ValueError(f"profile spec {spec!r}: missing field(s) {', '.join(missing)}; expected e.g. {example!r}")
+    return name.strip(), values
+
+
+def parse_model_profile(spec: str) -> ModelProfile:
+    """A user-defined model from ``name:params=7e9,layers=32,hidden=4096,context=32768``."""
+    name, v = _parse_spec(spec, ("params", "layers", "hidden", "context"), _MODEL_EXAMPLE)
+    return ModelProfile(
+        name,
+        params=_parse_float("params", v["params"]),
+        layers=_parse_int("layers", v["layers"]),
+        hidden=_parse_int("hidden", v["hidden"]),
+        context_length=_parse_int("context", v["context"]),
+    )
+
+
+def parse_gpu(spec: str) -> GPUProfile:
+    """A user-defined GPU from ``name:peak=500e12`` (peak dense FLOP/s)."""
+    name, v = _parse_spec(spec, ("peak",), _GPU_EXAMPLE)
+    return GPUProfile(name, peak_flops=_parse_float("peak", v["peak"]))
+
+
+def _lookup(kind: str, registry: Mapping[str, _T], name_or_spec: str, parse: Callable[[str], _T], example: str) -> _T:
+    if ":" in name_or_spec:
+        return parse(name_or_spec)
+    try:
+        return registry[name_or_spec]
+    except KeyError:
+        valid = ", ".join(sorted(registry))
+        raise ValueError(f"unknown {kind} {name_or_spec!r}; valid: {valid} (or a spec like {example!r})") from None
+
+
+def get_model(name_or_spec: str) -> ModelProfile:
+    """A built-in model by name, or a user one from a spec (anything with a ':')."""
+    return _lookup("model", MODELS, name_or_spec, parse_model_profile, _MODEL_EXAMPLE)
+
+
+def get_gpu(name_or_spec: str) -> GPUProfile:
+    """A built-in GPU by name, or a user one from a spec (anything with a ':')."""
+    return _lookup("gpu", GPUS, name_or_spec, parse_gpu, _GPU_EXAMPLE)
+
+
+def attention_flops(model: ModelProfile, start: int, end: int) -> float:
+    """Attention FLOPs of the tokens at positions ``[start, end)``: ``4 n d * sum(p)``.
+
+    NOTE: the position sum is done in exact integers before the one float multiply, so
+    the closed form matches a brute-force loop exactly for any realistic length."""
+    positions = (end * (end - 1) - start * (start - 1)) // 2
+    return float(4 * model.layers * model.hidden * positions)
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Prefill FLOPs of a model on a GPU run at ``utilization`` of its peak (MFU).
+
+    Utilization is a planning assumption, not a measurement: 0.5 is a common prefill
+    MFU for well-tuned serving; pass the figure your deployment actually reaches."""
+
+    model: ModelProfile
+    gpu: GPUProfile
+    utilization: float = 0.5
+
+    def __post_init__(self) -> None:
+        u = self.utilization
+        if isinstance(u, bool) or not isinstance(u, int | float) or not (0 < u <= 1):
+            raise ValueError(f"utilization must be in (0, 1], got {u!r}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.model.name}@{self.gpu.name} u={self.utilization:.2f}"
+
+    def request(self, input_length: int, cached_tokens: int, strict: bool = True) -> tuple[float, float]:
+        """(total, saved) prefill FLOPs of one prompt whose first ``cached_tokens`` hit.
+        With ``strict`` a prompt beyond the model's context is an error; without, the
+        formula is applied as is (a replayed trace may come from a longer-context model).
+
+        NOTE: a full hit (``cached_tokens == input_length``) saves everything, although
+        a real engine recomputes the last token to get its logits. The cache's reported
+        hit length is honest (what was loaded), and the model follows it rather than
+        second-guessing one token of one engine."""
+        _check_count("input_length", input_length, 0)
+        _check_count("cached_tokens", cached_tokens, 0)
+        if strict and input_length > self.model.context_length:
+            raise ValueError(
+                f"input_length {input_length} exceeds the context_length {self.model.context_length} "
+                f"of {self.model.name}; this model could not have served the prompt"
+            )
+        if cached_tokens > input_length:
+            raise ValueError(f"cached_tokens {cached_tokens} exceeds input_length {input_length}")
+        dense = 2.0 * self.model.params
+        total = dense * input_length + attention_flops(self.model, 0, input_length)
+        computed = dense * (input_length - cached_tokens) + attention_flops(self.model, cached_tokens, input_length)
+        return total, total - computed
+
+    def gpu_seconds(self, flops: float) -> float:
+        """Seconds of one GPU at the assumed utilization to compute ``flops``."""
+        return flops / (self.gpu.peak_flops * self.utilization)
+
+
+@dataclass(slots=True)
+class CostAccumulator:
+    """Sums the cost of the counted requests of one replay, then writes it into the result.
+
+    Call ``add`` only for requests counted in the result's rates (after the warm-up),
+    so that the compute avoided and the hit rates describe the same requests."""
+
+    model: CostModel
+    requests: int = field(default=0, init=False)
+    flops_total: float = field(default=0.0, init=False)
+    flops_saved: float = field(default=0.0, init=False)
+    over_context: int = field(default=0, init=False)
+
+    def add(self, input_length: int, cached_tokens: int) -> None:
+        """Count one request. A prompt longer than the profile's context is costed by the
+        same formula and counted in ``over_context``, which the profile label reports:
+        a trace from a longer-context model must not abort a capacity plan."""
+        total, saved = self.model.request(input_length, cached_tokens, strict=False)
+        self.over_context += input_length > self.model.model.context_length
+        self.requests += 1
+        self.flops_total += total
+        self.flops_saved += saved
+
+    def apply(self, result: ReplayResult) -> None:
+        """Fill the result's cost fields (it is mutated in place)."""
+        result.prefill_flops_total = self.flops_total
+        result.prefill_flops_saved = self.flops_saved
+        result.gpu_hours_saved = self.model.gpu_seconds(self.flops_saved) / 3600.0
+        result.cost_profile = self.model.label
+        if self.over_context:
+            result.cost_profile += (
+                f" ({self.over_context} prompts beyond its {self.model.model.context_length:,}-token context)"
+            )

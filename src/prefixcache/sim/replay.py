@@ -1,0 +1,403 @@
+"""Replay request traces through the cache and measure what each configuration saves.
+
+Tree mode drives the real ``PrefixCache`` (the code that serves requests, on metadata):
+per request it matches, inserts the prompt (and, optionally, the output the next turn
+will send back), and releases, with virtual time from the trace driving TTLs. Flat
+mode treats each block id as an independent object in a bare eviction policy, which
+is how other simulators (libCacheSim) see a trace, so the two can be compared. For
+every capacity the offline optimum -- Belady with bypass, on the same block sequence
+-- says how far each policy is from the best possible hit rate.
+
+Pre-hashed traces (Mooncake, Bailian, or our JSONL with ``hash_ids``) are replayed at
+their own block size: each block id becomes one pseudo-token of a cache whose block
+size is 1 and whose capacity is counted in native blocks, so the tree, the policies
+and tenant isolation (the tenant salts the ids) all apply unchanged.
+
+In every mode a request's hit is the contiguous prefix of its blocks found cached,
+in tokens: ``min(hit_blocks * block_size, input_length)``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import xxhash
+
+from prefixcache.cache import PrefixCache
+from prefixcache.config import CacheConfig
+from prefixcache.hashing import CacheContext
+from prefixcache.policies import EvictionPolicy, make_policy
+from prefixcache.sim.costmodel import CostAccumulator, CostModel
+from prefixcache.sim.results import ReplayConfig, ReplayResult, TenantResult, TimePoint
+from prefixcache.sim.traces import Request
+
+TraceSource = Callable[[], Iterable[Request]]
+
+
+class ProgressBar(Protocol):
+    def advance(self, n: int = 1) -> None: ...
+
+
+ProgressFactory = Callable[[int, str], AbstractContextManager[ProgressBar]]
+TIMELINE_WINDOWS = 48
+_UNLIMITED = sys.maxsize
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSummary:
+    """What one streaming pass learns before the replays: enough to place the warm-up
+    and the timeline windows, and to check the block size of a pre-hashed trace."""
+
+    requests: int
+    first_timestamp: float
+    last_timestamp: float
+    native_block_size: int | None  # the block size of hash_ids, None for token traces
+    tenants: int
+
+
+def summarize(source: TraceSource) -> TraceSummary:
+    n, first, last, native, tenants = 0, 0.0, 0.0, None, set()
+    for req in source():
+        if n == 0:
+            first = req.timestamp
+        last = req.timestamp
+        n += 1
+        tenants.add(req.tenant)
+        if req.hash_ids is not None:
+            if native is not None and req.block_size != native:
+                raise ValueError(f"request {n} has block size {req.block_size}, earlier ones {native}")
+            native = req.block_size
+    return TraceSummary(n, first, last, native, len(tenants))
+
+
+def effective_configs(configs: Iterable[ReplayConfig], summary: TraceSummary) -> list[ReplayConfig]:
+    """The configurations as they will run: a pre-hashed trace fixes the block size (and
+    has no tokens to match inside a block), so duplicates that differ only there merge."""
+    out: list[ReplayConfig] = []
+    for cfg in configs:
+        if summary.native_block_size is not None:
+            cfg = replace(cfg, block_size=summary.native_block_size, partial_blocks=False)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+# ---------------------------------------------------------------------------- blocks
+
+
+def request_blocks(req: Request, block_size: int, isolation: str) -> list[object]:
+    """The request's prefix block ids: the trace's own, or prefix hashes of its tokens
+    (one per full block and one for a partial tail), salted by the tenant unless shared."""
+    if req.hash_ids is not None:
+        ids: list[object] = list(req.hash_ids)
+    else:
+        assert req.tokens is not None
+        ids = _token_block_ids(req.tokens, block_size)
+    if isolation != "shared":
+        tenant = req.tenant
+        return [(tenant, i) for i in ids]
+    return ids
+
+
+def _token_block_ids(tokens: tuple[int, ...], block_size: int) -> list[object]:
+    data = b"".join(t.to_bytes(4, "little") for t in tokens)
+    hasher = xxhash.xxh3_128()
+    ids: list[object] = []
+    step = 4 * block_size
+    for begin in range(0, len(data), step):
+        hasher.update(data[begin : begin + step])
+        ids.append(hasher.intdigest() ^ (min(step, len(data) - begin) << 120))
+    return ids
+
+
+def hit_tokens(req: Request, hit_blocks: int, block_size: int) -> int:
+    return min(hit_blocks * block_size, req.input_length)
+
+
+# ---------------------------------------------------------------------------- accounting
+
+
+@dataclass
+class _Counter:
+    """Counts the requests after the warm-up, overall, per tenant and per time window."""
+
+    result: ReplayResult
+    summary: TraceSummary
+    warmup: int
+    cost: CostAccumulator | None
+    seen: int = 0
+    _window: TimePoint | None = field(default=None, init=False)
+    _index: int = field(default=0, init=False)
+    _start: float | None = field(default=None, init=False)
+    _width: float = field(default=0.0, init=False)
+
+    def counts(self) -> bool:
+        """Advance to the next request; whether it is counted."""
+        self.seen += 1
+        return self.seen > self.warmup
+
+    def add(self, req: Request, hit: int, blocks: int, evictions: int) -> None:
+        res = self.result
+        res.requests += 1
+        res.lookup_tokens += req.input_length
+        res.hit_tokens += hit
+        res.hit_requests += hit > 0
+        res.blocks_looked_up += blocks
+        tenant = res.tenants.get(req.tenant)
+        if tenant is None:
+            tenant = res.tenants[req.tenant] = TenantResult()
+        tenant.requests += 1
+        tenant.lookup_tokens += req.input_length
+        tenant.hit_tokens += hit
+        tenant.hit_requests += hit > 0
+        if self.cost is not None:
+            self.cost.add(req.input_length, hit)
+        self._timeline(req, hit, evictions)
+
+    def _timeline(self, req: Request, hit: int, evictions: int) -> None:
+        """Windows of equal trace time over the counted requests; each starts with the
+        eviction count so far, turned into a delta by ``finish``."""
+        if self._start is None:
+            self._start = req.timestamp
+            self._width = max(self.summary.last_timestamp - req.timestamp, 0.0) / TIMELINE_WINDOWS
+        index = min(int((req.timestamp - self._start) / self._width), TIMELINE_WINDOWS - 1) if self._width else 0
+        window = self._window
+        if window is None or index != self._index:
+            start = self._start + index * self._width
+            window = self._window = TimePoint(start, start + self._width, 0, 0, 0, evictions)
+            self._index = index
+            self.result.timeline.append(window)
+        window.requests += 1
+        window.lookup_tokens += req.input_length
+        window.hit_tokens += hit
+
+    def finish(self, evictions: int) -> None:
+        """Turn each window's eviction baseline into the evictions within it."""
+        points = self.result.timeline
+        for i, point in enumerate(points):
+            end = points[i + 1].evictions if i + 1 < len(points) else evictions
+            point.evictions = end - point.evictions
+        if self.cost is not None:
+            self.cost.apply(self.result)
+
+
+# ---------------------------------------------------------------------------- tree mode
+
+
+def _cache_config(cfg: ReplayConfig, summary: TraceSummary) -> CacheConfig:
+    unlimited = math.isinf(cfg.capacity_tokens)
+    capacity = _UNLIMITED if unlimited else int(cfg.capacity_tokens)
+    common = {"policy": cfg.policy, "isolation": cfg.isolation, "events_capacity": 0}
+    if summary.native_block_size is not None:
+        # One pseudo-token per native block: capacity in native blocks.
+        return CacheConfig(block_size=1, capacity_bytes=capacity, bytes_per_token=summary.native_block_size, **common)  # type: ignore[arg-type]
+    return CacheConfig(block_size=cfg.block_size, capacity_tokens=capacity, partial_blocks=cfg.partial_blocks, **common)  # type: ignore[arg-type]
+
+
+def _replay_tree(
+    source: TraceSource,
+    cfg: ReplayConfig,
+    counter: _Counter,
+    include_output: bool,
+    bar: ProgressBar,
+) -> None:
+    now = [0.0]
+    cache = PrefixCache(_cache_config(cfg, counter.summary), clock=lambda: now[0])
+    stats = cache._stats  # NOTE: read the live counters; stats() builds a dict per call
+    hashed = counter.summary.native_block_size is not None
+    bs = cfg.block_size
+    contexts: dict[tuple[str, str], CacheContext] = {}
+    for req in source():
+        now[0] = req.timestamp
+        ctx = contexts.get((req.tenant, req.model))
+        if ctx is None:
+            ctx = contexts[(req.tenant, req.model)] = CacheContext(tenant=req.tenant, model=req.model)
+        prompt = req.hash_ids if hashed else req.tokens
+        assert prompt is not None
+        counted = counter.counts()
+        if include_output and not hashed and req.output_tokens:
+            with cache.match(prompt, ctx) as m:
+                cached = m.cached_tokens
+                cache.insert(prompt + req.output_tokens, ctx)
+        else:
+            cached, _ = cache.access(prompt, ctx)
+        if counted:
+            hit = min(cached * bs, req.input_length) if hashed else cached
+            blocks = len(prompt) if hashed else -(-len(prompt) // bs)
+            counter.add(req, hit, blocks, stats.evictions)
+        bar.advance(1)
+    counter.result.evictions = stats.evictions
+    counter.finish(stats.evictions)
+
+
+# ---------------------------------------------------------------------------- flat mode
+
+
+def _replay_flat(source: TraceSource, cfg: ReplayConfig, counter: _Counter, bar: ProgressBar) -> None:
+    """Every block id an object of size 1 in a bare policy of ``capacity / block_size``
+    objects; a request hits the contiguous prefix of its blocks that are resident."""
+    bs = cfg.block_size
+    capacity = _UNLIMITED if math.isinf(cfg.capacity_tokens) else int(cfg.capacity_tokens) // bs
+    policy = make_policy(cfg.policy, max(capacity, 1))
+    evictions = 0
+    object_hits = 0
+    for req in source():
+        blocks = request_blocks(req, bs, cfg.isolation)
+        counted = counter.counts()
+        hit_blocks, hits, evictions = _flat_access(policy, blocks, capacity, evictions)
+        object_hits += hits if counted else 0
+        if counted:
+            counter.add(req, hit_tokens(req, hit_blocks, bs), len(blocks), evictions)
+        bar.advance(1)
+    counter.result.evictions = evictions
+    counter.result.block_hits = object_hits
+    counter.finish(evictions)
+
+
+def _flat_access(policy: EvictionPolicy, blocks: list[object], capacity: int, evictions: int) -> tuple[int, int, int]:
+    hit_blocks, prefix, hits = 0, True, 0
+    for block in blocks:
+        if block in policy:
+            policy.access(block)
+            hits += 1
+            if prefix:
+                hit_blocks += 1
+            continue
+        prefix = False
+        if capacity == 0:
+            continue
+        if len(policy) >= capacity:
+            policy.victim()
+            evictions += 1
+        policy.insert(block)
+    return hit_blocks, hits, evictions
+
+
+# ---------------------------------------------------------------------------- the optimum
+
+
+def belady(
+    source: TraceSource, capacity_blocks: float, block_size: int, isolation: str, warmup: int
+) -> tuple[int, int]:
+    """Offline optimum with bypass on the flat block sequence: evict (or never admit) the
+    block whose next use is farthest away. Returns (hit tokens, block hits) over the
+    requests after ``warmup``.
+
+    NOTE: needs the whole block sequence in memory (8 bytes and a list slot per block
+    access): the one part of the simulator that does not stream.
+    """
+    ids: dict[object, int] = {}
+    seq: list[int] = []
+    bounds: list[int] = [0]
+    inputs: list[int] = []
+    for req in source():
+        for block in request_blocks(req, block_size, isolation):
+            seq.append(ids.setdefault(block, len(ids)))
+        bounds.append(len(seq))
+        inputs.append(req.input_length)
+    never = len(seq) + 1
+    next_use = [never] * len(seq)
+    last: dict[int, int] = {}
+    for pos in range(len(seq) - 1, -1, -1):
+        next_use[pos] = last.get(seq[pos], never)
+        last[seq[pos]] = pos
+    cap = math.inf if math.isinf(capacity_blocks) else int(capacity_blocks)
+    resident: dict[int, int] = {}  # block -> its next use
+    heap: list[tuple[int, int]] = []  # (-next use, block), stale entries skipped
+    hit_tok = block_hits = 0
+    for r in range(len(inputs)):
+        prefix_hits, prefix = 0, True
+        for pos in range(bounds[r], bounds[r + 1]):
+            block, nxt = seq[pos], next_use[pos]
+            if block in resident:
+                if r >= warmup:
+                    block_hits += 1
+                prefix_hits += prefix
+            else:
+                prefix = False
+                if nxt == never or cap == 0:
+                    continue
+                if len(resident) >= cap:
+                    while -heap[0][0] != resident.get(heap[0][1]):
+                        heapq.heappop(heap)
+                    if -heap[0][0] <= nxt:
+                        continue  # bypass: everything cached is needed sooner
+                    _, victim = heapq.heappop(heap)
+                    del resident[victim]
+            resident[block] = nxt
+            heapq.heappush(heap, (-nxt, block))
+            if nxt == never:
+                del resident[block]
+        if r >= warmup:
+            hit_tok += min(prefix_hits * block_size, inputs[r])
+    return hit_tok, block_hits
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+def warmup_requests(summary: TraceSummary, warmup: float) -> int:
+    if not 0.0 <= warmup < 1.0:
+        raise ValueError(f"warm-up must be a fraction in [0, 1), got {warmup}")
+    return int(summary.requests * warmup)
+
+
+def replay(
+    source: TraceSource,
+    configs: Iterable[ReplayConfig],
+    *,
+    trace_name: str = "trace",
+    warmup: float = 0.0,
+    include_output: bool = False,
+    optimal: bool = True,
+    cost: CostModel | None = None,
+    progress: ProgressFactory | None = None,
+    summary: TraceSummary | None = None,
+) -> list[ReplayResult]:
+    """Replay the trace ``source()`` streams once per configuration; returns one result
+    per (effective) configuration, in order. ``progress(total, label)`` may supply a
+    context manager yielding a bar with ``advance(n)``, entered once per replay."""
+    summary = summary if summary is not None else summarize(source)
+    skip = warmup_requests(summary, warmup)
+    results = []
+    optimum: dict[tuple[float, int, str], tuple[int, int]] = {}
+    for cfg in effective_configs(configs, summary):
+        result = ReplayResult(cfg, trace_name, warmup_requests=skip)
+        counter = _Counter(result, summary, skip, CostAccumulator(cost) if cost is not None else None)
+        start = time.perf_counter()
+        with _progress(progress, summary.requests, cfg.label) as bar:
+            if cfg.mode == "flat":
+                _replay_flat(source, cfg, counter, bar)
+            elif cfg.mode == "tree":
+                _replay_tree(source, cfg, counter, include_output, bar)
+            else:
+                raise ValueError(f"unknown replay mode {cfg.mode!r}; valid: flat, tree")
+        result.seconds = time.perf_counter() - start
+        if optimal:
+            key = (cfg.capacity_tokens, cfg.block_size, "shared" if cfg.isolation == "shared" else "ns")
+            if key not in optimum:
+                optimum[key] = belady(source, cfg.capacity_tokens / cfg.block_size, cfg.block_size, cfg.isolation, skip)
+            result.optimal_hit_tokens = optimum[key][0]
+        results.append(result)
+    return results
+
+
+class _Silent:
+    def advance(self, n: int = 1) -> None:
+        return None
+
+
+@contextmanager
+def _progress(progress: ProgressFactory | None, total: int, label: str) -> Iterator[ProgressBar]:
+    if progress is None:
+        yield _Silent()
+    else:
+        with progress(total, label) as bar:
+            yield bar

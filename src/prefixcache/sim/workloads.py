@@ -1,0 +1,461 @@
+"""Deterministic synthetic multi-tenant traffic, written as our JSONL trace format.
+
+Four kinds of request, each built from token content the way a real client builds it,
+so the reuse a replay finds is the reuse that structure implies::
+
+    chat   [vendor prompt | tenant prompt] [turn 1 user + output] ... [turn k-1 ...] [turn k user]
+    rag    [tenant prompt] [doc a] [doc b] [question]      docs: Zipf-popular, shared by all tenants
+    agent  [tenant tool prompt (long)] [task]
+    scan   [random tokens]                                 never repeated
+
+Every record is a request of ``prefixcache.sim.traces`` JSONL: ``endpoint`` is the kind
+and chat turns carry ``session`` ("tenant-03/chat-07"). With ``emit="tokens"`` the
+records hold ``tokens`` and ``output_tokens``; with ``emit="hash_ids"`` they hold
+Mooncake-style prefix block ids (``hash_ids``, ``block_size``, ``input_length``,
+``output_length``), which are far smaller and give the same hits at that block size.
+
+The same spec gives byte-identical output: all randomness comes from generators seeded
+by ``spec.seed``, and each piece of fixed content (a document, a tenant's prompt) from
+its own stream, so it is the same whenever it is first needed.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import xxhash
+
+KINDS = ("chat", "rag", "agent", "scan")
+EMITS = ("hash_ids", "tokens")
+
+
+def _default_mix() -> Mapping[str, float]:
+    return MappingProxyType({"chat": 0.4, "rag": 0.25, "agent": 0.2, "scan": 0.15})
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """What traffic to generate. Token counts are per prompt part; ranges are inclusive."""
+
+    requests: int = 10_000
+    tenants: int = 8
+    seed: int = 0
+    duration_s: float = 3600.0  # arrivals spread over this (Poisson, seeded)
+    mix: Mapping[str, float] = field(default_factory=_default_mix, hash=False)  # shares of requests by kind
+    shared_system_prompt_tokens: int = 1024  # one vendor prompt used by every tenant (chat)
+    system_prompt_tokens: int = 512  # each tenant's own system prompt
+    turn_tokens: tuple[int, int] = (50, 400)  # new user tokens per chat turn (also RAG questions, agent tasks)
+    output_tokens: tuple[int, int] = (50, 500)
+    sessions_per_tenant: int = 20  # open chat sessions per tenant; each turn extends one (history grows)
+    documents: int = 200  # RAG pool shared by all tenants
+    document_tokens: tuple[int, int] = (1000, 4000)
+    zipf_alpha: float = 1.1  # RAG document popularity
+    docs_per_query: int = 2
+    tool_prompt_tokens: int = 6000  # agents: a long tool list shared by all agent requests of a tenant
+    scan_tokens: tuple[int, int] = (500, 3000)  # one-off prompts, never repeated
+    models: tuple[str, ...] = ("model-a",)
+    emit: str = "hash_ids"  # "hash_ids" (compact) or "tokens"
+    block_size: int = 16  # for emit="hash_ids"
+    vocab_size: int = 49_152
+
+    def __post_init__(self) -> None:
+        for name, minimum in _COUNTS.items():
+            _check_int(name, getattr(self, name), minimum)
+        for name, minimum in _RANGES.items():
+            object.__setattr__(self, name, _check_range(name, getattr(self, name), minimum))
+        _check_number("duration_s", self.duration_s)
+        _check_number("zipf_alpha", self.zipf_alpha)
+        object.__setattr__(self, "mix", _check_mix(self.mix))
+        object.__setattr__(self, "models", _check_models(self.models))
+        if self.emit not in EMITS:
+            raise ValueError(f"emit must be one of {', '.join(EMITS)}, got {self.emit!r}")
+        if self.vocab_size > 2**32:
+            raise ValueError(f"vocab_size must be <= 2**32 (token ids are uint32), got {self.vocab_size}")
+        if self.docs_per_query > self.documents:
+            raise ValueError(f"docs_per_query ({self.docs_per_query}) must be <= documents ({self.documents})")
+
+
+_COUNTS: Mapping[str, int] = {
+    "requests": 0,
+    "tenants": 1,
+    "seed": 0,
+    "shared_system_prompt_tokens": 0,
+    "system_prompt_tokens": 0,
+    "sessions_per_tenant": 1,
+    "documents": 1,
+    "docs_per_query": 0,
+    "tool_prompt_tokens": 0,
+    "block_size": 1,
+    "vocab_size": 1,
+}
+# NOTE: scans need at least one token, or two empty scans would be the same prompt.
+_RANGES: Mapping[str, int] = {"turn_tokens": 0, "output_tokens": 0, "document_tokens": 0, "scan_tokens": 1}
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def _check_range(name: str, value: object, minimum: int) -> tuple[int, int]:
+    if not isinstance(value, tuple | list) or len(value) != 2:
+        raise ValueError(f"{name} must be a (lo, hi) pair of integers, got {value!r}")
+    lo, hi = value
+    _check_int(f"{name}[0]", lo, minimum)
+    _check_int(f"{name}[1]", hi, minimum)
+    if lo > hi:
+        raise ValueError(f"{name} must have lo <= hi, got {value!r}")
+    return (lo, hi)
+
+
+def _check_mix(mix: object) -> Mapping[str, float]:
+    if not isinstance(mix, Mapping) or not mix:
+        raise ValueError(f"mix must be a non-empty mapping of kind -> share, got {mix!r}")
+    for kind, share in mix.items():
+        if kind not in KINDS:
+            raise ValueError(f"mix has unknown kind {kind!r}; valid: {', '.join(KINDS)}")
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share < math.inf:
+            raise ValueError(f"mix share of {kind!r} must be a positive number, got {share!r}")
+    # NOTE: stored in KINDS order, so that specs equal as dicts generate the same bytes.
+    return MappingProxyType({kind: float(mix[kind]) for kind in KINDS if kind in mix})
+
+
+def _check_models(models: object) -> tuple[str, ...]:
+    if not isinstance(models, tuple | list) or not models:
+        raise ValueError(f"models must be a non-empty tuple of names, got {models!r}")
+    for name in models:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"models must hold non-empty strings, got {name!r}")
+    return tuple(models)
+
+
+# ---------------------------------------------------------------------------- prefix ids
+
+
+_ROOT = 2**64 - 1  # the parent of a first block: no id ever reaches it
+
+
+class PrefixIds:
+    """Mooncake-style prefix block ids: id i names block i and every block before it, and
+    ids are small consecutive ints in order of first appearance.
+
+    Block i's key is ``xxh3_128(block i's token bytes, seed=id of block i-1)``: since an
+    id stands for exactly one prefix, chaining through it hashes the whole prefix, one
+    block at a time. A last, partial block gets a key too; its shorter bytes never equal
+    a full block's, so it is shared only by prompts that are equal to the end.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._ids: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def ids(self, tokens: np.ndarray, known: Sequence[int] = ()) -> list[int]:
+        """The ids of ``tokens`` (uint32). ``known`` are the already computed ids of some
+        of its first full blocks (a session's history, a shared head), not hashed again."""
+        data = np.ascontiguousarray(tokens, dtype="<u4").data.cast("B")
+        step = 4 * self.block_size
+        out = list(known)
+        parent = out[-1] if out else _ROOT
+        for start in range(len(out) * step, len(data), step):
+            key = xxhash.xxh3_128_intdigest(data[start : start + step], parent)
+            parent = self._ids.setdefault(key, len(self._ids))
+            out.append(parent)
+        return out
+
+
+# ---------------------------------------------------------------------------- content
+
+
+_VENDOR, _TENANT_PROMPT, _TOOLS, _DOC = range(4)  # streams of fixed content
+
+
+class _Content:
+    """Fixed token content, each piece drawn from its own seeded stream when first used
+    and kept: the vendor prompt, tenant prompts and tool prompts, the document pool."""
+
+    def __init__(self, spec: WorkloadSpec) -> None:
+        self._spec = spec
+        self._cache: dict[tuple[int, int], np.ndarray] = {}
+
+    def get(self, stream: int, index: int, length: int | tuple[int, int]) -> np.ndarray:
+        key = (stream, index)
+        if key not in self._cache:
+            rng = np.random.default_rng((self._spec.seed, stream, index))
+            n = length if isinstance(length, int) else _uniform(rng, length)
+            self._cache[key] = rng.integers(0, self._spec.vocab_size, n, dtype=np.uint32)
+        return self._cache[key]
+
+    def vendor(self) -> np.ndarray:
+        return self.get(_VENDOR, 0, self._spec.shared_system_prompt_tokens)
+
+    def tenant_prompt(self, tenant: int) -> np.ndarray:
+        return self.get(_TENANT_PROMPT, tenant, self._spec.system_prompt_tokens)
+
+    def tools(self, tenant: int) -> np.ndarray:
+        return self.get(_TOOLS, tenant, self._spec.tool_prompt_tokens)
+
+    def document(self, doc: int) -> np.ndarray:
+        return self.get(_DOC, doc, self._spec.document_tokens)
+
+
+def _uniform(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
+    return int(rng.integers(bounds[0], bounds[1] + 1))
+
+
+def _random_tokens(rng: np.random.Generator, bounds: tuple[int, int], vocab: int) -> np.ndarray:
+    return rng.integers(0, vocab, _uniform(rng, bounds), dtype=np.uint32)
+
+
+@dataclass(slots=True)
+class _Session:
+    """An open chat: what the next turn sends before its new user tokens."""
+
+    name: str
+    history: np.ndarray  # head prompt + every earlier turn's user tokens and output
+    known_ids: list[int] = field(default_factory=list)  # ids of the full blocks of the last prompt
+
+
+@dataclass(slots=True)
+class _Prompt:
+    tokens: np.ndarray
+    output: np.ndarray
+    session: _Session | None = None
+    known_ids: Sequence[int] = ()  # ids of some first full blocks, when already computed
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+def tenant_names(count: int) -> list[str]:
+    """``tenant-00`` .. ``tenant-NN`` (wider when there are more than 100)."""
+    width = max(2, len(str(count - 1)))
+    return [f"tenant-{i:0{width}d}" for i in range(count)]
+
+
+class _Generator:
+    """The state of one generation: the RNG, fixed content, open sessions, the id map."""
+
+    def __init__(self, spec: WorkloadSpec) -> None:
+        self.spec = spec
+        self.rng = np.random.default_rng(spec.seed)
+        self.content = _Content(spec)
+        self.tenants = tenant_names(spec.tenants)
+        self.prefix_ids = PrefixIds(spec.block_size) if spec.emit == "hash_ids" else None
+        self.sessions: dict[tuple[int, int], _Session] = {}
+        self.head_ids: dict[tuple[int, int], list[int]] = {}
+        self.doc_p = _zipf(spec.documents, spec.zipf_alpha)
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        spec = self.spec
+        times = np.sort(self.rng.uniform(0.0, spec.duration_s, spec.requests))
+        kinds = _kind_sequence(spec.mix, spec.requests, self.rng)
+        build = {"chat": self.chat, "rag": self.rag, "agent": self.agent, "scan": self.scan}
+        for t, kind in zip(times, kinds, strict=True):
+            tenant = int(self.rng.integers(spec.tenants))
+            prompt = build[kind](tenant)
+            record = self.record(float(t), tenant, kind, prompt)
+            if prompt.session is not None:  # the next turn sends this prompt and its answer
+                prompt.session.history = np.concatenate([prompt.tokens, prompt.output])
+            yield record
+
+    def output(self) -> np.ndarray:
+        return _random_tokens(self.rng, self.spec.output_tokens, self.spec.vocab_size)
+
+    def chat(self, tenant: int) -> _Prompt:
+        index = int(self.rng.integers(self.spec.sessions_per_tenant))
+        session = self.sessions.get((tenant, index))
+        if session is None:
+            session = self.sessions[(tenant, index)] = self.new_session(tenant, index)
+        turn = _random_tokens(self.rng, self.spec.turn_tokens, self.spec.vocab_size)
+        return _Prompt(np.concatenate([session.history, turn]), self.output(), session, session.known_ids)
+
+    def new_session(self, tenant: int, index: int) -> _Session:
+        # NOTE: even sessions start with the vendor prompt every tenant shares (reuse across
+        # tenants, if isolation allows it), odd ones with the tenant's own prompt.
+        head = self.content.vendor() if index % 2 == 0 else self.content.tenant_prompt(tenant)
+        known = self.known((_VENDOR, 0) if index % 2 == 0 else (_TENANT_PROMPT, tenant), head)
+        width = max(2, len(str(self.spec.sessions_per_tenant - 1)))
+        return _Session(f"{self.tenants[tenant]}/chat-{index:0{width}d}", head, list(known))
+
+    def rag(self, tenant: int) -> _Prompt:
+        spec = self.spec
+        docs = self.rng.choice(spec.documents, size=spec.docs_per_query, replace=False, p=self.doc_p)
+        question = _random_tokens(self.rng, spec.turn_tokens, spec.vocab_size)
+        head = self.content.tenant_prompt(tenant)
+        parts = [head, *(self.content.document(int(d)) for d in docs), question]
+        return _Prompt(np.concatenate(parts), self.output(), known_ids=self.known((_TENANT_PROMPT, tenant), head))
+
+    def agent(self, tenant: int) -> _Prompt:
+        task = _random_tokens(self.rng, self.spec.turn_tokens, self.spec.vocab_size)
+        head = self.content.tools(tenant)
+        return _Prompt(np.concatenate([head, task]), self.output(), known_ids=self.known((_TOOLS, tenant), head))
+
+    def scan(self, tenant: int) -> _Prompt:
+        return _Prompt(_random_tokens(self.rng, self.spec.scan_tokens, self.spec.vocab_size), self.output())
+
+    def known(self, key: tuple[int, int], head: np.ndarray) -> list[int]:
+        """Ids of a shared head's full blocks, hashed once (agents repeat 6,000 tokens)."""
+        if self.prefix_ids is None:
+            return []
+        if key not in self.head_ids:
+            full = len(head) // self.spec.block_size
+            self.head_ids[key] = self.prefix_ids.ids(head[: full * self.spec.block_size])
+        return self.head_ids[key]
+
+    def record(self, t: float, tenant: int, kind: str, prompt: _Prompt) -> dict[str, Any]:
+        spec = self.spec
+        rec: dict[str, Any] = {
+            "timestamp": round(t, 6),  # NOTE: rounding is monotone, so the order survives
+            "tenant": self.tenants[tenant],
+            "model": spec.models[tenant % len(spec.models)],
+            "endpoint": kind,
+        }
+        if prompt.session is not None:
+            rec["session"] = prompt.session.name
+        if self.prefix_ids is None:
+            rec["tokens"] = prompt.tokens.tolist()
+            rec["output_tokens"] = prompt.output.tolist()
+            return rec
+        ids = self.prefix_ids.ids(prompt.tokens, prompt.known_ids)
+        if prompt.session is not None:
+            prompt.session.known_ids = ids[: len(prompt.tokens) // spec.block_size]
+        rec.update(
+            hash_ids=ids,
+            block_size=spec.block_size,
+            input_length=len(prompt.tokens),
+            output_length=len(prompt.output),
+        )
+        return rec
+
+
+def _zipf(n: int, alpha: float) -> np.ndarray:
+    """Popularity of n items, the item of rank r weighted 1 / r**alpha."""
+    weights: np.ndarray = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** alpha
+    return weights / float(weights.sum())
+
+
+def _kind_sequence(mix: Mapping[str, float], n: int, rng: np.random.Generator) -> list[str]:
+    """Kinds in exact proportion (largest remainder), in a seeded random order.
+
+    NOTE: exact counts rather than independent draws, so a small trace still has the
+    mix it was asked for; the shuffle keeps kinds interleaved in time.
+    """
+    kinds = list(mix)
+    shares = np.array([mix[k] for k in kinds]) / sum(mix.values())
+    exact = shares * n
+    counts = np.floor(exact).astype(np.int64)
+    by_remainder = sorted(range(len(kinds)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in by_remainder[: n - int(counts.sum())]:
+        counts[i] += 1
+    order = rng.permutation(np.repeat(np.arange(len(kinds)), counts))
+    return [kinds[i] for i in order]
+
+
+def generate(spec: WorkloadSpec) -> Iterator[dict[str, Any]]:
+    """The records of the workload (our JSONL), timestamps non-decreasing.
+
+    Arrivals are a Poisson process over ``[0, duration_s]`` conditioned on
+    ``spec.requests`` arrivals, i.e. sorted uniform times.
+    """
+    return _Generator(spec).records()
+
+
+def write_jsonl(spec: WorkloadSpec, path: str | Path) -> int:
+    """Write the workload to ``path`` (gzip when it ends in ``.gz``); the number of requests.
+
+    The file appears whole or not at all (written aside, then renamed), and a ``.gz``
+    carries no time stamp, so the same spec gives the same bytes.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    count = 0
+    try:
+        with tmp.open("wb") as raw:
+            out = gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) if path.suffix == ".gz" else raw
+            with out:
+                for record in generate(spec):
+                    out.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+                    count += 1
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return count
+
+
+# ---------------------------------------------------------------------------- known answers
+
+
+_CONTENT_VOCAB = 32_000  # repeated_prefix draws content below this, markers from it up
+
+
+def repeated_prefix(
+    prefix_tokens: int,
+    suffix_tokens: int,
+    requests: int,
+    tenants: int = 1,
+    block_size: int = 16,
+    seed: int = 0,
+) -> Iterator[dict[str, Any]]:
+    """A trace of known answer: every request is one fixed prefix plus a fresh suffix.
+
+    Request r (tenant ``r % tenants``, at ``r`` seconds) shares exactly ``prefix_tokens``
+    tokens with every earlier one and nothing more: each block that holds suffix tokens
+    contains a marker token (ids from 32,000 up) used nowhere else, so even a matcher
+    keyed by block content alone finds no more. With an unlimited cache and full-block
+    matching, request r > 0 (shared isolation) hits ``prefix_tokens // block_size *
+    block_size`` tokens; with token-granular matching, ``prefix_tokens``; under per-tenant
+    isolation a tenant's first request hits nothing. Records carry ``tokens``.
+    """
+    for name, value, minimum in (
+        ("prefix_tokens", prefix_tokens, 0),
+        ("suffix_tokens", suffix_tokens, 1),
+        ("requests", requests, 0),
+        ("tenants", tenants, 1),
+        ("block_size", block_size, 1),
+        ("seed", seed, 0),
+    ):
+        _check_int(name, value, minimum)
+    return _repeated_prefix(prefix_tokens, suffix_tokens, requests, tenants, block_size, seed)
+
+
+def _repeated_prefix(
+    prefix_tokens: int, suffix_tokens: int, requests: int, tenants: int, block_size: int, seed: int
+) -> Iterator[dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, _CONTENT_VOCAB, prefix_tokens, dtype=np.int64)
+    names = tenant_names(tenants)
+    # Positions (within the suffix) of its first token and of every block start after it.
+    first_block = -(-prefix_tokens // block_size) * block_size
+    marks = np.array([0, *range(first_block - prefix_tokens, suffix_tokens, block_size)], dtype=np.int64)
+    marks = np.unique(marks[marks < suffix_tokens])
+    next_marker = _CONTENT_VOCAB
+    for r in range(requests):
+        suffix = rng.integers(0, _CONTENT_VOCAB, suffix_tokens, dtype=np.int64)
+        suffix[marks] = np.arange(next_marker, next_marker + len(marks))
+        next_marker += len(marks)
+        yield {
+            "timestamp": float(r),
+            "tenant": names[r % tenants],
+            "model": "model-a",
+            "endpoint": "repeated",
+            "tokens": prefix.tolist() + suffix.tolist(),
+        }
