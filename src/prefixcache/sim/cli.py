@@ -105,6 +105,12 @@ def add_replay_parser(sub: Any) -> None:
     )
     p.add_argument("--partial-blocks", action="store_true", help="token-granular matching inside a block")
     p.add_argument(
+        "--ttl",
+        type=float,
+        default=None,
+        help="tree mode: expire blocks unused this many seconds of trace time (default: no TTL)",
+    )
+    p.add_argument(
         "--warmup",
         type=float,
         default=0.0,
@@ -169,6 +175,8 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error(f"no such trace file: {args.trace}")
     if not 0.0 <= args.warmup < 1.0:
         parser.error("--warmup must be a fraction in [0, 1)")
+    if args.ttl is not None and not args.ttl > 0:
+        parser.error("--ttl must be a positive number of seconds")
     try:
         from prefixcache.sim import report  # rich and matplotlib: the 'sim' extra
     except ImportError as exc:
@@ -185,7 +193,7 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         return read_trace(args.trace, args.format, tokenizer)
 
     configs = [
-        ReplayConfig(policy, capacity, block_size, isolation, args.partial_blocks, mode)
+        ReplayConfig(policy, capacity, block_size, isolation, args.partial_blocks, mode, args.ttl)
         for mode in args.mode
         for isolation in args.isolation
         for block_size in args.block_size

@@ -194,7 +194,7 @@ class _Counter:
 def _cache_config(cfg: ReplayConfig, summary: TraceSummary) -> CacheConfig:
     unlimited = math.isinf(cfg.capacity_tokens)
     capacity = _UNLIMITED if unlimited else int(cfg.capacity_tokens)
-    common = {"policy": cfg.policy, "isolation": cfg.isolation, "events_capacity": 0}
+    common = {"policy": cfg.policy, "isolation": cfg.isolation, "events_capacity": 0, "ttl_seconds": cfg.ttl_seconds}
     if summary.native_block_size is not None:
         # One pseudo-token per native block: capacity in native blocks.
         return CacheConfig(block_size=1, capacity_bytes=capacity, bytes_per_token=summary.native_block_size, **common)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ class ReplayConfig:
     isolation: str = "shared"
     partial_blocks: bool = False
     mode: str = "tree"  # "tree": the real PrefixCache; "flat": block ids as independent objects
+    ttl_seconds: float | None = None  # tree mode: expire blocks unused this long, in trace time
 
     @property
     def label(self) -> str:
