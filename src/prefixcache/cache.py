@@ -521,27 +521,31 @@ class PrefixCache:
         finally:
             parent.pins -= 1
             root.pins -= 1
+        nodes, bs, has_segs = self._tree.nodes, self.config.block_size, bool(segs.starts)
         created: list[Block] = []
         for key, end in zip(lookup.chains[which].many(ends), ends, strict=True):
             if end - begin > room:
                 break
-            extra = segs.enc_between(begin, end) if segs.starts else b""
+            extra = segs.enc_between(begin, end) if has_segs else b""
             tokens = data[4 * begin : 4 * end]
-            existing = self._tree.nodes.get(key)
+            existing = nodes.get(key)
             if existing is not None:
                 if existing.parent is parent and existing.tokens == tokens and existing.extra == extra:
                     parent, begin = existing, end  # already cached (a partial tail the search skips)
                     continue
                 self._stats.collisions += 1  # a hash collision: stop, never alias
                 break
-            if end - begin < self.config.block_size:
+            if end - begin < bs:
                 cover = self._covering_tail(parent, tokens, extra, owner)
                 if cover is not None:  # a longer tail already holds this one
                     parent, begin = cover, end
                     break
-            block = Block(key, parent, tokens, root, owner, public, extra)
-            block.n_segments = parent.n_segments + segs.count_before(end) - segs.count_before(begin)
-            self._add(block, pool)
+            block = Block(key, parent, tokens, root, owner, public, extra, end)
+            if has_segs:
+                block.n_segments = parent.n_segments + segs.count_before(end) - segs.count_before(begin)
+            block.pool = pool
+            nodes[key] = block
+            parent.children[key] = block
             created.append(block)
             room -= end - begin
             parent, begin = block, end
@@ -549,23 +553,30 @@ class PrefixCache:
         if created:
             first = created[0].parent
             assert first is not None
+            stored = created[-1].end - first.end
+            pool.used += stored
+            pool.blocks += len(created)
+            self._used += stored
+            root.members += len(created)
             Run(first, created, data[4 * first.end : 4 * created[-1].end])
             self._stored(created, pool, ctx, public)
         self._refresh_ttl(parent)
         return created
 
     def _stored(self, created: list[Block], pool: Pool, ctx: CacheContext, public: bool) -> None:
+        insert = pool.policy.insert
         for block in reversed(created):
-            pool.policy.insert(block.key, block.num_tokens)
+            insert(block.key, len(block.tokens) >> 2)
         self._supersede_tails(created[0])
         first_parent = created[0].parent
         assert first_parent is not None
         stored = created[-1].end - first_parent.end
         self._stats.inserted_tokens += stored
         self._stats.inserted_blocks += len(created)
-        parent_key = None if first_parent.is_root else first_parent.key
-        keys = tuple(b.key for b in created)
-        self._events.record(BlocksStored(keys, parent_key, stored, ctx.tenant, ctx.model, pool.name, public))
+        if self._events.capacity:
+            parent_key = None if first_parent.is_root else first_parent.key
+            keys = tuple(b.key for b in created)
+            self._events.record(BlocksStored(keys, parent_key, stored, ctx.tenant, ctx.model, pool.name, public))
 
     def _refresh_ttl(self, block: Block) -> None:
         """A stored (or re-stored) block and its ancestors count as just used."""
@@ -588,15 +599,6 @@ class PrefixCache:
             ):
                 return child
         return None
-
-    def _add(self, block: Block, pool: Pool) -> None:
-        block.pool = pool
-        block.root.members += 1
-        self._tree.link(block)
-        n = block.num_tokens
-        pool.used += n
-        pool.blocks += 1
-        self._used += n
 
     def _supersede_tails(self, block: Block) -> None:
         """A partial tail is redundant once a sibling holds its tokens and more.
@@ -629,7 +631,7 @@ class PrefixCache:
             free = min(pool.quota - pool.used, capacity - self._used)
             if free >= need:
                 return need
-            if self._reclaim_one():
+            if (self._stale or self._ttl) and self._reclaim_one():
                 continue
             victim = self._victim(pool, pool.used + need > pool.quota)
             if victim is None:
@@ -672,10 +674,13 @@ class PrefixCache:
         self._drop_if_empty(block.root)
         if reason is RemovalReason.EVICTED:
             pool.evictions += 1
+            self._stats.evictions += 1
             self._stats.evicted_tokens += n
-        counter = _REASON_COUNTER[reason]
-        setattr(self._stats, counter, getattr(self._stats, counter) + 1)
-        self._events.record(BlocksRemoved((block.key,), n, reason, pool.name))
+        else:
+            counter = _REASON_COUNTER[reason]
+            setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+        if self._events.capacity:
+            self._events.record(BlocksRemoved((block.key,), n, reason, pool.name))
 
     def _reclaim_one(self) -> bool:
         """Free one stale or expired block, if any can be freed now."""

@@ -292,11 +292,13 @@ class KeyChain:
         """Keys for increasing prefix lengths ``ends``, in one streaming pass."""
         h = self.root.copy()
         view, done, out = self._view, 0, []
+        trailer = self._trailer if self.segments.starts else None
+        pack = _TRAILER.pack
         for end in ends:
             h.update(view[4 * done : 4 * end])
             done = end
             hc = h.copy()
-            hc.update(self._trailer(end))
+            hc.update(trailer(end) if trailer is not None else pack(0, end))
             out.append(hc.digest())
         return out
 

@@ -67,27 +67,32 @@ class Block:
         owner: str,
         public: bool,
         extra: bytes = b"",
+        end: int | None = None,
     ) -> None:
         self.key = key
         self.parent = parent
         self.children: dict[bytes, Block] = {}
         self.tokens = tokens  # little-endian uint32 token ids of this block only
         self.extra = extra  # encoding of the segments that start in this block
-        self.root: Block = root if root is not None else self
         self.owner = owner  # the tenant that stored it ("" for public blocks)
         self.public = public
-        self.end: int = (parent.end if parent is not None else 0) + len(tokens) // 4
+        self.end: int = end if end is not None else (parent.end if parent is not None else 0) + len(tokens) // 4
         self.n_segments = 0  # segments starting in the prefix up to ``end``
         self.pins = 0
         self.pool: Pool | None = None  # None for a root sentinel and after removal
         self.last_access = 0.0
-        self.stale = False  # on a root: its epoch was bumped
         self.doomed = False  # purged while pinned: unlinked, freed on release
-        self.ctx_name: tuple[object, ...] = ()  # on a root: its name in the cache's root table
-        self.ctx_enc = b""  # on a root: the exact encoding of its context (epochs included)
-        self.members = 0  # on a root: how many blocks name it as their root
         self.run: Run | None = None  # the chain stored with it (None on a root)
         self.run_index = 0
+        if root is not None:
+            self.root: Block = root
+            return
+        # A context root: these fields exist on roots only (blocks never read them).
+        self.root = self
+        self.stale = False  # its epoch was bumped
+        self.ctx_name: tuple[object, ...] = ()  # its name in the cache's root table
+        self.ctx_enc = b""  # the exact encoding of its context (epochs included)
+        self.members = 0  # how many blocks name it as their root
 
     @property
     def num_tokens(self) -> int:
@@ -306,7 +311,11 @@ class BlockTree:
                     and alive(node)
                     and lookup.can_see(node)
                     and node.parent is not None
-                    and (node.parent is parent if parent is not None else node.parent.ctx_enc in lookup.visible)
+                    and (
+                        node.parent is parent
+                        if parent is not None
+                        else node.parent.parent is None and node.parent.ctx_enc in lookup.visible
+                    )
                     and node.tokens == chunk
                     and node.extra == extra
                 ):

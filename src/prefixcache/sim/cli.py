@@ -105,6 +105,17 @@ def add_replay_parser(sub: Any) -> None:
     )
     p.add_argument("--partial-blocks", action="store_true", help="token-granular matching inside a block")
     p.add_argument(
+        "--promote",
+        type=int,
+        default=None,
+        metavar="K",
+        help="tree mode, namespace and partitioned isolation: promote a prefix to the shared pool once K "
+        "distinct tenants sent it (K >= 2; default: no promotion)",
+    )
+    p.add_argument(
+        "--promote-min-tokens", type=int, default=256, help="shortest prefix --promote may promote (default 256)"
+    )
+    p.add_argument(
         "--ttl",
         type=float,
         default=None,
@@ -177,6 +188,10 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error("--warmup must be a fraction in [0, 1)")
     if args.ttl is not None and not args.ttl > 0:
         parser.error("--ttl must be a positive number of seconds")
+    if args.promote is not None and args.promote < 2:
+        parser.error("--promote needs K >= 2 distinct tenants (one tenant alone must never promote)")
+    if args.promote_min_tokens < 1:
+        parser.error("--promote-min-tokens must be >= 1")
     try:
         from prefixcache.sim import report  # rich and matplotlib: the 'sim' extra
     except ImportError as exc:
@@ -193,7 +208,17 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         return read_trace(args.trace, args.format, tokenizer)
 
     configs = [
-        ReplayConfig(policy, capacity, block_size, isolation, args.partial_blocks, mode, args.ttl)
+        ReplayConfig(
+            policy,
+            capacity,
+            block_size,
+            isolation,
+            args.partial_blocks,
+            mode,
+            args.ttl,
+            args.promote if isolation != "shared" else None,
+            args.promote_min_tokens,
+        )
         for mode in args.mode
         for isolation in args.isolation
         for block_size in args.block_size

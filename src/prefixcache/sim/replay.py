@@ -31,7 +31,7 @@ from typing import Protocol
 import xxhash
 
 from prefixcache.cache import PrefixCache
-from prefixcache.config import CacheConfig
+from prefixcache.config import CacheConfig, PromotionConfig
 from prefixcache.hashing import CacheContext
 from prefixcache.policies import EvictionPolicy, make_policy
 from prefixcache.sim.costmodel import CostAccumulator, CostModel
@@ -194,7 +194,19 @@ class _Counter:
 def _cache_config(cfg: ReplayConfig, summary: TraceSummary) -> CacheConfig:
     unlimited = math.isinf(cfg.capacity_tokens)
     capacity = _UNLIMITED if unlimited else int(cfg.capacity_tokens)
-    common = {"policy": cfg.policy, "isolation": cfg.isolation, "events_capacity": 0, "ttl_seconds": cfg.ttl_seconds}
+    promotion = None
+    if cfg.promote_min_tenants and cfg.isolation != "shared":
+        min_tokens = cfg.promote_min_tokens
+        if summary.native_block_size is not None:  # counted in pseudo-tokens, one per native block
+            min_tokens = max(1, -(-min_tokens // summary.native_block_size))
+        promotion = PromotionConfig(min_tenants=cfg.promote_min_tenants, min_tokens=min_tokens)
+    common = {
+        "policy": cfg.policy,
+        "isolation": cfg.isolation,
+        "events_capacity": 0,
+        "ttl_seconds": cfg.ttl_seconds,
+        "promotion": promotion,
+    }
     if summary.native_block_size is not None:
         # One pseudo-token per native block: capacity in native blocks.
         return CacheConfig(block_size=1, capacity_bytes=capacity, bytes_per_token=summary.native_block_size, **common)  # type: ignore[arg-type]

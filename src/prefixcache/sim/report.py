@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
-from prefixcache.sim.results import ReplayResult
+from prefixcache.sim.results import ReplayConfig, ReplayResult
 
 MAX_LINES = 8
 """Most lines (or bar groups) in one plot; beyond it a plot shows the largest capacities."""
@@ -104,7 +104,7 @@ def table_rows(results: Sequence[ReplayResult]) -> list[list[str]]:
     for r in results:
         c = r.config
         block = f"{c.block_size}" + (" partial" if c.partial_blocks else "")
-        row = [c.policy, format_tokens(c.capacity_tokens), block, c.isolation, c.mode, f"{r.requests:,}"]
+        row = [c.policy, format_tokens(c.capacity_tokens), block, isolation_label(c), c.mode, f"{r.requests:,}"]
         row += [_percent(r.token_hit_rate), _percent(r.request_hit_rate)]
         if with_block_hits:
             row.append(_percent(r.block_hit_rate))
@@ -174,10 +174,15 @@ def to_json(results: Sequence[ReplayResult]) -> str:
 # ---------------------------------------------------------------------------------
 
 
+def isolation_label(c: ReplayConfig) -> str:
+    """The isolation mode, with hot-prefix promotion when it is on."""
+    return f"{c.isolation}+promote{c.promote_min_tenants}" if c.promote_min_tenants else c.isolation
+
+
 def _series_key(r: ReplayResult) -> tuple[object, ...]:
     """Everything of a configuration but its capacity: one line of hit rate vs capacity."""
     c = r.config
-    return (c.policy, c.block_size, c.isolation, c.mode, c.partial_blocks)
+    return (c.policy, c.block_size, isolation_label(c), c.mode, c.partial_blocks)
 
 
 def _series_label(r: ReplayResult, results: Sequence[ReplayResult]) -> str:
@@ -186,8 +191,8 @@ def _series_label(r: ReplayResult, results: Sequence[ReplayResult]) -> str:
     parts = [c.policy]
     if len({x.config.block_size for x in results}) > 1:
         parts.append(f"bs={c.block_size}")
-    if len({x.config.isolation for x in results}) > 1:
-        parts.append(c.isolation)
+    if len({isolation_label(x.config) for x in results}) > 1:
+        parts.append(isolation_label(c))
     if len({x.config.mode for x in results}) > 1:
         parts.append(c.mode)
     if len({x.config.partial_blocks for x in results}) > 1 and c.partial_blocks:

@@ -19,11 +19,14 @@ class ReplayConfig:
     partial_blocks: bool = False
     mode: str = "tree"  # "tree": the real PrefixCache; "flat": block ids as independent objects
     ttl_seconds: float | None = None  # tree mode: expire blocks unused this long, in trace time
+    promote_min_tenants: int | None = None  # tree mode, namespace/partitioned: hot-prefix promotion
+    promote_min_tokens: int = 256
 
     @property
     def label(self) -> str:
         cap = "inf" if math.isinf(self.capacity_tokens) else f"{self.capacity_tokens:.3g}"
-        return f"{self.policy} cap={cap} bs={self.block_size} {self.isolation} {self.mode}"
+        promo = f" promote>={self.promote_min_tenants}" if self.promote_min_tenants else ""
+        return f"{self.policy} cap={cap} bs={self.block_size} {self.isolation}{promo} {self.mode}"
 
 
 @dataclass(slots=True)
