@@ -393,9 +393,11 @@ def replay(
                 raise ValueError(f"unknown replay mode {cfg.mode!r}; valid: flat, tree")
         result.seconds = time.perf_counter() - start
         if optimal:
-            key = (cfg.capacity_tokens, cfg.block_size, "shared" if cfg.isolation == "shared" else "ns")
+            # NOTE: promotion can at best share what shared mode shares: its optimum is shared mode's.
+            isolation = "shared" if cfg.isolation == "shared" or cfg.promote_min_tenants else "namespace"
+            key = (cfg.capacity_tokens, cfg.block_size, isolation)
             if key not in optimum:
-                optimum[key] = belady(source, cfg.capacity_tokens / cfg.block_size, cfg.block_size, cfg.isolation, skip)
+                optimum[key] = belady(source, cfg.capacity_tokens / cfg.block_size, cfg.block_size, isolation, skip)
             result.optimal_hit_tokens = optimum[key][0]
         results.append(result)
     return results
