@@ -37,6 +37,7 @@ from prefixcache.events import (
     RemovalReason,
 )
 from prefixcache.hashing import (
+    ONESHOT,
     CacheContext,
     Hasher,
     HashFactory,
@@ -53,6 +54,7 @@ from prefixcache.index import (
     Lookup,
     Run,
     RunSpan,
+    always_alive,
     blocks_of,
     common_tokens,
     keys_of,
@@ -66,8 +68,7 @@ Tokens = Sequence[int] | np.ndarray
 _key_of = attrgetter("key")
 
 
-def _always(_block: Block) -> bool:
-    return True
+_always = always_alive
 
 
 @dataclass
@@ -193,6 +194,7 @@ class PrefixCache:
     ) -> None:
         self.config = config if config is not None else CacheConfig()
         self._hash = hash_factory if hash_factory is not None else get_hash(self.config.hash)
+        self._oneshot = ONESHOT.get(self.config.hash) if hash_factory is None else None
         self._clock = clock
         self._tree = BlockTree()
         self._tenancy = Tenancy(self.config)
@@ -391,7 +393,8 @@ class PrefixCache:
             public = self._root(ctx, PUBLIC, create=False)
             if public is not None and public[0].children:
                 entries.append(public)
-        chains = [KeyChain(hasher, data, segs) for _, hasher in entries]
+        oneshot = self._oneshot
+        chains = [KeyChain(hasher, data, segs, root.ctx_enc, oneshot) for root, hasher in entries]
         return Lookup(data, segs, chains, [root for root, _ in entries])
 
     def _alive(self) -> Callable[[Block], bool]:
@@ -747,7 +750,7 @@ class PrefixCache:
         if promo is not None:
             first = max(1, -(-promo.min_tokens // bs))
             ends = [bs * i for i in range(first, n_full + 1)]
-            keys = KeyChain(public[1], lookup.data, lookup.segments).many(ends)
+            keys = KeyChain(public[1], lookup.data, lookup.segments, public[0].ctx_enc, self._oneshot).many(ends)
             for i, key in zip(range(first, n_full + 1), keys, strict=True):
                 node = self._tree.nodes.get(key)
                 if node is not None and node.public:
@@ -759,7 +762,7 @@ class PrefixCache:
         if depth == 0:
             self._drop_if_empty(public[0])
             return 0
-        chain = KeyChain(public[1], lookup.data, lookup.segments)
+        chain = KeyChain(public[1], lookup.data, lookup.segments, public[0].ctx_enc, self._oneshot)
         pub_lookup = Lookup(lookup.data, lookup.segments, [chain], [public[0]])
         path = self._tree.walk(pub_lookup, depth, bs, _always)
         if len(path) >= depth:

@@ -69,6 +69,19 @@ HASHES: Mapping[str, HashFactory] = {
 }
 
 
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+# One-shot digests of the same functions: hashing a short prefix in one C call beats
+# copying a streaming state. Both give the same key (the input is the same bytes).
+ONESHOT: Mapping[str, Callable[[bytes], bytes]] = {
+    "xxh3_128": xxhash.xxh3_128_digest,
+    "sha256": _sha256,
+}
+ONESHOT_MAX_BYTES = 4096  # above this a streaming pass is cheaper than re-hashing prefixes
+
+
 def get_hash(name: str) -> HashFactory:
     """The hash factory registered under ``name``; an unknown name lists the valid ones."""
     try:
@@ -262,34 +275,51 @@ def _raise_bad_token(tokens: Any, vocab_size: int | None) -> Any:
 # ---------------------------------------------------------------------------- keys
 
 
-@dataclass(slots=True)
 class KeyChain:
     """The keys of one prompt under one context root, computed on demand.
 
-    ``at(T)`` is the key of the prefix of T tokens; ``all_from(first, ends)`` walks the
-    prompt once for the keys of many prefixes.
+    ``at(T)`` is the key of the prefix of T tokens; ``many(ends)`` the keys of many
+    prefixes in one pass. ``root`` is a streaming hasher that has consumed the root
+    encoding ``root_enc``; ``oneshot`` (optional) digests bytes in one call and must be
+    the same function, so that both paths give the same keys.
     """
 
-    root: Hasher
-    data: bytes
-    segments: Segments = field(default=NO_SEGMENTS)
-    _view: memoryview = field(init=False)
+    __slots__ = ("_view", "data", "oneshot", "root", "root_enc", "segments")
 
-    def __post_init__(self) -> None:
-        self._view = memoryview(self.data)
+    def __init__(
+        self,
+        root: Hasher,
+        data: bytes,
+        segments: Segments = NO_SEGMENTS,
+        root_enc: bytes = b"",
+        oneshot: Callable[[bytes], bytes] | None = None,
+    ) -> None:
+        self.root = root
+        self.data = data
+        self.segments = segments
+        self.root_enc = root_enc
+        self.oneshot = oneshot if root_enc else None
+        self._view = memoryview(data)
 
     def _trailer(self, end: int) -> bytes:
         enc = self.segments.prefix_enc[self.segments.count_before(end)] if self.segments.starts else b""
         return enc + _TRAILER.pack(len(enc), end)
 
     def at(self, end: int) -> bytes:
+        trailer = self._trailer(end) if self.segments.starts else _TRAILER.pack(0, end)
+        if self.oneshot is not None and end <= ONESHOT_MAX_BYTES // 4:
+            return self.oneshot(b"".join((self.root_enc, self._view[: 4 * end], trailer)))
         h = self.root.copy()
         h.update(self._view[: 4 * end])
-        h.update(self._trailer(end))
+        h.update(trailer)
         return h.digest()
 
     def many(self, ends: Sequence[int]) -> list[bytes]:
-        """Keys for increasing prefix lengths ``ends``, in one streaming pass."""
+        """Keys for increasing prefix lengths ``ends``, in one pass."""
+        if not ends:
+            return []
+        if self.oneshot is not None and ends[-1] <= ONESHOT_MAX_BYTES // 4:
+            return [self.at(end) for end in ends]
         h = self.root.copy()
         view, done, out = self._view, 0, []
         trailer = self._trailer if self.segments.starts else None

@@ -164,6 +164,11 @@ def keys_of(spans: list[RunSpan]) -> list[bytes]:
     return keys
 
 
+def always_alive(_block: Block) -> bool:
+    """The liveness test when no TTL is configured."""
+    return True
+
+
 def path_to(block: Block) -> list[Block]:
     """The blocks from the root (excluded) down to ``block``, root-most first."""
     return blocks_of(runs_to(block))
@@ -258,12 +263,17 @@ class BlockTree:
 
     def deepest(self, lookup: Lookup, n_blocks: int, block_size: int, alive: Callable[[Block], bool]) -> Block | None:
         """Binary search for the deepest cached full block, by key alone (unverified)."""
+        get, key_fns = self.nodes.get, [chain.at for chain in lookup.chains]
+        check = alive is not always_alive
         lo, hi, best = 0, n_blocks, None
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            node = self.probe(lookup, mid * block_size, alive)
-            if node is not None:
-                lo, best = mid, node
+            end = mid * block_size
+            for key_at in key_fns:
+                node = get(key_at(end))
+                if node is not None and (not check or alive(node)):
+                    lo, best = mid, node
+                    break
             else:
                 hi = mid - 1
         return best
