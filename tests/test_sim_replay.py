@@ -695,3 +695,16 @@ def test_timestamp_going_back_is_a_trace_error(tmp_path: Path) -> None:
     path = write_records(tmp_path / "back.jsonl", [{**GOOD, "timestamp": 5.0}, {**GOOD, "timestamp": 4.0}])
     with pytest.raises(TraceError, match=f"{re.escape(str(path))}:2: field 'timestamp'"):
         replay(lambda: read_trace(path), [ReplayConfig()])
+
+
+def test_a_trace_mixing_hash_ids_and_tokens_is_refused(tmp_path: Path) -> None:
+    """Hit tokens of a pre-hashed request are counted in native blocks, of a token
+    request in tokens: one replay cannot do both, so it says so instead of mixing."""
+    path = tmp_path / "mixed.jsonl"
+    lines = [
+        {"timestamp": 0, "tenant": "a", "model": "m", "tokens": [1, 2, 3]},
+        {"timestamp": 1, "tenant": "a", "model": "m", "hash_ids": [7], "block_size": 16, "input_length": 10},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ValueError, match="mixes hash_ids and token prompts"):
+        replay(lambda: read_trace(path), [ReplayConfig()])

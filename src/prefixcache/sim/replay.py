@@ -32,7 +32,7 @@ import xxhash
 
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, PromotionConfig
-from prefixcache.hashing import CacheContext
+from prefixcache.hashing import CacheContext, token_bytes
 from prefixcache.policies import EvictionPolicy, make_policy
 from prefixcache.sim.costmodel import CostAccumulator, CostModel
 from prefixcache.sim.results import ReplayConfig, ReplayResult, TenantResult, TimePoint
@@ -63,13 +63,16 @@ class TraceSummary:
 
 
 def summarize(source: TraceSource) -> TraceSummary:
-    n, first, last, native, tenants = 0, 0.0, 0.0, None, set()
+    n, first, last, native, tenants, hashed = 0, 0.0, 0.0, None, set(), set()
     for req in source():
         if n == 0:
             first = req.timestamp
         last = req.timestamp
         n += 1
         tenants.add(req.tenant)
+        hashed.add(req.hash_ids is not None)
+        if len(hashed) > 1:
+            raise ValueError(f"request {n}: the trace mixes hash_ids and token prompts; replay them separately")
         if req.hash_ids is not None:
             if native is not None and req.block_size != native:
                 raise ValueError(f"request {n} has block size {req.block_size}, earlier ones {native}")
@@ -106,7 +109,7 @@ def request_blocks(req: Request, block_size: int, isolation: str) -> list[object
 
 
 def _token_block_ids(tokens: tuple[int, ...], block_size: int) -> list[object]:
-    data = b"".join(t.to_bytes(4, "little") for t in tokens)
+    data = token_bytes(tokens)
     hasher = xxhash.xxh3_128()
     ids: list[object] = []
     step = 4 * block_size
