@@ -16,7 +16,6 @@ import csv
 import json
 import math
 import re
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from prefixcache.sim.peers import libcachesim_run
 from prefixcache.sim.replay import TIMELINE_WINDOWS, replay, summarize
 from prefixcache.sim.results import ReplayConfig, ReplayResult
 from prefixcache.sim.traces import Request, TraceError, read_trace
@@ -430,22 +430,9 @@ def test_published_curves_cover_none_of_our_traces() -> None:
 
 
 def libcachesim_miss_ratio(keys: np.ndarray, policy: str, capacity: int) -> float:
-    """libCacheSim's miss ratio on ``keys`` (objects of size 1), run by its C loop over
-    an oracleGeneral file, as benchmarks/bench_replay.py does."""
-    lcs = pytest.importorskip("libcachesim")
-    factory = {"lru": lcs.LRU, "fifo": lcs.FIFO, "s3fifo": lcs.S3FIFO}[policy]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.oracleGeneral"
-        records = np.zeros(len(keys), dtype=[("t", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
-        records["t"] = np.arange(len(keys))
-        records["id"] = keys
-        records["size"] = 1
-        records["next"] = -1
-        records.tofile(path)
-        reader = lcs.TraceReader(str(path), lcs.TraceType.ORACLE_GENERAL_TRACE)
-        miss_ratio, _ = factory(capacity).process_trace(reader)
-        del reader  # NOTE: never close() it and then drop it: libcachesim frees it twice
-    return float(miss_ratio)
+    """libCacheSim's miss ratio on ``keys`` (objects of size 1), run by its C loop."""
+    pytest.importorskip("libcachesim")
+    return libcachesim_run(keys, policy, capacity)[0]
 
 
 def flat_miss_ratios(requests: list[Request], capacity_blocks: Sequence[int], block_size: int) -> dict[Any, float]:

@@ -17,7 +17,9 @@ ISOLATION_MODES = ("shared", "namespace", "partitioned")
 DEFAULT_CAPACITY_TOKENS = 1 << 20
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
+def check_int(name: str, value: object, minimum: int) -> None:
+    """A configuration integer: a bool is not one, and below ``minimum`` is an error
+    that names the field."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
@@ -37,9 +39,9 @@ class PromotionConfig:
     max_candidates: int = 100_000
 
     def __post_init__(self) -> None:
-        _check_int("promotion.min_tenants", self.min_tenants, 2)
-        _check_int("promotion.min_tokens", self.min_tokens, 1)
-        _check_int("promotion.max_candidates", self.max_candidates, 1)
+        check_int("promotion.min_tenants", self.min_tenants, 2)
+        check_int("promotion.min_tokens", self.min_tokens, 1)
+        check_int("promotion.max_candidates", self.max_candidates, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +70,7 @@ class CacheConfig:
     events_capacity: int = 65_536
 
     def __post_init__(self) -> None:
-        _check_int("block_size", self.block_size, 1)
+        check_int("block_size", self.block_size, 1)
         self._check_capacity()
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; valid: {', '.join(sorted(POLICIES))}")
@@ -78,24 +80,24 @@ class CacheConfig:
         if not isinstance(self.seed, str) or not self.seed:
             raise ValueError("seed must be a non-empty string (the same on every server that shares keys)")
         if self.vocab_size is not None:
-            _check_int("vocab_size", self.vocab_size, 1)
+            check_int("vocab_size", self.vocab_size, 1)
         ttl = self.ttl_seconds
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0):
             raise ValueError(f"ttl_seconds must be a positive number or None, got {self.ttl_seconds!r}")
-        _check_int("events_capacity", self.events_capacity, 0)
+        check_int("events_capacity", self.events_capacity, 0)
         self._check_tenancy()
 
     def _check_capacity(self) -> None:
         if self.capacity_tokens is not None and self.capacity_bytes is not None:
             raise ValueError("give capacity_tokens or capacity_bytes, not both")
         if self.capacity_bytes is not None:
-            _check_int("capacity_bytes", self.capacity_bytes, 0)
+            check_int("capacity_bytes", self.capacity_bytes, 0)
             if self.bytes_per_token is None:
                 raise ValueError("capacity_bytes needs bytes_per_token (the KV size of one token)")
         elif self.capacity_tokens is not None:
-            _check_int("capacity_tokens", self.capacity_tokens, 0)
+            check_int("capacity_tokens", self.capacity_tokens, 0)
         if self.bytes_per_token is not None:
-            _check_int("bytes_per_token", self.bytes_per_token, 1)
+            check_int("bytes_per_token", self.bytes_per_token, 1)
 
     def _check_tenancy(self) -> None:
         if not isinstance(self.quotas, Mapping):
@@ -107,9 +109,9 @@ class CacheConfig:
         for tenant, quota in self.quotas.items():
             if not isinstance(tenant, str) or not tenant:
                 raise ValueError(f"quota tenant names must be non-empty strings, got {tenant!r}")
-            _check_int(f"quotas[{tenant!r}]", quota, 0)
+            check_int(f"quotas[{tenant!r}]", quota, 0)
         if self.shared_quota is not None:
-            _check_int("shared_quota", self.shared_quota, 0)
+            check_int("shared_quota", self.shared_quota, 0)
         total = sum(self.quotas.values()) + (self.shared_quota or 0)
         if total > self.capacity_units:
             raise ValueError(f"partitioned quotas add up to {total}, above the capacity of {self.capacity_units}")

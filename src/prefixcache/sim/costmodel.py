@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeVar
 
+from prefixcache.config import check_int
 from prefixcache.sim.results import ReplayResult
 
 _T = TypeVar("_T")
@@ -52,13 +53,6 @@ def _check_positive(field_name: str, value: object) -> None:
         raise ValueError(f"{field_name} must be finite and > 0, got {value!r}")
 
 
-def _check_count(field_name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{field_name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{field_name} must be >= {minimum}, got {value}")
-
-
 @dataclass(frozen=True, slots=True)
 class ModelProfile:
     """The few numbers of a model that decide its prefill cost."""
@@ -72,9 +66,9 @@ class ModelProfile:
     def __post_init__(self) -> None:
         _check_name("name", self.name)
         _check_positive("params", self.params)
-        _check_count("layers", self.layers, 1)
-        _check_count("hidden", self.hidden, 1)
-        _check_count("context_length", self.context_length, 1)
+        check_int("layers", self.layers, 1)
+        check_int("hidden", self.hidden, 1)
+        check_int("context_length", self.context_length, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,8 +228,8 @@ class CostModel:
         a real engine recomputes the last token to get its logits. The cache's reported
         hit length is honest (what was loaded), and the model follows it rather than
         second-guessing one token of one engine."""
-        _check_count("input_length", input_length, 0)
-        _check_count("cached_tokens", cached_tokens, 0)
+        check_int("input_length", input_length, 0)
+        check_int("cached_tokens", cached_tokens, 0)
         if strict and input_length > self.model.context_length:
             raise ValueError(
                 f"input_length {input_length} exceeds the context_length {self.model.context_length} "

@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from prefixcache.config import check_int
+
 KINDS = ("chat", "rag", "agent", "scan")
 EMITS = ("hash_ids", "tokens")
 
@@ -69,7 +71,7 @@ class WorkloadSpec:
 
     def __post_init__(self) -> None:
         for name, minimum in _COUNTS.items():
-            _check_int(name, getattr(self, name), minimum)
+            check_int(name, getattr(self, name), minimum)
         for name, minimum in _RANGES.items():
             object.__setattr__(self, name, _check_range(name, getattr(self, name), minimum))
         _check_number("duration_s", self.duration_s)
@@ -101,13 +103,6 @@ _COUNTS: Mapping[str, int] = {
 _RANGES: Mapping[str, int] = {"turn_tokens": 0, "output_tokens": 0, "document_tokens": 0, "scan_tokens": 1}
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -117,8 +112,8 @@ def _check_range(name: str, value: object, minimum: int) -> tuple[int, int]:
     if not isinstance(value, tuple | list) or len(value) != 2:
         raise ValueError(f"{name} must be a (lo, hi) pair of integers, got {value!r}")
     lo, hi = value
-    _check_int(f"{name}[0]", lo, minimum)
-    _check_int(f"{name}[1]", hi, minimum)
+    check_int(f"{name}[0]", lo, minimum)
+    check_int(f"{name}[1]", hi, minimum)
     if lo > hi:
         raise ValueError(f"{name} must have lo <= hi, got {value!r}")
     return (lo, hi)
@@ -433,7 +428,7 @@ def repeated_prefix(
         ("block_size", block_size, 1),
         ("seed", seed, 0),
     ):
-        _check_int(name, value, minimum)
+        check_int(name, value, minimum)
     return _repeated_prefix(prefix_tokens, suffix_tokens, requests, tenants, block_size, seed)
 
 
