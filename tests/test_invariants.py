@@ -96,6 +96,18 @@ class CacheMachine(RuleBasedStateMachine):
             if len(senders) >= promo.min_tenants:
                 self.ref.seqs.setdefault(public, {})[tuple(prompt[:end])] = self.clock.now
 
+    def allowed(self, prompt: list[int], tenant: str, model: str, adapter: str | None) -> int:
+        """The most a match may return: the tenant's own prefixes, and public ones."""
+        best = self.best_reference(prompt, self.ref_key(tenant, model, adapter))
+        if self.config.promotion is not None:
+            best = max(best, self.best_reference(prompt, self.public_key(model, adapter)))
+        return best
+
+    def record_insert(self, tenant: str, model: str, adapter: str | None, prompt: list[int]) -> None:
+        self.ref.seqs.setdefault(self.ref_key(tenant, model, adapter), {})[tuple(prompt)] = self.clock.now
+        if self.config.promotion is not None:
+            self.count_senders(tenant, model, adapter, prompt)
+
     def best_reference(self, prompt: list[int], key: tuple[object, ...]) -> int:
         """The longest prefix of ``prompt`` that the cache may hold for ``key``, at the
         granularity it stores."""
@@ -119,9 +131,7 @@ class CacheMachine(RuleBasedStateMachine):
     def match(self, tenant: str, model: str, adapter: str | None, prompt: list[int], keep: bool) -> None:
         ctx = CacheContext(tenant=tenant, model=model, adapter=adapter)
         m = self.cache.match(prompt, ctx)
-        allowed = self.best_reference(prompt, self.ref_key(tenant, model, adapter))
-        if self.config.promotion is not None:
-            allowed = max(allowed, self.best_reference(prompt, self.public_key(model, adapter)))
+        allowed = self.allowed(prompt, tenant, model, adapter)
         # Soundness: never more than what was inserted, in this namespace and epoch.
         assert m.cached_tokens <= allowed, (m.cached_tokens, allowed)
         if self.roomy:
@@ -160,10 +170,8 @@ class CacheMachine(RuleBasedStateMachine):
         used_before = self.cache.used_tokens
         stored = self.cache.insert(prompt, ctx)
         assert 0 <= stored <= len(prompt)
-        if self.config.promotion is not None:
-            self.count_senders(tenant, model, adapter, prompt)
         assert stored == 0 or self.cache.used_tokens <= used_before + stored
-        self.ref.seqs.setdefault(self.ref_key(tenant, model, adapter), {})[tuple(prompt)] = self.clock.now
+        self.record_insert(tenant, model, adapter, prompt)
 
     @rule(
         tenant=st.sampled_from(TENANTS),
@@ -174,17 +182,13 @@ class CacheMachine(RuleBasedStateMachine):
     def access(self, tenant: str, model: str, adapter: str | None, prompt: list[int]) -> None:
         """The simulator's one-step match + insert + release agrees with the reference too."""
         ctx = CacheContext(tenant=tenant, model=model, adapter=adapter)
-        allowed = self.best_reference(prompt, self.ref_key(tenant, model, adapter))
-        if self.config.promotion is not None:
-            allowed = max(allowed, self.best_reference(prompt, self.public_key(model, adapter)))
+        allowed = self.allowed(prompt, tenant, model, adapter)
         cached, stored = self.cache.access(prompt, ctx)
         assert cached <= allowed, (cached, allowed)
         if self.roomy:
             assert cached == allowed
         assert 0 <= stored <= len(prompt)  # a partial hit's block is stored whole, so not len - cached
-        self.ref.seqs.setdefault(self.ref_key(tenant, model, adapter), {})[tuple(prompt)] = self.clock.now
-        if self.config.promotion is not None:
-            self.count_senders(tenant, model, adapter, prompt)
+        self.record_insert(tenant, model, adapter, prompt)
 
     @rule(model=st.sampled_from(MODELS), adapter=st.sampled_from(ADAPTERS))
     def bump(self, model: str, adapter: str | None) -> None:

@@ -232,7 +232,7 @@ def encode(key: bytes, tokens: bytes, kv: np.ndarray, *, dtype: str | None = Non
     label = _label_of(kv, dtype)
     arr = _contiguous(kv, label)
     shape = _check_shape(arr.shape)
-    payload = memoryview(arr.reshape(-1).view(np.uint8))
+    payload = arr.reshape(-1).view(np.uint8).data
     return b"".join((_pack_header(key, label, shape, token_checksum(tokens), payload), payload))
 
 
