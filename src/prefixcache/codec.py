@@ -1,7 +1,8 @@
 """Payload framing: one block's KV for all layers as bytes a tier can store and trust.
 
 A frame is a versioned binary header followed by the raw tensor bytes (design.md
-invariant 8: no pickle, so a frame read back from disk or Redis can never run code)::
+invariant 8: only plain bytes and fixed-width fields are parsed, no object serializer,
+so a frame read back from disk or Redis can never run code)::
 
     +------+-----+---+----+---+-----+---+-------+-----+--------+---+--------+-----+--------+-----------+
     | PXKV | ver | H | dt | n | flg | k | shape | key | tok_ck | P | pay_ck | pad | hdr_ck | payload   |
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import operator
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -96,6 +98,7 @@ _MAX_DIM = 0xFFFFFFFF
 _FIXED = struct.Struct("<4sHHBBHH")  # magic, version, header length, dtype, ndim, flags, key length
 _TAIL = struct.Struct("<16sQ16s")  # token checksum, payload length, payload checksum
 _HEADER_CHECKSUM = struct.Struct("<Q")
+_SHAPE = struct.Struct(f"<{NDIM}I")
 
 # dtype label -> (code in the header, little-endian numpy dtype of the payload's items)
 _CODES: Final = {"float32": 1, "float16": 2, "bfloat16": 3}
@@ -105,6 +108,7 @@ _WIRE: Final[dict[str, np.dtype]] = {
     "float16": np.dtype("<f2"),
     "bfloat16": np.dtype("<u2"),
 }
+_FLOAT_LABELS: Final[dict[np.dtype, str]] = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16"}
 DTYPES: Final = tuple(_CODES)
 
 FrameLike = bytes | bytearray | memoryview
@@ -203,7 +207,7 @@ def _pack_header(key: bytes, label: str, shape: tuple[int, ...], tok_ck: bytes, 
     body = b"".join(
         (
             _FIXED.pack(MAGIC, VERSION, length, _CODES[label], ndim, 0, len(key)),
-            struct.pack(f"<{ndim}I", *shape),
+            _SHAPE.pack(*shape),
             key,
             _TAIL.pack(tok_ck, payload.nbytes, xxhash.xxh3_128_digest(payload)),
         )
@@ -238,7 +242,11 @@ def encode(key: bytes, tokens: bytes, kv: np.ndarray, *, dtype: str | None = Non
 
 def encoded_size(shape: Sequence[int], dtype: str, key_len: int) -> int:
     """Exact length of a frame of this shape, dtype and key length: fixed-size slots use it."""
-    shape = _check_shape(tuple(shape))
+    try:
+        dims = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise ValueError(f"shape must be a sequence of integers, got {shape!r}") from None
+    shape = _check_shape(dims)
     _check_label(dtype)
     if not 1 <= key_len <= MAX_KEY_LEN:
         raise ValueError(f"key length must be in [1, {MAX_KEY_LEN}], got {key_len}")
@@ -268,9 +276,9 @@ def _check_label(dtype: str) -> None:
 def _check_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     if len(shape) != NDIM:
         raise ValueError(f"KV must have {NDIM} dims [layers, 2, kv_heads, block_tokens, head_dim], got shape {shape}")
-    if not all(isinstance(d, int | np.integer) and 1 <= d <= _MAX_DIM for d in shape):
-        raise ValueError(f"every dim must be an integer in [1, 2**32), got shape {shape}")
-    return tuple(int(d) for d in shape)
+    if min(shape) < 1 or max(shape) > _MAX_DIM:
+        raise ValueError(f"every dim must be in [1, 2**32), got shape {shape}")
+    return shape
 
 
 def _label_of(kv: np.ndarray, dtype: str | None) -> str:
@@ -279,26 +287,31 @@ def _label_of(kv: np.ndarray, dtype: str | None) -> str:
         raise TypeError(f"kv must be a numpy array, got {type(kv).__name__}")
     if dtype is not None:
         _check_label(dtype)
-    dt = kv.dtype
-    if dt.name == "bfloat16":  # ml_dtypes, identified without importing it
-        found = "bfloat16"
-    elif dt.kind == "u" and dt.itemsize == 2:
-        if dtype != "bfloat16":
-            raise ValueError(f"a uint16 array is raw bfloat16 only with dtype='bfloat16'; got dtype={dtype!r}")
-        found = "bfloat16"
-    elif dt.kind == "f" and dt.itemsize in (2, 4):
-        found = "float16" if dt.itemsize == 2 else "float32"
-    else:
-        raise ValueError(f"unsupported KV dtype {dt}; valid: float32, float16, bfloat16 (or uint16 with a label)")
+    found = _FLOAT_LABELS.get(kv.dtype) or _other_label(kv.dtype, dtype)
     if dtype is not None and dtype != found:
-        raise ValueError(f"dtype label {dtype!r} does not match the array's dtype {dt} ({found})")
+        raise ValueError(f"dtype label {dtype!r} does not match the array's dtype {kv.dtype} ({found})")
     return found
 
 
+def _other_label(dt: np.dtype, dtype: str | None) -> str:
+    """The labels off the fast path: bfloat16 (ml_dtypes or labelled uint16) and big-endian floats."""
+    if dt.name == "bfloat16":  # ml_dtypes, recognised without importing it
+        return "bfloat16"
+    if dt.kind == "u" and dt.itemsize == 2:
+        if dtype != "bfloat16":
+            raise ValueError(f"a uint16 array is raw bfloat16 only with dtype='bfloat16'; got dtype={dtype!r}")
+        return "bfloat16"
+    if dt.kind == "f" and dt.itemsize in (2, 4):
+        return "float16" if dt.itemsize == 2 else "float32"
+    raise ValueError(f"unsupported KV dtype {dt}; valid: float32, float16, bfloat16 (or uint16 labelled bfloat16)")
+
+
 def _contiguous(kv: np.ndarray, label: str) -> np.ndarray:
-    wire = kv.dtype if kv.dtype.name == "bfloat16" else _WIRE[label]
+    wire = _WIRE[label] if kv.dtype.kind in "fu" else kv.dtype  # ml_dtypes' bfloat16 (kind "V") stays itself
+    if kv.flags.c_contiguous and kv.dtype == wire:
+        return kv  # the fast path: no copy
     arr: np.ndarray = np.ascontiguousarray(kv, dtype=wire)
-    return arr  # no copy when already contiguous little-endian
+    return arr
 
 
 # ---------------------------------------------------------------------------- decode
@@ -379,7 +392,7 @@ def _header_fields(view: memoryview, code: int, ndim: int, flags: int, key_len: 
         raise CorruptFrame(f"dtype code: expected one of {sorted(_LABELS)}, found {code}")
     if ndim != NDIM or key_len == 0:
         raise CorruptFrame(f"expected {NDIM} dims and a non-empty key, found {ndim} dims and {key_len} key bytes")
-    shape = struct.unpack_from(f"<{ndim}I", view, _FIXED.size)
+    shape = _SHAPE.unpack_from(view, _FIXED.size)
     at = _FIXED.size + 4 * ndim
     tok_ck, payload_len, pay_ck = _TAIL.unpack_from(view, at + key_len)
     label = _LABELS[code]
