@@ -636,10 +636,30 @@ class PrefixCache:
                 return need
             if (self._stale or self._ttl) and self._reclaim_one():
                 continue
-            victim = self._victim(pool, pool.used + need > pool.quota)
+            own_quota_binds = pool.used + need > pool.quota
+            if own_quota_binds or not self._tenancy.partitioned:
+                # NOTE: the common case, one pool to evict from: a tight loop, no re-checks.
+                if not self._evict_from(pool, need - free):
+                    return max(free, 0)
+                continue
+            victim = self._victim(pool, own_quota_binds)
             if victim is None:
                 return max(free, 0)
             self._remove(victim, RemovalReason.EVICTED, in_policy=False)
+
+    def _evict_from(self, pool: Pool, tokens: int) -> bool:
+        """Evict from ``pool`` until ``tokens`` are freed or nothing is evictable; returns
+        whether anything was."""
+        victim, nodes, evictable, remove = pool.policy.victim, self._tree.nodes, self._evictable, self._remove
+        freed = 0
+        while freed < tokens:
+            key = victim(evictable)
+            if key is None:
+                return freed > 0
+            block = nodes[key]  # type: ignore[index]
+            freed += len(block.tokens) >> 2
+            remove(block, RemovalReason.EVICTED, in_policy=False)
+        return True
 
     def _evictable(self, key: Any) -> bool:
         block = self._tree.nodes[key]
@@ -659,22 +679,24 @@ class PrefixCache:
     # ================================================================ removing
 
     def _remove(self, block: Block, reason: RemovalReason, in_policy: bool = True) -> None:
-        pool = block.pool
+        pool, key = block.pool, block.key
         assert pool is not None and block.pins == 0 and not block.children
         self._tree.detach(block)
         if block.run is not None:
             block.run.truncate(block.run_index)
         if in_policy and not block.doomed:
-            pool.policy.remove(block.key)
-        if self._ttl is not None and self._ttl.get(block.key) is block:
-            del self._ttl[block.key]
-        n = block.num_tokens
+            pool.policy.remove(key)
+        if self._ttl is not None and self._ttl.get(key) is block:
+            del self._ttl[key]
+        n = len(block.tokens) >> 2
         pool.used -= n
         pool.blocks -= 1
         self._used -= n
         block.pool = None
-        block.root.members -= 1
-        self._drop_if_empty(block.root)
+        root = block.root
+        root.members -= 1
+        if not root.members:
+            self._drop_if_empty(root)
         if reason is RemovalReason.EVICTED:
             pool.evictions += 1
             self._stats.evictions += 1

@@ -246,10 +246,11 @@ class BlockTree:
     def detach(self, block: Block) -> None:
         """Take a childless block out of the tree for good."""
         assert not block.children, "detaching a block with children would orphan them"
-        self.unlink(block)
-        parent = block.parent
-        if parent is not None and parent.children.get(block.key) is block:
-            del parent.children[block.key]
+        key, nodes, parent = block.key, self.nodes, block.parent
+        if nodes.get(key) is block:
+            del nodes[key]
+        if parent is not None and parent.children.get(key) is block:
+            del parent.children[key]
 
     # ----------------------------------------------------------------- search
 
