@@ -37,15 +37,18 @@ KEY = bytes(range(16))
 TOKENS = struct.pack("<4I", 7, 8, 9, 10)
 SMALL = (1, 2, 1, 2, 2)  # a 128-byte frame: every cut and every bit is cheap to try
 SMOLLM2 = (30, 2, 3, 16, 64)  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, 16-token blocks
-WIRE = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+WIRE: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 
 # Byte offsets of the fixed header fields (see the layout in codec's docstring).
 OFF_VERSION, OFF_HLEN, OFF_DTYPE, OFF_NDIM, OFF_FLAGS, OFF_KEYLEN, OFF_SHAPE = 4, 6, 8, 9, 10, 12, 14
+OFF_TOKEN_CK = OFF_SHAPE + 4 * 5 + len(KEY)  # then the payload length (u64) and payload checksum
+OFF_PAYLOAD_LEN = OFF_TOKEN_CK + 16
 
 
 def kv_of(raw: bytes, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     """Arbitrary bytes as a KV tensor: covers every NaN payload, -0.0, inf and denormal."""
-    return np.frombuffer(raw, dtype=WIRE[dtype]).reshape(shape)
+    out: np.ndarray = np.frombuffer(raw, dtype=WIRE[dtype]).reshape(shape)
+    return out
 
 
 def random_kv(shape: tuple[int, ...] = SMALL, dtype: str = "float16", seed: int = 0) -> np.ndarray:
@@ -58,7 +61,8 @@ def small_frame(dtype: str = "float16") -> bytes:
 
 
 def bits(arr: np.ndarray) -> bytes:
-    return arr.tobytes()
+    data: bytes = arr.tobytes()
+    return data
 
 
 def patch(frame: bytes, offset: int, fmt: str, value: int, *, rehash: bool = True) -> bytes:
@@ -133,12 +137,21 @@ def test_smollm2_block_shape_and_size() -> None:
     frame = encode(KEY, TOKENS * 4, kv)
     assert len(frame) == encoded_size(SMOLLM2, "float16", len(KEY))
     out = decode(frame, key=KEY, tokens=TOKENS * 4, shape=SMOLLM2, dtype="float16")
-    assert out.dtype == np.float16 and out.shape == SMOLLM2 and np.array_equal(out, kv)
+    assert out.dtype == np.float16 and out.shape == SMOLLM2 and bits(out) == bits(kv)
 
 
 def test_encoded_size_header_grows_in_aligned_steps() -> None:
-    sizes = {k: encoded_size(SMALL, "float32", k) - 16 * 4 for k in (1, 16, 32, 42, 43, 65535)}
-    assert sizes == {1: 96, 16: 112, 32: 128, 42: 128, 43: 144, 65535: 65632}
+    sizes = {k: encoded_size(SMALL, "float32", k) - 8 * 4 for k in (1, 16, 32, 46, 47, 65438)}
+    assert sizes == {1: 96, 16: 112, 32: 128, 46: 128, 47: 144, 65438: 65520}
+
+
+def test_the_longest_key_fits_the_u16_header_length() -> None:
+    """The header length is a u16: the longest key is 65438 bytes, not 65535."""
+    assert codec.MAX_KEY_LEN == 65438
+    key = b"\xab" * codec.MAX_KEY_LEN
+    frame = encode(key, TOKENS, random_kv())
+    assert peek_header(frame).header_length == 65520
+    assert bits(decode(frame, key=key, tokens=TOKENS)) == bits(random_kv())
 
 
 # ============================================================================ zero copy
@@ -215,7 +228,8 @@ def test_ml_dtypes_bfloat16_round_trips() -> None:
 @pytest.mark.parametrize(
     ("key", "tokens", "kv", "dtype", "error", "words"),
     [
-        (b"", TOKENS, random_kv(), None, ValueError, "key must be 1 to 65535 bytes"),
+        (b"", TOKENS, random_kv(), None, ValueError, "key must be 1 to 65438 bytes"),
+        (b"k" * 65439, TOKENS, random_kv(), None, ValueError, "got 65439"),
         (b"k" * 65536, TOKENS, random_kv(), None, ValueError, "got 65536"),
         ("key", TOKENS, random_kv(), None, TypeError, "key must be bytes"),
         (KEY, TOKENS[:-1], random_kv(), None, ValueError, "multiple of 4"),
@@ -248,7 +262,7 @@ def test_encode_rejects_bad_input(
         ((1, 2, 1.5, 4, 5), "float16", 16, "integers"),
         (SMALL, "int8", 16, "valid"),
         (SMALL, "float16", 0, "key length"),
-        (SMALL, "float16", 65536, "key length"),
+        (SMALL, "float16", 65439, "key length"),
     ],
 )
 def test_encoded_size_rejects_bad_input(shape: Any, dtype: str, key_len: int, words: str) -> None:
@@ -258,12 +272,13 @@ def test_encoded_size_rejects_bad_input(shape: Any, dtype: str, key_len: int, wo
 
 def test_decode_rejects_bad_arguments_as_caller_bugs() -> None:
     frame = small_frame()
-    for kwargs, error in [
+    cases: list[tuple[dict[str, Any], type[Exception]]] = [
         ({"key": b""}, ValueError),
         ({"key": KEY, "tokens": b"abc"}, ValueError),
         ({"key": KEY, "dtype": "fp8"}, ValueError),
         ({"key": KEY.hex()}, TypeError),
-    ]:
+    ]
+    for kwargs, error in cases:
         with pytest.raises(error) as info:
             decode(frame, **kwargs)
         assert not isinstance(info.value, FrameError)
@@ -321,8 +336,8 @@ def test_payload_checksum() -> None:
         (OFF_DTYPE, "<B", 9, "dtype code"),
         (OFF_DTYPE, "<B", 1, "payload length"),  # float32: the shape then needs twice the bytes
         (OFF_SHAPE, "<I", 2, "payload length"),
-        (OFF_SHAPE + 8, "<I", 0, "payload length"),
-        (112 - 48, "<Q", 17, "payload length"),  # the payload-length field itself
+        (OFF_SHAPE + 8, "<I", 0, "every dim >= 1"),
+        (OFF_PAYLOAD_LEN, "<Q", 17, "payload length"),  # the payload-length field itself
     ],
 )
 def test_a_buggy_writer_is_caught_by_consistency_checks(offset: int, fmt: str, value: int, words: str) -> None:
@@ -364,7 +379,15 @@ def test_every_flipped_bit_is_detected() -> None:
 
 @pytest.mark.parametrize(
     ("offset", "bit"),
-    [(OFF_DTYPE, 0), (OFF_DTYPE, 1), (OFF_NDIM, 0), (OFF_KEYLEN, 0), (OFF_SHAPE, 1), (OFF_SHAPE + 16, 3), (112 - 48, 0)],
+    [
+        (OFF_DTYPE, 0),
+        (OFF_DTYPE, 1),
+        (OFF_NDIM, 0),
+        (OFF_KEYLEN, 0),
+        (OFF_SHAPE, 1),
+        (OFF_SHAPE + 16, 3),
+        (OFF_PAYLOAD_LEN, 0),
+    ],
 )
 def test_flipped_field_bits_are_corruption(offset: int, bit: int) -> None:
     """float16 (2) and bfloat16 (3) differ in one bit: only the header checksum tells them apart."""
@@ -375,7 +398,7 @@ def test_flipped_field_bits_are_corruption(offset: int, bit: int) -> None:
 
 def test_a_flipped_token_checksum_bit_is_caught_without_tokens() -> None:
     damaged = bytearray(small_frame())
-    damaged[OFF_SHAPE + 20 + len(KEY)] ^= 0x10  # first byte of the token checksum
+    damaged[OFF_TOKEN_CK] ^= 0x10
     raises_with(CorruptFrame, decode, bytes(damaged), key=KEY)
 
 
@@ -418,9 +441,5 @@ def test_no_pickle() -> None:
             imported |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module or "")
-    assert imported <= {"__future__", "collections.abc", "dataclasses", "importlib", "math", "numpy"} | {
-        "operator",
-        "struct",
-        "typing",
-        "xxhash",
-    }
+    stdlib = {"__future__", "collections.abc", "dataclasses", "importlib", "math", "operator", "struct", "typing"}
+    assert imported <= stdlib | {"numpy", "xxhash"}

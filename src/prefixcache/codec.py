@@ -18,7 +18,7 @@ so a frame read back from disk or Redis can never run code)::
     dt       u8       dtype code: 1 float32, 2 float16, 3 bfloat16
     n        u8       number of dims, 5: [layers, 2 (K, V), kv_heads, block_tokens, head_dim]
     flg      u16      flags, 0 (a reader refuses flags it does not know)
-    k        u16      key length, 1..65535
+    k        u16      key length, 1..65438 (so that H fits its u16)
     shape    u32 x n  the tensor's shape, every dim >= 1
     key      k bytes  the block key (hashing.py)
     tok_ck   16 bytes xxh3_128 of the block's token ids as little-endian uint32
@@ -70,6 +70,7 @@ __all__ = [
     "DTYPES",
     "HEADER_ALIGN",
     "MAGIC",
+    "MAX_KEY_LEN",
     "NDIM",
     "VERSION",
     "CorruptFrame",
@@ -92,13 +93,17 @@ MAGIC: Final = b"PXKV"
 VERSION: Final = 1
 NDIM: Final = 5  # [layers, 2 (K, V), kv_heads, block_tokens, head_dim]
 HEADER_ALIGN: Final = 16
-MAX_KEY_LEN: Final = 0xFFFF
 _MAX_DIM = 0xFFFFFFFF
 
 _FIXED = struct.Struct("<4sHHBBHH")  # magic, version, header length, dtype, ndim, flags, key length
 _TAIL = struct.Struct("<16sQ16s")  # token checksum, payload length, payload checksum
 _HEADER_CHECKSUM = struct.Struct("<Q")
 _SHAPE = struct.Struct(f"<{NDIM}I")
+# NOTE: H is a u16, so the longest key is what still fits a 16-aligned header in 65535
+# bytes: 65438, not the 65535 the u16 key length could say. Block keys are 16-32 bytes.
+MAX_KEY_LEN: Final = 0xFFFF // HEADER_ALIGN * HEADER_ALIGN - (
+    _FIXED.size + _SHAPE.size + _TAIL.size + _HEADER_CHECKSUM.size
+)
 
 # dtype label -> (code in the header, little-endian numpy dtype of the payload's items)
 _CODES: Final = {"float32": 1, "float16": 2, "bfloat16": 3}
@@ -111,7 +116,7 @@ _WIRE: Final[dict[str, np.dtype]] = {
 _FLOAT_LABELS: Final[dict[np.dtype, str]] = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16"}
 DTYPES: Final = tuple(_CODES)
 
-FrameLike = bytes | bytearray | memoryview
+Buffer = bytes | bytearray | memoryview
 
 
 def _ml_bfloat16() -> np.dtype | None:
@@ -197,7 +202,7 @@ def _header_length(ndim: int, key_len: int) -> int:
     return -(-raw // HEADER_ALIGN) * HEADER_ALIGN
 
 
-def token_checksum(tokens: bytes | bytearray | memoryview) -> bytes:
+def token_checksum(tokens: Buffer) -> bytes:
     """The 16-byte checksum a frame stores for its block's token bytes (``FrameHeader.token_checksum``)."""
     return xxhash.xxh3_128_digest(tokens)
 
@@ -219,7 +224,7 @@ def _pack_header(key: bytes, label: str, shape: tuple[int, ...], tok_ck: bytes, 
 # ---------------------------------------------------------------------------- encode
 
 
-def encode(key: bytes, tokens: bytes, kv: np.ndarray, *, dtype: str | None = None) -> bytes:
+def encode(key: bytes, tokens: Buffer, kv: np.ndarray, *, dtype: str | None = None) -> bytes:
     """One block's frame: header plus the raw bytes of ``kv``.
 
     ``tokens`` are the block's token ids as little-endian uint32 bytes (as the cache
@@ -260,7 +265,7 @@ def _check_key(key: bytes) -> None:
         raise ValueError(f"key must be 1 to {MAX_KEY_LEN} bytes, got {len(key)}")
 
 
-def _check_tokens(tokens: bytes | bytearray | memoryview, name: str) -> None:
+def _check_tokens(tokens: Buffer, name: str) -> None:
     if not isinstance(tokens, bytes | bytearray | memoryview):
         raise TypeError(f"{name} must be little-endian uint32 bytes, got {type(tokens).__name__}")
     nbytes = memoryview(tokens).nbytes
@@ -317,16 +322,16 @@ def _contiguous(kv: np.ndarray, label: str) -> np.ndarray:
 # ---------------------------------------------------------------------------- decode
 
 
-def peek_header(frame: FrameLike) -> FrameHeader:
+def peek_header(frame: Buffer) -> FrameHeader:
     """The verified header of ``frame``; needs only the header's bytes, not the payload."""
     return _parse_header(_byte_view(frame))
 
 
 def decode(
-    frame: FrameLike,
+    frame: Buffer,
     *,
     key: bytes,
-    tokens: bytes | bytearray | memoryview | None = None,
+    tokens: Buffer | None = None,
     shape: tuple[int, ...] | None = None,
     dtype: str | None = None,
 ) -> np.ndarray:
@@ -349,7 +354,7 @@ def decode(
     return out.reshape(head.shape)
 
 
-def _byte_view(frame: FrameLike) -> memoryview:
+def _byte_view(frame: Buffer) -> memoryview:
     view = frame if isinstance(frame, memoryview) else memoryview(frame)
     if not view.c_contiguous:
         raise TypeError("frame must be a contiguous buffer")
@@ -365,10 +370,10 @@ def _parse_header(view: memoryview) -> FrameHeader:
     _, version, length, code, ndim, flags, key_len = _FIXED.unpack_from(view)
     if version != VERSION:
         raise UnsupportedVersion(f"expected format version {VERSION}, found {version}")
-    if length != _header_length(ndim, key_len):
+    expected = _header_length(ndim, key_len)
+    if length != expected:
         raise CorruptFrame(
-            f"header length: {ndim} dims and a {key_len}-byte key make {_header_length(ndim, key_len)} bytes, "
-            f"found {length}"
+            f"header length: expected {expected} bytes for {ndim} dims and a {key_len}-byte key, found {length}"
         )
     if size < length:
         raise TruncatedFrame(f"expected a {length}-byte header, found {size} bytes")
@@ -396,16 +401,18 @@ def _header_fields(view: memoryview, code: int, ndim: int, flags: int, key_len: 
     at = _FIXED.size + 4 * ndim
     tok_ck, payload_len, pay_ck = _TAIL.unpack_from(view, at + key_len)
     label = _LABELS[code]
+    if 0 in shape:
+        raise CorruptFrame(f"shape: expected every dim >= 1, found {shape}")
     expected_len = math.prod(shape) * _WIRE[label].itemsize
-    if payload_len != expected_len or 0 in shape:
-        raise CorruptFrame(f"payload length: shape {shape} of {label} makes {expected_len} bytes, found {payload_len}")
+    if payload_len != expected_len:
+        raise CorruptFrame(f"payload length: expected {expected_len} bytes for {label} {shape}, found {payload_len}")
     return FrameHeader(VERSION, label, shape, bytes(view[at : at + key_len]), tok_ck, payload_len, pay_ck, length)
 
 
 def _check_expected(
     head: FrameHeader,
     key: bytes,
-    tokens: bytes | bytearray | memoryview | None,
+    tokens: Buffer | None,
     shape: tuple[int, ...] | None,
     dtype: str | None,
 ) -> None:
