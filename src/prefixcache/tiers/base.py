@@ -1,0 +1,101 @@
+"""The interface of a tier store: a narrow key -> frame store with no policy inside.
+
+A store holds codec frames (``prefixcache.codec``) under block keys. It decides
+nothing: which block goes where, and which leaves when a tier is full, is the cache's
+business (its pools and policies). A store only puts, gets, deletes and says what it
+holds, and it turns every failure of its medium into a counted miss, never into
+wrong bytes: ``get_many`` returns ``None`` for a block that is absent, unreadable or
+fails its checksum.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+Frame = bytes | bytearray | memoryview
+
+
+class TierError(Exception):
+    """A store could not do what was asked (the medium failed); counted by kind."""
+
+
+class TierFull(TierError):
+    """No room for the frame: the cache must evict first (a store never evicts)."""
+
+
+@dataclass
+class TierStats:
+    """Counters of one store since it was opened."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    puts: int = 0
+    deletes: int = 0
+    errors: Counter[str] = field(default_factory=Counter)  # kind -> count (e.g. "checksum", "io", "timeout")
+
+    def error(self, kind: str) -> None:
+        self.errors[kind] += 1
+
+
+class TierStore(ABC):
+    """One tier's storage. ``capacity_bytes`` is a hard cap on the bytes of frames held."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be an integer >= 0, got {capacity_bytes!r}")
+        self.capacity_bytes = capacity_bytes
+        self.stats = TierStats()
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes of frames held now (never above ``capacity_bytes``)."""
+
+    @abstractmethod
+    def put(self, key: bytes, frame: Frame) -> None:
+        """Store ``frame`` under ``key`` (replacing what was there). ``TierFull`` when it
+        does not fit, ``TierError`` when the medium fails; on either nothing is stored."""
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[bytes]) -> list[Frame | None]:
+        """The frames of ``keys``, in order; ``None`` for a miss of any kind."""
+
+    @abstractmethod
+    def delete(self, key: bytes) -> bool:
+        """Forget ``key``; whether it was there."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many of the leading ``keys`` are held: a chain of prefix keys is held up to
+        some depth (prefix-closed), so a binary search of membership finds it."""
+        lo, hi = 0, len(keys)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid - 1] in self:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def close(self) -> None:
+        """Release the medium (files, connections). Idempotent."""
+        return None
+
+    def __enter__(self) -> TierStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,171 @@
+"""Host-memory tier (L1): one preallocated slab of fixed-size slots, read through zero-copy views.
+
+Every block of one model encodes to a frame of the same length (``codec.encoded_size``
+of its shape, dtype and key length), so fixed-size slots waste nothing in the common
+case and make allocation a pop from a free list: no allocator, no fragmentation, no
+per-put ``malloc`` on the serving path::
+
+    slab (numpy uint8, capacity_bytes // slot_bytes slots, allocated once)
+    +---------------------+---------------------+-----+---------------------+
+    | slot 0              | slot 1              | ... | slot n-1            |
+    | frame | unused tail | frame | unused tail |     |                     |
+    +---------------------+---------------------+-----+---------------------+
+    ^ 0                   ^ slot_bytes          ^ 2 * slot_bytes
+
+    free:  [n-1, ..., 3, 2]         stack of free slots (here 0 and 1 are taken): put pops, delete pushes
+    where: {key: (slot, length)}    which slot holds a key, and its frame's length
+
+A store holds no policy (``tiers/base.py``): when no slot is free ``put`` raises
+``TierFull`` and the cache evicts first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar, Final
+
+import numpy as np
+
+from prefixcache import codec
+from prefixcache.tiers.base import Frame, TierError, TierFull, TierStore
+
+__all__ = ["SLAB_ALIGN", "MemoryStore"]
+
+# NOTE: the slab starts on a 64-byte (cache line) boundary, and ``for_blocks`` rounds
+# slots up to a multiple of 16, so every frame's payload (16-aligned inside the frame,
+# see codec.py) is 16-aligned in memory: aligned tensor views are faster to copy from.
+SLAB_ALIGN: Final = 64
+
+
+def _aligned_slab(nbytes: int) -> np.ndarray:
+    """A zeroed uint8 buffer of ``nbytes`` whose first byte is ``SLAB_ALIGN``-aligned."""
+    raw = np.zeros(nbytes + SLAB_ALIGN - 1, dtype=np.uint8)
+    start = -raw.ctypes.data % SLAB_ALIGN
+    slab: np.ndarray = raw[start : start + nbytes]
+    return slab
+
+
+def _byte_view(frame: Frame) -> memoryview:
+    """``frame`` as flat bytes; a non-contiguous buffer is a caller bug, not a miss."""
+    view = frame if isinstance(frame, memoryview) else memoryview(frame)
+    if not view.c_contiguous:
+        raise TypeError("frame must be a contiguous buffer")
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+class MemoryStore(TierStore):
+    """Frames in fixed-size slots of one host-memory slab; ``get_many`` copies nothing.
+
+    ``capacity_bytes`` is rounded down to whole slots, and ``used_bytes`` counts whole
+    slots (slots in use times ``slot_bytes``): that is the memory really held, whatever
+    the frames' own lengths, so the cache's byte budget matches the process's footprint.
+    """
+
+    kind: ClassVar[str] = "memory"
+
+    def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes < 1:
+            raise ValueError(f"slot_bytes must be an integer >= 1, got {slot_bytes!r}")
+        slots = capacity_bytes // slot_bytes
+        self.slot_bytes = slot_bytes
+        self.slots = slots
+        self.capacity_bytes = slots * slot_bytes
+        self._slab = _aligned_slab(self.capacity_bytes)
+        # NOTE: views handed out are read-only: a consumer cannot scribble into a slot
+        # another key may reuse. Slicing this one read-only view is O(1) and copies nothing.
+        self._readonly = self._slab.data.toreadonly()
+        self._free = list(range(slots - 1, -1, -1))  # slot 0 on top: low addresses are used first
+        self._where: dict[bytes, tuple[int, int]] = {}
+        self._closed = False
+
+    @classmethod
+    def for_blocks(cls, blocks: int, shape: Sequence[int], dtype: str, key_len: int = 16) -> MemoryStore:
+        """A store of ``blocks`` slots, each exactly one frame of this block shape (rounded up to 16)."""
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+            raise ValueError(f"blocks must be an integer >= 0, got {blocks!r}")
+        frame = codec.encoded_size(shape, dtype, key_len)
+        slot = -(-frame // codec.HEADER_ALIGN) * codec.HEADER_ALIGN
+        return cls(blocks * slot, slot)
+
+    @property
+    def used_bytes(self) -> int:
+        """Whole slots in use times ``slot_bytes``: the memory held, not the sum of frame lengths."""
+        return len(self._where) * self.slot_bytes
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def put(self, key: bytes, frame: Frame) -> None:
+        """Copy ``frame`` into a slot: the key's own slot when it is replaced, else a free one.
+
+        NOTE: a replace writes in place, so a view of the old frame read earlier now shows
+        the new bytes (or a mix, mid-copy); the codec's key and checksums catch a reader
+        that kept such a view, and the cache copies out before it replaces or deletes.
+        """
+        if not isinstance(key, bytes):
+            raise TypeError(f"key must be bytes, got {type(key).__name__}")
+        view = _byte_view(frame)
+        length = view.nbytes
+        if length > self.slot_bytes:
+            raise ValueError(f"frame of {length} bytes does not fit a {self.slot_bytes}-byte slot")
+        if self._closed:
+            raise TierError("memory store is closed")
+        held = self._where.get(key)
+        if held is not None:
+            slot = held[0]
+        elif self._free:
+            slot = self._free.pop()
+        else:
+            raise TierFull(f"all {self.slots} slots of {self.slot_bytes} bytes are in use")
+        start = slot * self.slot_bytes
+        self._slab[start : start + length] = np.frombuffer(view, dtype=np.uint8)
+        self._where[key] = (slot, length)
+        self.stats.puts += 1
+        self.stats.bytes_written += length
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Frame | None]:
+        """Read-only ``memoryview``s into the slab, one per key (``None`` for a miss).
+
+        NOTE: a view is zero-copy and so valid only until its key is deleted or replaced:
+        after that its slot may hold another block's frame. The cache decodes it and
+        copies the tensor into the model's KV before it releases the block.
+        """
+        out: list[Frame | None] = []
+        for key in keys:
+            held = self._where.get(key)
+            if held is None:
+                self.stats.misses += 1
+                out.append(None)
+                continue
+            slot, length = held
+            start = slot * self.slot_bytes
+            self.stats.hits += 1
+            self.stats.bytes_read += length
+            out.append(self._readonly[start : start + length])
+        return out
+
+    def delete(self, key: bytes) -> bool:
+        held = self._where.pop(key, None)
+        if held is None:
+            return False
+        self._free.append(held[0])
+        self.stats.deletes += 1
+        return True
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def close(self) -> None:
+        """Forget every frame and drop the slab; views still held keep their bytes alive."""
+        if self._closed:
+            return
+        self._closed = True
+        self._where.clear()
+        self._free.clear()
+        self._slab = np.zeros(0, dtype=np.uint8)
+        self._readonly = self._slab.data.toreadonly()
