@@ -1,0 +1,347 @@
+"""Local-disk tier (L2): one file per frame, published atomically, indexed again on open.
+
+A restarted server must still hit on yesterday's prefixes (a warm restart), and a
+crash, a full disk or a rotten sector must never hand out wrong bytes. So every write
+goes to a temp file that is published with one atomic ``os.replace``, every read is
+verified in full by the codec, and anything that fails is moved aside, counted, and
+treated as a miss::
+
+    directory/
+      blocks/                      published frames, one file each
+        00/ .. ff/                 first byte of the key, in hex (256 small dirs, not one huge one)
+          <key hex>.blk            a whole codec frame; its header's key equals its name
+      tmp/                         writes in progress: <key hex>.<random>.tmp
+      quarantine/                  bad files moved aside for a human: <name>.<random>
+
+    put:   tmp/x.tmp --write--> [fsync file] --os.replace--> blocks/ab/x.blk --> [fsync blocks/ab/]
+                                 "data", "full"                                    "full" only
+    open:  tmp/*           deleted (half-written by a crash)          errors["partial"]
+           blocks/**       header peeked, key == name, size == frame  else quarantined
+
+Error kinds counted in ``stats.errors`` (each one a miss or a refused write, never bytes served):
+
+    partial   a temp file left by a crash, deleted on open
+    stray     a file in blocks/ whose name or place is not a key's, quarantined on open
+    key       a frame of another key under this key's name, quarantined on open
+    checksum  a frame that fails the codec (header, length or payload), quarantined
+    io        the medium failed: a read (file quarantined) or a write (nothing published)
+    missing   a file deleted behind the store's back: dropped from the index
+
+The index (key -> frame length) lives in memory and is rebuilt from blocks/ on open,
+which reads only each file's header: opening does not hash payloads. Payload checksums
+are verified on every read instead, where a bad block costs one miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import ClassVar, Final
+
+from prefixcache import codec
+from prefixcache.tiers.base import Frame, TierError, TierFull, TierStore
+
+__all__ = ["FSYNC_POLICIES", "MAX_KEY_BYTES", "DiskStore"]
+
+FSYNC_POLICIES: Final = ("none", "data", "full")
+# NOTE: a key is its file's name in hex, and a file name has at most 255 bytes on
+# common file systems: 120 bytes -> 240 hex digits + ".blk". Block keys are 16-32 bytes.
+MAX_KEY_BYTES: Final = 120
+_SUFFIX: Final = ".blk"
+# NOTE: a header is at most 256 bytes for a key of MAX_KEY_BYTES, so one small read
+# finds it; a header that claims to be longer cannot be a key this store writes.
+_HEADER_PROBE: Final = 4096
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable: on POSIX the directory entry needs its own fsync."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    """``os.write`` may write less than asked (signals, some file systems): loop until done."""
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _key_of(path: Path) -> bytes | None:
+    """The key a file in blocks/ is named for, or ``None`` when it is not a block file's name."""
+    stem = path.name.removesuffix(_SUFFIX)
+    try:
+        key = bytes.fromhex(stem)
+    except ValueError:
+        return None
+    # NOTE: the round trip refuses what fromhex forgives (upper case, spaces), so one key has one name.
+    named = path.name.endswith(_SUFFIX) and key.hex() == stem and stem[:2] == path.parent.name
+    return key if named and 1 <= len(key) <= MAX_KEY_BYTES else None
+
+
+class DiskStore(TierStore):
+    """Frames as files under ``directory``; the index survives a restart by a scan on open.
+
+    ``fsync`` says what a finished ``put`` survives: ``"none"`` a process crash (the page
+    cache still holds the file), ``"data"`` also a power loss for the file's bytes, and
+    ``"full"`` also for its name (the directory is synced after the rename). Whatever the
+    policy, a reader never sees a half-written frame: files are published whole or not at all.
+
+    NOTE: one store per directory. A second store opened on a live directory deletes the
+    first one's temp files as crash leftovers; its writes then fail (counted ``io``), which
+    is safe but useless. Like the other stores it is not thread-safe: the cache serializes
+    calls to it.
+    """
+
+    kind: ClassVar[str] = "disk"
+
+    def __init__(self, directory: str | Path, capacity_bytes: int, fsync: str = "data") -> None:
+        super().__init__(capacity_bytes)
+        if fsync not in FSYNC_POLICIES:
+            raise ValueError(f"unknown fsync policy {fsync!r}; valid: {', '.join(FSYNC_POLICIES)}")
+        self.directory = Path(directory)
+        self.fsync = fsync
+        self.quarantined = 0  # files moved to quarantine/ since open
+        self._blocks = self.directory / "blocks"
+        self._tmp = self.directory / "tmp"
+        self._quarantine = self.directory / "quarantine"
+        self._index: dict[bytes, int] = {}
+        self._used = 0
+        self._closed = False
+        for path in (self._blocks, self._tmp, self._quarantine):
+            path.mkdir(parents=True, exist_ok=True)
+        # NOTE: the 256 fan-out directories are made up front (and again on every open,
+        # should one vanish), so a put never creates a directory whose entry needs a sync.
+        for byte in range(256):
+            (self._blocks / f"{byte:02x}").mkdir(exist_ok=True)
+        if fsync == "full":
+            _fsync_dir(self._blocks)
+        self._scan()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def used_bytes(self) -> int:
+        """Sum of the lengths of the frames held.
+
+        NOTE: the one case where this exceeds ``capacity_bytes`` is a store reopened with a
+        lower cap than its files fill. Nothing is dropped on open (the cache's policy, not
+        the store, picks what leaves); instead every put raises ``TierFull`` until deletes
+        bring the store back under its cap, so the cap is never exceeded by a write.
+        """
+        return self._used
+
+    def keys(self) -> list[bytes]:
+        """Keys held now: what a restarted cache may find here (the warm restart)."""
+        return list(self._index)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _path(self, key: bytes) -> Path:
+        name = key.hex()
+        return self._blocks / name[:2] / f"{name}{_SUFFIX}"
+
+    def _forget(self, key: bytes) -> None:
+        self._used -= self._index.pop(key, 0)
+
+    # ------------------------------------------------------------------ write
+
+    def put(self, key: bytes, frame: Frame) -> None:
+        """Write ``frame`` to a temp file and publish it under ``key`` with one rename.
+
+        On ``TierFull`` nothing is written; on ``TierError`` (the medium failed, e.g.
+        ENOSPC) the temp file is removed and the key keeps its old frame, if it had one.
+        """
+        view = self._check_frame(key, frame)
+        if self._closed:
+            raise TierError("disk store is closed")
+        size = view.nbytes
+        after = self._used - self._index.get(key, 0) + size
+        if after > self.capacity_bytes:
+            raise TierFull(f"a {size}-byte frame would bring the store to {after} of {self.capacity_bytes} bytes")
+        path = self._path(key)
+        tmp = self._tmp / f"{key.hex()}.{uuid.uuid4().hex}.tmp"
+        published = False
+        try:
+            self._write_file(tmp, view)
+            os.replace(tmp, path)
+            published = True
+            if self.fsync == "full":
+                _fsync_dir(path.parent)
+        except OSError as exc:
+            self.stats.error("io")
+            self._remove(tmp)
+            if published:
+                # NOTE: the rename happened but could not be made durable; the old frame is
+                # gone already, so drop the new one too rather than hold an unsynced file.
+                self._remove(path)
+                self._forget(key)
+            raise TierError(f"disk write failed: {exc}") from exc
+        self._forget(key)
+        self._index[key] = size
+        self._used += size
+        self.stats.puts += 1
+        self.stats.bytes_written += size
+
+    def _check_frame(self, key: bytes, frame: Frame) -> memoryview:
+        """A frame that is not a whole codec frame of ``key`` is a caller bug (ValueError):
+        stored, it would only be quarantined by the next open's scan."""
+        if not isinstance(key, bytes):
+            raise TypeError(f"key must be bytes, got {type(key).__name__}")
+        if not 1 <= len(key) <= MAX_KEY_BYTES:
+            raise ValueError(f"key must be 1 to {MAX_KEY_BYTES} bytes (it names a file), got {len(key)}")
+        view = frame if isinstance(frame, memoryview) else memoryview(frame)
+        if not view.c_contiguous:
+            raise TypeError("frame must be a contiguous buffer")
+        view = view if view.ndim == 1 and view.format == "B" else view.cast("B")
+        head = codec.peek_header(view)
+        if head.key != key:
+            raise ValueError(f"frame is for key {head.key.hex()}, not {key.hex()}")
+        if head.frame_length != view.nbytes:
+            raise ValueError(f"frame is {view.nbytes} bytes, its header says {head.frame_length}")
+        return view
+
+    def _write_file(self, tmp: Path, view: memoryview) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, view)
+            if self.fsync != "none":
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------ read
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Frame | None]:
+        """Each key's frame as ``bytes``, verified in full by the codec; ``None`` for a miss.
+
+        A file that fails verification or cannot be read is quarantined and dropped from
+        the index, so it is never served, now or after a restart.
+        """
+        return [self._get(key) for key in keys]
+
+    def _get(self, key: bytes) -> bytes | None:
+        if key not in self._index:
+            self.stats.misses += 1
+            return None
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+            codec.decode(data, key=key)
+        except FileNotFoundError:
+            self._miss(key, "missing")
+            return None
+        except OSError:
+            self._miss(key, "io", path)
+            return None
+        except codec.FrameError:
+            self._miss(key, "checksum", path)
+            return None
+        # NOTE: a whole, verified frame of this key whose length differs from the index's
+        # (replaced behind our back) is still right to serve; only the accounting follows it.
+        self._used += len(data) - self._index[key]
+        self._index[key] = len(data)
+        self.stats.hits += 1
+        self.stats.bytes_read += len(data)
+        return data
+
+    def _miss(self, key: bytes, kind: str, bad: Path | None = None) -> None:
+        self.stats.error(kind)
+        self.stats.misses += 1
+        self._forget(key)
+        if bad is not None:
+            self._quarantine_file(bad)
+
+    # ------------------------------------------------------------------ delete, close
+
+    def delete(self, key: bytes) -> bool:
+        """Forget ``key`` and remove its file.
+
+        NOTE: if the unlink fails (counted ``io``) the key is forgotten anyway; a restart
+        may find the file again, which is harmless: a stale block's key is unreachable
+        (epochs and purges change the keys the cache asks for, design.md invariant 7).
+        """
+        if key not in self._index:
+            return False
+        self._forget(key)
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            self.stats.error("io")
+        self.stats.deletes += 1
+        return True
+
+    def close(self) -> None:
+        """Forget the index (the files stay: the next open finds them). Idempotent."""
+        self._closed = True
+        self._index.clear()
+        self._used = 0
+
+    # ------------------------------------------------------------------ open
+
+    def _scan(self) -> None:
+        """Rebuild the index from blocks/ and clear tmp/: the warm restart."""
+        for leftover in self._tmp.iterdir():
+            self.stats.error("partial")
+            self._remove(leftover)
+        for sub in sorted(self._blocks.iterdir()):
+            if not sub.is_dir() or sub.is_symlink():
+                self._reject(sub, "stray")
+                continue
+            for path in sorted(sub.iterdir()):
+                self._load(path)
+
+    def _load(self, path: Path) -> None:
+        key = _key_of(path)
+        if key is None or not path.is_file() or path.is_symlink():
+            return self._reject(path, "stray")
+        try:
+            with path.open("rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = codec.peek_header(f.read(_HEADER_PROBE))
+        except OSError:
+            return self._reject(path, "io")
+        except codec.FrameError:
+            return self._reject(path, "checksum")
+        if head.key != key:
+            return self._reject(path, "key")
+        if head.frame_length != size:  # truncated or with trailing bytes: the payload check would fail
+            return self._reject(path, "checksum")
+        self._index[key] = size
+        self._used += size
+
+    def _reject(self, path: Path, kind: str) -> None:
+        self.stats.error(kind)
+        self._quarantine_file(path)
+
+    # ------------------------------------------------------------------ files
+
+    def _quarantine_file(self, path: Path) -> None:
+        """Move a bad file aside for a human to inspect; delete it if even that fails.
+
+        NOTE: quarantine/ is outside the byte cap (it holds no frames the store serves)
+        and is never emptied by the store: an operator clears it after looking.
+        """
+        target = self._quarantine / f"{path.name}.{uuid.uuid4().hex[:12]}"
+        try:
+            os.replace(path, target)
+        except OSError:
+            self._remove(path)
+            return
+        self.quarantined += 1
+
+    @staticmethod
+    def _remove(path: Path) -> None:
+        """Best-effort unlink: what cannot be removed now is found again by the next open."""
+        with contextlib.suppress(OSError):
+            path.unlink()
