@@ -1,0 +1,155 @@
+"""Test helpers for the Redis tier: a real ``redis-server`` on a loopback port, and a TCP proxy
+that can stall, so that a slow Redis (not only a dead one) can be tested.
+
+Everything listens on 127.0.0.1 only, every wait is bounded, and ``stop()`` ends what
+``start()`` began (the tests call it from fixtures, so a failing test stops it too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+START_TIMEOUT = 5.0  # seconds a redis-server gets to answer PING
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def ping(port: int, timeout: float = 0.2) -> bool:
+    """Whether a Redis on ``port`` answers PING (raw RESP: no client state to clean up)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """One ``redis-server`` process without persistence; ``start()`` again after ``kill()`` reuses the port."""
+
+    def __init__(self, workdir: Path, port: int | None = None, extra: tuple[str, ...] = ()) -> None:
+        self.workdir = workdir
+        self.port = port if port is not None else free_port()
+        self.extra = extra
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--dir", str(self.workdir), *self.extra]
+        log = (self.workdir / f"redis-{self.port}.log").open("ab")
+        with log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {log.name}")
+            if ping(self.port):
+                return self
+            time.sleep(0.01)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer PING within {START_TIMEOUT} s")
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no shutdown, connections reset."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+
+
+class StallingProxy:
+    """A loopback TCP proxy to ``target_port`` that forwards until ``stall()``, then swallows bytes.
+
+    A stalled proxy keeps connections open and reads what the client sends but never
+    answers: to the client that is a Redis that stopped responding (a GC pause, a
+    saturated network), the case only a read timeout ends.
+    """
+
+    POLL = 0.05  # seconds: how often the threads look at the stop flag
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self._stalled = threading.Event()
+        self._stopped = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(self.POLL)
+        self.port: int = self._listener.getsockname()[1]
+        self._threads: list[threading.Thread] = []
+        self._sockets: list[socket.socket] = []
+        self._spawn(self._accept)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stall(self) -> None:
+        self._stalled.set()
+
+    def _spawn(self, target: object, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=1.0)
+            for sock in (client, upstream):
+                sock.settimeout(self.POLL)
+                self._sockets.append(sock)
+            self._spawn(self._pump, client, upstream)
+            self._spawn(self._pump, upstream, client)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while not self._stopped.is_set():
+            try:
+                data = src.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            if not self._stalled.is_set():
+                with contextlib.suppress(OSError):
+                    dst.sendall(data)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        for thread in self._threads:
+            thread.join(timeout=2)
+        for sock in [self._listener, *self._sockets]:
+            sock.close()
