@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import struct
+
+import numpy as np
+
+from prefixcache import codec
+
 
 def lcp(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists (the reference for the
@@ -22,3 +29,26 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+# ---------------------------------------------------------------------------- KV frames
+
+SHAPE = (2, 2, 1, 4, 8)  # a small [layers, 2, kv_heads, block_tokens, head_dim]
+TOKENS = struct.pack("<4I", 1, 2, 3, 4)
+WIRE: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+
+
+def key_of(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def random_kv(dtype: str, seed: int, shape: tuple[int, ...] = SHAPE) -> np.ndarray:
+    """Random bytes as a tensor: NaN payloads and -0.0 included, so equality is bitwise."""
+    raw = np.random.default_rng(seed).bytes(math.prod(shape) * WIRE[dtype].itemsize)
+    out: np.ndarray = np.frombuffer(raw, dtype=WIRE[dtype]).reshape(shape)
+    return out
+
+
+def frame_of(i: int, dtype: str = "float16", shape: tuple[int, ...] = SHAPE) -> bytes:
+    """The codec frame of block ``i``: its key and KV both derived from ``i``."""
+    return codec.encode(key_of(i), TOKENS, random_kv(dtype, i, shape), dtype=dtype)

@@ -4,9 +4,6 @@ side effects, and byte accounting that never exceeds the capacity."""
 
 from __future__ import annotations
 
-import math
-import struct
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -16,25 +13,7 @@ from prefixcache import codec
 from prefixcache.tiers.base import TierError, TierFull, TierStore
 from prefixcache.tiers.memory import SLAB_ALIGN, MemoryStore
 from prefixcache.tiers.null import NullStore
-
-SHAPE = (2, 2, 1, 4, 8)  # small, but every dim > 1 except kv_heads
-TOKENS = struct.pack("<4I", 1, 2, 3, 4)
-WIRE: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
-
-
-def key_of(i: int) -> bytes:
-    return i.to_bytes(16, "little")
-
-
-def random_kv(dtype: str, seed: int, shape: tuple[int, ...] = SHAPE) -> np.ndarray:
-    """Random bytes as a tensor: NaN payloads and -0.0 included, so equality is bitwise."""
-    raw = np.random.default_rng(seed).bytes(math.prod(shape) * WIRE[dtype].itemsize)
-    out: np.ndarray = np.frombuffer(raw, dtype=WIRE[dtype]).reshape(shape)
-    return out
-
-
-def frame_of(i: int, dtype: str = "float16") -> bytes:
-    return codec.encode(key_of(i), TOKENS, random_kv(dtype, i), dtype=dtype)
+from support import SHAPE, TOKENS, frame_of, key_of, random_kv
 
 
 def bits(arr: np.ndarray) -> bytes:

@@ -5,15 +5,12 @@ within bounded time by the circuit breaker."""
 
 from __future__ import annotations
 
-import math
-import struct
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 import redis
 
@@ -21,29 +18,12 @@ from prefixcache import codec
 from prefixcache.tiers.base import TierError, TierFull
 from prefixcache.tiers.redis import EXISTS_CHUNK, CircuitBreaker, RedisStore
 from redis_server import REDIS_SERVER, RedisServer, StallingProxy, free_port
-from support import Clock
+from support import SHAPE, TOKENS, Clock, frame_of, key_of, random_kv
 
 pytestmark = pytest.mark.skipif(not Path(REDIS_SERVER).exists(), reason="redis-server is not installed")
 
-SHAPE = (2, 2, 1, 4, 8)
-TOKENS = struct.pack("<4I", 1, 2, 3, 4)
-WIRE: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 BIG = 1 << 30
 SEED = "deploy-1"
-
-
-def key_of(i: int) -> bytes:
-    return i.to_bytes(16, "little")
-
-
-def random_kv(dtype: str, seed: int, shape: tuple[int, ...] = SHAPE) -> np.ndarray:
-    raw = np.random.default_rng(seed).bytes(math.prod(shape) * WIRE[dtype].itemsize)
-    out: np.ndarray = np.frombuffer(raw, dtype=WIRE[dtype]).reshape(shape)
-    return out
-
-
-def frame_of(i: int, dtype: str = "float16", shape: tuple[int, ...] = SHAPE) -> bytes:
-    return codec.encode(key_of(i), TOKENS, random_kv(dtype, i, shape), dtype=dtype)
 
 
 @pytest.fixture
