@@ -29,6 +29,14 @@ prompts = st.lists(st.sampled_from(range(len(PIECES))), min_size=0, max_size=5).
     lambda idx: [tok for i in idx for tok in PIECES[i]]
 )
 
+# Who sends what: the arguments of every rule that sends a request.
+REQUEST = {
+    "tenant": st.sampled_from(TENANTS),
+    "model": st.sampled_from(MODELS),
+    "adapter": st.sampled_from(ADAPTERS),
+    "prompt": prompts,
+}
+
 
 @dataclass
 class Reference:
@@ -122,13 +130,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ rules
 
-    @rule(
-        tenant=st.sampled_from(TENANTS),
-        model=st.sampled_from(MODELS),
-        adapter=st.sampled_from(ADAPTERS),
-        prompt=prompts,
-        keep=st.booleans(),
-    )
+    @rule(**REQUEST, keep=st.booleans())
     def match(self, tenant: str, model: str, adapter: str | None, prompt: list[int], keep: bool) -> None:
         ctx = CacheContext(tenant=tenant, model=model, adapter=adapter)
         m = self.cache.match(prompt, ctx)
@@ -160,12 +162,7 @@ class CacheMachine(RuleBasedStateMachine):
         m, _ = self.held.pop(i % len(self.held))
         m.release()
 
-    @rule(
-        tenant=st.sampled_from(TENANTS),
-        model=st.sampled_from(MODELS),
-        adapter=st.sampled_from(ADAPTERS),
-        prompt=prompts,
-    )
+    @rule(**REQUEST)
     def insert(self, tenant: str, model: str, adapter: str | None, prompt: list[int]) -> None:
         ctx = CacheContext(tenant=tenant, model=model, adapter=adapter)
         used_before = self.cache.used_tokens
@@ -174,12 +171,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert stored == 0 or self.cache.used_tokens <= used_before + stored
         self.record_insert(tenant, model, adapter, prompt)
 
-    @rule(
-        tenant=st.sampled_from(TENANTS),
-        model=st.sampled_from(MODELS),
-        adapter=st.sampled_from(ADAPTERS),
-        prompt=prompts,
-    )
+    @rule(**REQUEST)
     def access(self, tenant: str, model: str, adapter: str | None, prompt: list[int]) -> None:
         """The simulator's one-step match + insert + release agrees with the reference too."""
         ctx = CacheContext(tenant=tenant, model=model, adapter=adapter)
