@@ -41,6 +41,7 @@ serve: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_match.py
 	$(BIN)/python benchmarks/bench_replay.py
+	$(BIN)/python benchmarks/bench_tiers.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
