@@ -6,9 +6,10 @@ store's ``get_many`` of the 128 keys, every frame verified by the codec (checksu
 and each block's KV copied into one contiguous destination array ready for the model.
 
 Each tier is printed beside its physical baseline, measured in the same run on the same
-bytes: a numpy copy for memory, reading the same files with plain ``open().read()`` for
-disk (page cache warm for both; the bytes read are kept, as a load keeps them), and redis-py ``GET``s of the same raw values for Redis
-(the server this script starts on loopback). Targets (the storage issue): memory >= 70 %
+bytes: a numpy copy for memory; reading the same files with plain ``open().read()`` for
+disk (page cache warm for both; the bytes read are kept, as a load keeps them); and
+redis-py ``GET``s of the same raw values for Redis (a server this script starts on
+loopback). Targets (the storage issue): memory >= 70 %
 of the copy's bandwidth, disk >= 60 % of the plain read, Redis >= 70 % of raw redis-py.
 
 NOTE: this measures the stores and the codec; the tiered cache that will call them
