@@ -443,3 +443,21 @@ def test_no_pickle() -> None:
             imported.add(node.module or "")
     stdlib = {"__future__", "collections.abc", "dataclasses", "importlib", "math", "operator", "struct", "typing"}
     assert imported <= stdlib | {"numpy", "xxhash"}
+
+
+def test_check_payload_false_skips_only_the_payload_checksum() -> None:
+    """For frames a store has just verified: the payload is not hashed again, but the
+    header, its checksum and every length still are."""
+    frame = bytearray(small_frame())
+    head = codec.peek_header(bytes(frame))
+    frame[head.header_length] ^= 0x01  # a payload bit: only the payload checksum sees it
+    with pytest.raises(CorruptFrame):
+        codec.decode(bytes(frame), key=head.key)
+    arr = codec.decode(bytes(frame), key=head.key, check_payload=False)
+    assert arr.shape == head.shape
+    header_flip = bytearray(small_frame())
+    header_flip[6] ^= 0x01  # the header length field
+    with pytest.raises(FrameError):
+        codec.decode(bytes(header_flip), key=head.key, check_payload=False)
+    with pytest.raises(TruncatedFrame):
+        codec.decode(small_frame()[:-1], key=head.key, check_payload=False)

@@ -334,12 +334,18 @@ def decode(
     tokens: Buffer | None = None,
     shape: tuple[int, ...] | None = None,
     dtype: str | None = None,
+    check_payload: bool = True,
 ) -> np.ndarray:
     """The KV tensor of a frame, verified, as a view over the frame's bytes (no copy).
 
     ``key`` is always checked; ``tokens``, ``shape`` and ``dtype`` when given. The
     array is read-only when the frame is (``bytes``) and keeps the frame alive; a caller
     that reuses the frame's buffer (a slot, an mmap) must copy the array first.
+
+    NOTE: ``check_payload=False`` skips only the payload checksum (the header, its
+    checksum and every length are still checked). It is for frames whose exact,
+    immutable bytes a store has just verified (``TierStore.verifies_reads``), so that
+    a load hashes each payload once; anything else must keep the check.
     """
     _check_key(key)
     if tokens is not None:
@@ -349,7 +355,7 @@ def decode(
     view = _byte_view(frame)
     head = _parse_header(view)
     _check_expected(head, key, tokens, shape, dtype)
-    _check_payload(view, head)
+    _check_payload(view, head, check_payload)
     out: np.ndarray = np.frombuffer(view, _OUT[_CODES[head.dtype]], math.prod(head.shape), head.header_length)
     return out.reshape(head.shape)
 
@@ -429,12 +435,14 @@ def _check_expected(
         raise DtypeMismatch(f"dtype: expected {dtype}, found {head.dtype}")
 
 
-def _check_payload(view: memoryview, head: FrameHeader) -> None:
+def _check_payload(view: memoryview, head: FrameHeader, checksum: bool = True) -> None:
     found = len(view) - head.header_length
     if found < head.payload_length:
         raise TruncatedFrame(f"payload: expected {head.payload_length} bytes, found {found}")
     if found > head.payload_length:
         raise CorruptFrame(f"payload: expected {head.payload_length} bytes, found {found} (trailing bytes)")
+    if not checksum:
+        return
     computed = xxhash.xxh3_128_digest(view[head.header_length :])
     if computed != head.payload_checksum:
         raise CorruptFrame(f"payload checksum: expected {computed.hex()}, found {head.payload_checksum.hex()}")

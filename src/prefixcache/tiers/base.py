@@ -47,6 +47,9 @@ class TierStore(ABC):
     """One tier's storage. ``capacity_bytes`` is a hard cap on the bytes of frames held."""
 
     kind: ClassVar[str]
+    # Whether ``get_many`` returns only immutable frames it has verified in full (codec
+    # checksums): a loader may then skip the payload checksum (``codec.decode``).
+    verifies_reads: ClassVar[bool] = False
 
     def __init__(self, capacity_bytes: int) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:

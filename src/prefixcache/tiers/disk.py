@@ -98,6 +98,7 @@ class DiskStore(TierStore):
     """
 
     kind: ClassVar[str] = "disk"
+    verifies_reads: ClassVar[bool] = True  # get_many decodes every frame it returns
 
     def __init__(self, directory: str | Path, capacity_bytes: int, fsync: str = "data") -> None:
         super().__init__(capacity_bytes)

@@ -135,6 +135,7 @@ class RedisStore(TierStore):
     """
 
     kind: ClassVar[str] = "redis"
+    verifies_reads: ClassVar[bool] = True  # get_many decodes every frame it returns
 
     def __init__(
         self,
