@@ -379,3 +379,34 @@ def test_repeated_prefix_is_deterministic_and_valid(tmp_path: Path) -> None:
         repeated_prefix(10, 0, 5)
     with pytest.raises(ValueError, match="tenants"):
         repeated_prefix(10, 1, 5, tenants=0)
+
+
+def test_max_turns_ends_sessions_and_starts_fresh_ones() -> None:
+    """With max_turns, no conversation runs longer than that; its slot starts a new one
+    (a new session name, a history back at its head prompt)."""
+    spec = WorkloadSpec(
+        requests=600, tenants=2, seed=3, mix={"chat": 1.0}, sessions_per_tenant=2, max_turns=3, emit="tokens"
+    )
+    turns = _by_session(spec)
+    assert all(len(prompts) <= 3 for prompts in turns.values())
+    assert len(turns) >= 600 // 3
+    restarted = [name for name in turns if "." in name.rsplit("/", 1)[1]]
+    assert restarted
+    for prompts in turns.values():  # within a session, each turn extends the previous one
+        for earlier, later in itertools.pairwise(prompts):
+            assert later[: len(earlier)] == earlier
+    unlimited = WorkloadSpec(requests=600, tenants=2, seed=3, mix={"chat": 1.0}, sessions_per_tenant=2, emit="tokens")
+    assert max(len(p) for p in _by_session(unlimited).values()) > 3
+
+
+def _by_session(spec: WorkloadSpec) -> dict[str, list[list[int]]]:
+    out: dict[str, list[list[int]]] = {}
+    for rec in generate(spec):
+        out.setdefault(rec["session"], []).append(rec["tokens"])
+    return out
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5])
+def test_max_turns_must_be_a_positive_integer(bad: object) -> None:
+    with pytest.raises(ValueError, match="max_turns"):
+        WorkloadSpec(max_turns=bad)  # type: ignore[arg-type]

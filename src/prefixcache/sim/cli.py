@@ -172,6 +172,12 @@ def add_workload_parser(sub: Any) -> None:
         default="hash_ids",
         help="record prompts as block ids (compact) or token ids",
     )
+    p.add_argument(
+        "--max-turns",
+        type=int,
+        default=None,
+        help="end a chat session after this many turns (default: sessions never end)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="block size of emitted hash_ids")
 
 
@@ -262,6 +268,7 @@ def run_workload(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             duration_s=args.duration,
             emit=args.emit,
             block_size=args.block_size,
+            max_turns=args.max_turns,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -58,6 +58,7 @@ class WorkloadSpec:
     turn_tokens: tuple[int, int] = (50, 400)  # new user tokens per chat turn (also RAG questions, agent tasks)
     output_tokens: tuple[int, int] = (50, 500)
     sessions_per_tenant: int = 20  # open chat sessions per tenant; each turn extends one (history grows)
+    max_turns: int | None = None  # a session that had this many turns is replaced by a new one (None: never)
     documents: int = 200  # RAG pool shared by all tenants
     document_tokens: tuple[int, int] = (1000, 4000)
     zipf_alpha: float = 1.1  # RAG document popularity
@@ -82,6 +83,8 @@ class WorkloadSpec:
             raise ValueError(f"emit must be one of {', '.join(EMITS)}, got {self.emit!r}")
         if self.vocab_size > 2**32:
             raise ValueError(f"vocab_size must be <= 2**32 (token ids are uint32), got {self.vocab_size}")
+        if self.max_turns is not None:
+            check_int("max_turns", self.max_turns, 1)
         if self.docs_per_query > self.documents:
             raise ValueError(f"docs_per_query ({self.docs_per_query}) must be <= documents ({self.documents})")
 
@@ -227,6 +230,7 @@ class _Session:
     name: str
     history: np.ndarray  # head prompt + every earlier turn's user tokens and output
     known_ids: list[int] = field(default_factory=list)  # ids of the full blocks of the last prompt
+    turns: int = 0
 
 
 @dataclass(slots=True)
@@ -256,6 +260,7 @@ class _Generator:
         self.tenants = tenant_names(spec.tenants)
         self.prefix_ids = PrefixIds(spec.block_size) if spec.emit == "hash_ids" else None
         self.sessions: dict[tuple[int, int], _Session] = {}
+        self.restarts: dict[tuple[int, int], int] = {}  # sessions replaced after max_turns, per slot
         self.head_ids: dict[tuple[int, int], list[int]] = {}
         self.doc_p = _zipf(spec.documents, spec.zipf_alpha)
 
@@ -278,8 +283,13 @@ class _Generator:
     def chat(self, tenant: int) -> _Prompt:
         index = int(self.rng.integers(self.spec.sessions_per_tenant))
         session = self.sessions.get((tenant, index))
+        limit = self.spec.max_turns
+        if session is not None and limit is not None and session.turns >= limit:
+            self.restarts[(tenant, index)] = self.restarts.get((tenant, index), 0) + 1
+            session = None  # the conversation ended: a new one takes its slot
         if session is None:
             session = self.sessions[(tenant, index)] = self.new_session(tenant, index)
+        session.turns += 1
         turn = _random_tokens(self.rng, self.spec.turn_tokens, self.spec.vocab_size)
         return _Prompt(np.concatenate([session.history, turn]), self.output(), session, session.known_ids)
 
@@ -289,7 +299,9 @@ class _Generator:
         head = self.content.vendor() if index % 2 == 0 else self.content.tenant_prompt(tenant)
         known = self.known((_VENDOR, 0) if index % 2 == 0 else (_TENANT_PROMPT, tenant), head)
         width = max(2, len(str(self.spec.sessions_per_tenant - 1)))
-        return _Session(f"{self.tenants[tenant]}/chat-{index:0{width}d}", head, list(known))
+        restart = self.restarts.get((tenant, index), 0)
+        name = f"{self.tenants[tenant]}/chat-{index:0{width}d}" + (f".{restart}" if restart else "")
+        return _Session(name, head, list(known))
 
     def rag(self, tenant: int) -> _Prompt:
         spec = self.spec
