@@ -524,7 +524,7 @@ class PrefixCache:
         finally:
             parent.pins -= 1
             root.pins -= 1
-        nodes, bs, has_segs = self._tree.nodes, self.config.block_size, bool(segs.starts)
+        nodes, link, bs, has_segs = self._tree.nodes, self._tree.link, self.config.block_size, bool(segs.starts)
         created: list[Block] = []
         for key, end in zip(lookup.chains[which].many(ends), ends, strict=True):
             if end - begin > room:
@@ -547,8 +547,7 @@ class PrefixCache:
             if has_segs:
                 block.n_segments = parent.n_segments + segs.count_before(end) - segs.count_before(begin)
             block.pool = pool
-            nodes[key] = block
-            parent.children[key] = block
+            link(block)
             created.append(block)
             room -= end - begin
             parent, begin = block, end

@@ -254,14 +254,6 @@ class BlockTree:
 
     # ----------------------------------------------------------------- search
 
-    def probe(self, lookup: Lookup, end: int, alive: Callable[[Block], bool]) -> Block | None:
-        get = self.nodes.get
-        for chain in lookup.chains:
-            node = get(chain.at(end))
-            if node is not None and alive(node):
-                return node
-        return None
-
     def deepest(self, lookup: Lookup, n_blocks: int, block_size: int, alive: Callable[[Block], bool]) -> Block | None:
         """Binary search for the deepest cached full block, by key alone (unverified)."""
         get, key_fns = self.nodes.get, [chain.at for chain in lookup.chains]
