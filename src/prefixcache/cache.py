@@ -68,9 +68,6 @@ Tokens = Sequence[int] | np.ndarray
 _key_of = attrgetter("key")
 
 
-_always = always_alive
-
-
 @dataclass
 class TenantStats:
     lookups: int = 0
@@ -400,7 +397,7 @@ class PrefixCache:
     def _alive(self) -> Callable[[Block], bool]:
         ttl = self.config.ttl_seconds
         if ttl is None:
-            return _always
+            return always_alive
         horizon = self._clock() - ttl
         return lambda block: block.last_access >= horizon
 
@@ -480,7 +477,7 @@ class PrefixCache:
             if stored:
                 lookup = self._lookup(tokens, ctx, segments)
         if deepest is None:
-            deepest, _ = self._find(lookup, _always)  # an expired block is revived, not duplicated
+            deepest, _ = self._find(lookup, always_alive)  # an expired block is revived, not duplicated
         parent = deepest if deepest is not None else lookup.roots[0]
         bs = self.config.block_size
         ends = list(range(parent.end + bs, n_tokens + 1, bs))
@@ -561,18 +558,18 @@ class PrefixCache:
             self._used += stored
             root.members += len(created)
             Run(first, created, data[4 * first.end : 4 * created[-1].end])
-            self._stored(created, pool, ctx, public)
+            self._stored(created, stored, pool, ctx, public)
         self._refresh_ttl(parent)
         return created
 
-    def _stored(self, created: list[Block], pool: Pool, ctx: CacheContext, public: bool) -> None:
+    def _stored(self, created: list[Block], stored: int, pool: Pool, ctx: CacheContext, public: bool) -> None:
+        """Tell the policy, the statistics and the events about ``stored`` new tokens."""
         insert = pool.policy.insert
         for block in reversed(created):
             insert(block.key, len(block.tokens) >> 2)
         self._supersede_tails(created[0])
         first_parent = created[0].parent
         assert first_parent is not None
-        stored = created[-1].end - first_parent.end
         self._stats.inserted_tokens += stored
         self._stats.inserted_blocks += len(created)
         if self._events.capacity:
@@ -641,7 +638,7 @@ class PrefixCache:
                 if not self._evict_from(pool, need - free):
                     return max(free, 0)
                 continue
-            victim = self._victim(pool, own_quota_binds)
+            victim = self._over_quota_victim(pool)
             if victim is None:
                 return max(free, 0)
             self._remove(victim, RemovalReason.EVICTED, in_policy=False)
@@ -664,12 +661,11 @@ class PrefixCache:
         block = self._tree.nodes[key]
         return block.pins == 0 and not block.children
 
-    def _victim(self, pool: Pool, own_quota_binds: bool) -> Block | None:
-        """The next block to evict: from ``pool`` when its own quota binds, otherwise
-        from a pool over its quota (a partitioned tenant never loses blocks to another
-        tenant's burst while it stays within its share)."""
-        candidates = [pool] if own_quota_binds else self._tenancy.over_quota() or [pool]
-        for candidate in candidates:
+    def _over_quota_victim(self, pool: Pool) -> Block | None:
+        """When the cache is full but ``pool`` is within its quota: a block of a pool over
+        its quota (a partitioned tenant never loses blocks to another tenant's burst while
+        it stays within its share)."""
+        for candidate in self._tenancy.over_quota() or [pool]:
             key = candidate.policy.victim(self._evictable)
             if key is not None:
                 return self._tree.nodes[key]  # type: ignore[index]
@@ -768,10 +764,11 @@ class PrefixCache:
         promo = self._tenancy.promotion
         public = self._root(ctx, PUBLIC)
         assert public is not None
+        chain = KeyChain(public[1], lookup.data, lookup.segments, public[0].ctx_enc, self._oneshot)
         if promo is not None:
             first = max(1, -(-promo.min_tokens // bs))
             ends = [bs * i for i in range(first, n_full + 1)]
-            keys = KeyChain(public[1], lookup.data, lookup.segments, public[0].ctx_enc, self._oneshot).many(ends)
+            keys = chain.many(ends)
             for i, key in zip(range(first, n_full + 1), keys, strict=True):
                 node = self._tree.nodes.get(key)
                 if node is not None and node.public:
@@ -783,9 +780,8 @@ class PrefixCache:
         if depth == 0:
             self._drop_if_empty(public[0])
             return 0
-        chain = KeyChain(public[1], lookup.data, lookup.segments, public[0].ctx_enc, self._oneshot)
         pub_lookup = Lookup(lookup.data, lookup.segments, [chain], [public[0]])
-        path = self._tree.walk(pub_lookup, depth, bs, _always)
+        path = self._tree.walk(pub_lookup, depth, bs, always_alive)
         if len(path) >= depth:
             return 0
         parent = path[-1] if path else public[0]
