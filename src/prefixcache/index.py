@@ -286,8 +286,6 @@ class BlockTree:
             if not data.startswith(src, 4 * run.begin):
                 return False
         end = deepest.end
-        if len(data) < 4 * end:
-            return False
         segs = lookup.segments
         count = segs.count_before(end) if segs.starts else 0
         if deepest.n_segments != count:

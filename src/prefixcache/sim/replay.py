@@ -264,7 +264,7 @@ def _replay_tree(
         else:
             cached, _ = cache.access(prompt, ctx)
         if counted:
-            hit = min(cached * bs, req.input_length) if hashed else cached
+            hit = hit_tokens(req, cached, bs) if hashed else cached  # hashed: cached counts native blocks
             blocks = len(prompt) if hashed else -(-len(prompt) // bs)
             counter.add(req, hit, blocks, evictions_before)
         bar.advance(1)
