@@ -24,12 +24,17 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
-# The tests start a real redis-server (Debian's); install it when it is missing.
+# The tests start a real redis-server and run Prometheus's promtool (Debian's redis-server and
+# prometheus packages); install them when they are missing.
 system-deps:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; else \
 	    echo "redis-server is missing and cannot be installed without root: apt-get install redis-server" >&2; exit 1; fi; \
 	  $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; else \
+	    echo "promtool is missing and cannot be installed without root: apt-get install prometheus" >&2; exit 1; fi; \
+	  $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }
 
 test: lint system-deps
 	$(BIN)/python -m pytest
