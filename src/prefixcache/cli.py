@@ -3,8 +3,8 @@
 - ``prefixcache replay TRACE``: replay a request trace through the cache under several
   configurations and report hit rates, the offline optimum and prefill compute saved.
 - ``prefixcache workload OUT``: write a deterministic synthetic multi-tenant trace.
-- ``prefixcache demo``: drive the cache with synthetic chat traffic and print what it
-  saved; what ``make serve`` runs until the OpenAI-compatible server lands.
+- ``prefixcache serve``: the OpenAI-compatible server on a real model, with the cache.
+- ``prefixcache demo``: drive the cache with synthetic chat traffic and print what it saved.
 """
 
 from __future__ import annotations
@@ -90,6 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_replay_parser(sub)
     add_workload_parser(sub)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible server with the prefix cache")
+    serve.add_argument("--config", help="TOML settings file (default: $PREFIXCACHE_CONFIG, else built-in defaults)")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    serve.add_argument("--model", help="'smollm2-135m-instruct' (default) or a local transformers model folder")
     demo = sub.add_parser("demo", help="replay synthetic multi-tenant chat traffic through the cache")
     demo.add_argument("--requests", type=int, default=2000, help="number of requests (default 2000)")
     demo.add_argument("--tenants", type=int, default=5, help="number of tenants (default 5)")
@@ -102,12 +107,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_replay(args, parser)
     if args.command == "workload":
         return run_workload(args, parser)
+    if args.command == "serve":
+        from prefixcache.server.main import run_serve  # torch and transformers load only here
+
+        return run_serve(args, parser)
     if args.requests < 1 or args.tenants < 1 or args.capacity_tokens < 0:
         parser.error("--requests and --tenants must be >= 1 and --capacity-tokens >= 0")
     lines: list[str] = []
     run_demo(args.requests, args.tenants, args.policy, args.isolation, args.capacity_tokens, args.seed, lines)
     print("\n".join(lines))
-    print("\n(The OpenAI-compatible server is not built yet; `make serve` runs this demo until it is.)")
     return 0
 
 

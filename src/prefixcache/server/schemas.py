@@ -1,0 +1,87 @@
+"""OpenAI request bodies, validated; what the engine does not support is refused, not ignored."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_TOKENS_LIMIT = 1 << 20  # any larger value is refused as such, before the context check
+
+
+class _Request(BaseModel):
+    # NOTE: unknown fields are accepted and ignored, as OpenAI-compatible servers do:
+    # clients send options (user, logprobs=False, ...) that change nothing here.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop must be at most 4 non-empty strings")
+        return value
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+
+    def chat(self) -> list[dict[str, str]]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str] | list[int]) -> str | list[str] | list[int]:
+        if isinstance(value, list) and value and isinstance(value[0], str) and len(value) != 1:
+            raise ValueError("one prompt per request (a list of several prompts is not supported)")
+        if (isinstance(value, list) and not value) or value == "":
+            raise ValueError("the prompt is empty")
+        return value
+
+
+class EpochRequest(BaseModel):
+    model: str
+
+
+class PurgeRequest(BaseModel):
+    tenant: str = Field(min_length=1)
+    prompt: str | None = None  # purge only cached sequences that start with this text (raw tokens)
+    messages: list[Message] | None = None  # ... or with this chat (template, no generation prompt)
