@@ -4,6 +4,8 @@
   configurations and report hit rates, the offline optimum and prefill compute saved.
 - ``prefixcache workload OUT``: write a deterministic synthetic multi-tenant trace.
 - ``prefixcache serve``: the OpenAI-compatible server on a real model, with the cache.
+- ``prefixcache diagnose URL_OR_FILE``: read /metrics (or saved scrapes) and print a
+  diagnosis with the next action; exit 1 when something needs action.
 - ``prefixcache demo``: drive the cache with synthetic chat traffic and print what it saved.
 """
 
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from prefixcache import __version__
 from prefixcache.cache import PrefixCache
 from prefixcache.config import ISOLATION_MODES, CacheConfig, PromotionConfig
+from prefixcache.diagnose import add_diagnose_parser, run_diagnose
 from prefixcache.hashing import CacheContext
 from prefixcache.policies import POLICIES
 from prefixcache.sim.cli import add_replay_parser, add_workload_parser, run_replay, run_workload
@@ -90,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_replay_parser(sub)
     add_workload_parser(sub)
+    add_diagnose_parser(sub)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server with the prefix cache")
     serve.add_argument("--config", help="TOML settings file (default: $PREFIXCACHE_CONFIG, else built-in defaults)")
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
@@ -107,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_replay(args, parser)
     if args.command == "workload":
         return run_workload(args, parser)
+    if args.command == "diagnose":
+        return run_diagnose(args)
     if args.command == "serve":
         from prefixcache.server.main import run_serve  # torch and transformers load only here
 

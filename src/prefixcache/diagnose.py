@@ -1,0 +1,432 @@
+"""``prefixcache diagnose``: read /metrics (or saved scrapes), say what is wrong and what to do.
+
+The runbook of the README's alert sections, as code. Two scrapes some seconds apart
+give rates (what is happening now); one scrape gives the counters since the server
+started (what has happened on average), which still tells pressure, dead tiers and
+low hit rates apart, only not how fast.
+
+Checks, each a small function over a ``Window`` of counter deltas:
+
+- tier pressure: a full L0 (device / HBM) or L1 (host RAM) tier that evicts fast;
+- a dead or slow L2 tier (disk or Redis), and any tier's error ratio;
+- an invalidation storm: epoch bumps followed by a miss ratio above 90 %;
+- one tenant crowding the others out: most of the new (computed) tokens while the cache evicts;
+- a low hit rate with none of the above: block size, hashing, epochs.
+
+Exit status: 0 nothing needs action, 1 something does, 2 the input could not be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+import urllib.request
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+Labels = tuple[tuple[str, str], ...]
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+DEAD_ERRORS = ("connection", "timeout", "breaker_open")
+
+
+# ============================================================================ scrapes
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """The samples of one scrape: name -> labels -> value."""
+
+    samples: dict[str, dict[Labels, float]]
+
+    @classmethod
+    def parse(cls, text: str) -> Scrape:
+        samples: dict[str, dict[Labels, float]] = defaultdict(dict)
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples[s.name][tuple(sorted(s.labels.items()))] = s.value
+        return cls(dict(samples))
+
+    def series(self, name: str, **match: str) -> dict[Labels, float]:
+        return {k: v for k, v in self.samples.get(name, {}).items() if _matches(k, match)}
+
+    def has(self, name: str) -> bool:
+        return name in self.samples
+
+
+def _matches(labels: Labels, match: dict[str, str]) -> bool:
+    have = dict(labels)
+    return all(have.get(k) == v for k, v in match.items())
+
+
+@dataclass(frozen=True)
+class Window:
+    """What changed between two scrapes ``seconds`` apart, or, with one scrape, since start."""
+
+    after: Scrape
+    before: Scrape | None = None
+    seconds: float | None = None
+
+    def delta(self, name: str, **match: str) -> float:
+        return sum(self.delta_series(name, **match).values())
+
+    def delta_series(self, name: str, **match: str) -> dict[Labels, float]:
+        now = self.after.series(name, **match)
+        if self.before is None:
+            return now
+        then = self.before.samples.get(name, {})
+        # A counter that went down was reset (a restart): its whole value is new.
+        return {k: v - then.get(k, 0.0) if v >= then.get(k, 0.0) else v for k, v in now.items()}
+
+    def delta_by(self, name: str, label: str, **match: str) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for labels, value in self.delta_series(name, **match).items():
+            out[dict(labels).get(label, "")] += value
+        return dict(out)
+
+    def gauge(self, name: str, **match: str) -> float:
+        return sum(self.after.series(name, **match).values())
+
+    def rate(self, amount: float) -> float | None:
+        return amount / self.seconds if self.seconds else None
+
+    def span(self) -> str:
+        return f"in the last {self.seconds:g} s" if self.seconds else "since start"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a figure needs action (defaults: those of ops/alerts.yml where it has one)."""
+
+    evictions_per_s: dict[str, float] = field(default_factory=lambda: {"L0": 5000.0, "L1": 100.0})
+    full: float = 0.90  # occupancy at which a tier counts as full
+    churn: float = 0.5  # evictions per block asked of a tier, when there is no interval for a rate
+    error_ratio: float = 0.01
+    slow_load_seconds: float = 0.05  # p95 load time of an L2 tier
+    storm_miss_ratio: float = 0.90
+    bumps_per_minute: float = 1.0
+    crowding_share: float = 0.60  # one tenant's share of the computed tokens
+    low_hit_rate: float = 0.20
+    min_lookup_tokens: float = 1000  # below this the hit rate says nothing
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str  # critical | warning | info
+    problem: str
+    evidence: str
+    action: str
+
+    @property
+    def needs_action(self) -> bool:
+        return self.severity != "info"
+
+
+# ============================================================================ checks
+
+
+@dataclass(frozen=True)
+class Tier:
+    labels: dict[str, str]
+    used: float
+    capacity: float
+    evictions: float
+    asked: float  # blocks asked of it (hits + misses) in the window
+
+    @property
+    def name(self) -> str:
+        return f"{self.labels.get('level', '?')} tier {self.labels.get('tier', '?')} ({self.labels.get('kind', '?')})"
+
+    @property
+    def occupancy(self) -> float:
+        return self.used / self.capacity if self.capacity else 0.0
+
+
+def tiers(w: Window) -> list[Tier]:
+    out = []
+    for labels in sorted(w.after.series("prefixcache_tier_capacity_bytes")):
+        match = dict(labels)
+        out.append(
+            Tier(
+                match,
+                w.gauge("prefixcache_tier_used_bytes", **match),
+                w.gauge("prefixcache_tier_capacity_bytes", **match),
+                w.delta("prefixcache_tier_evictions_total", **match),
+                w.delta("prefixcache_tier_hits_total", **match) + w.delta("prefixcache_tier_misses_total", **match),
+            )
+        )
+    if not out and w.after.has("prefixcache_capacity_tokens"):
+        # NOTE: a cache without storage tiers is one pool; judge it as its L0, in tokens.
+        out.append(
+            Tier(
+                {"level": "L0", "tier": "cache", "kind": "pool"},
+                w.gauge("prefixcache_used_tokens"),
+                w.gauge("prefixcache_capacity_tokens"),
+                w.delta("prefixcache_evictions_total", reason="capacity"),
+                w.delta("prefixcache_cache_lookup_tokens_total") / max(_block_tokens(w), 1.0),
+            )
+        )
+    return out
+
+
+def _block_tokens(w: Window) -> float:
+    blocks = w.gauge("prefixcache_blocks")
+    return w.gauge("prefixcache_used_tokens") / blocks if blocks else 1.0
+
+
+PRESSURE_ACTION = {
+    "L0": "give the cache more device memory, add or enlarge an L1 host-RAM tier so evicted blocks are demoted "
+    "instead of dropped, or use a scan-resistant policy (s3fifo, sieve) if one-off prompts flush reused ones",
+    "L1": "enlarge the host-RAM tier (TierConfig(kind='memory', capacity_bytes=...)), add an L2 disk or Redis "
+    "tier behind it, or give a crowding tenant a quota (isolation='partitioned')",
+}
+PRESSURE_PROBLEM = {"L0": "HBM (L0) pressure", "L1": "host RAM (L1) pressure"}
+
+
+def check_pressure(w: Window, t: Thresholds) -> list[Finding]:
+    out = []
+    for tier in tiers(w):
+        level = tier.labels.get("level", "")
+        if level not in PRESSURE_PROBLEM or tier.occupancy < t.full or tier.evictions <= 0:
+            continue
+        rate = w.rate(tier.evictions)
+        churn = tier.evictions / tier.asked if tier.asked else math.inf
+        fast = rate > t.evictions_per_s[level] if rate is not None else churn >= t.churn
+        if not fast:
+            continue
+        speed = f"{rate:,.0f} evictions/s" if rate is not None else f"{churn:.2f} evictions per block asked"
+        out.append(
+            Finding(
+                "warning",
+                f"{PRESSURE_PROBLEM[level]}: {tier.name} is full and evicting",
+                f"{tier.occupancy:.0%} full, {tier.evictions:,.0f} blocks evicted {w.span()} ({speed})",
+                PRESSURE_ACTION[level],
+            )
+        )
+    return out
+
+
+def _p95(w: Window, match: dict[str, str]) -> float | None:
+    buckets = sorted(
+        ((float(dict(k)["le"]), v) for k, v in w.delta_series("prefixcache_tier_load_seconds_bucket", **match).items()),
+    )
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    target = 0.95 * buckets[-1][1]
+    return next(le for le, count in buckets if count >= target)
+
+
+def check_tier_health(w: Window, t: Thresholds) -> list[Finding]:
+    out = []
+    for tier in tiers(w):
+        match: dict[str, str] = {k: tier.labels[k] for k in ("tier", "kind", "level") if k in tier.labels}
+        errors = w.delta_by("prefixcache_tier_errors_total", "error", **match)
+        hits = w.delta("prefixcache_tier_hits_total", **match)
+        dead = sum(errors.get(kind, 0.0) for kind in DEAD_ERRORS)
+        listed = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(errors.items()) if v)
+        slow_tier = match.get("kind") in ("redis", "disk") or match.get("level", "L0") not in ("L0", "L1")
+        if dead > 0 and hits == 0:
+            what = "Redis" if match.get("kind") == "redis" else "the medium"
+            out.append(
+                Finding(
+                    "critical",
+                    f"dead tier: {tier.name} fails every call and serves nothing",
+                    f"errors {w.span()}: {listed}; 0 hits",
+                    f"check that {what} is up and reachable from the server (redis-cli -u URL ping; disk mounted and "
+                    "writable); the cache keeps serving from its faster tiers, and the breaker retries by itself",
+                )
+            )
+            continue
+        total = sum(errors.values())
+        if total and total / max(tier.asked, 1.0) > t.error_ratio:
+            out.append(
+                Finding(
+                    "warning",
+                    f"failing tier: {tier.name} fails {total / max(tier.asked, 1.0):.1%} of its operations",
+                    f"errors {w.span()}: {listed}; {tier.asked:,.0f} blocks asked",
+                    "failed reads are served as misses: checksum errors mean a bad disk or a second writer, io a "
+                    "full or read-only file system, timeout a slow Redis (raise read_timeout or move it closer)",
+                )
+            )
+        p95 = _p95(w, match)
+        if slow_tier and p95 is not None and p95 > t.slow_load_seconds:
+            out.append(
+                Finding(
+                    "warning",
+                    f"slow tier: {tier.name} takes up to {p95 * 1000:,.0f} ms to load (p95)",
+                    f"p95 load time {w.span()} above {t.slow_load_seconds * 1000:g} ms",
+                    "a slow L2 can cost more than it saves: check the network to Redis or the disk's latency, "
+                    "and enlarge L1 so fewer loads reach L2",
+                )
+            )
+    return out
+
+
+def _token_counts(w: Window) -> tuple[float, float]:
+    """Lookup and hit tokens in the window: the cache's own counters, else the server's."""
+    if w.after.has("prefixcache_cache_lookup_tokens_total"):
+        return w.delta("prefixcache_cache_lookup_tokens_total"), w.delta("prefixcache_cache_hit_tokens_total")
+    return w.delta("prefixcache_prompt_tokens_total"), w.delta("prefixcache_hit_tokens_total")
+
+
+def check_invalidation(w: Window, t: Thresholds) -> list[Finding]:
+    bumps = w.delta("prefixcache_epoch_bumps_total")
+    if bumps <= 0:
+        return []
+    looked, hit = _token_counts(w)
+    miss = 1 - hit / looked if looked else 0.0
+    rate = w.rate(bumps)
+    per_minute = rate * 60 if rate is not None else None
+    stale = w.delta("prefixcache_evictions_total", reason="stale")
+    evidence = f"{bumps:,.0f} epoch bumps {w.span()}, miss ratio {miss:.0%}, {stale:,.0f} stale blocks reclaimed"
+    action = (
+        "find who bumps (deploys, adapter reloads, an admin script) and stop repeated bumps; bump only the "
+        "adapter that changed (bump_epoch(model, adapter)) rather than the whole model"
+    )
+    if per_minute is not None and per_minute > t.bumps_per_minute:
+        return [Finding("critical", f"invalidation storm: {per_minute:.1f} epoch bumps a minute", evidence, action)]
+    if looked >= t.min_lookup_tokens and miss > t.storm_miss_ratio:
+        return [Finding("critical", "invalidation storm: epoch bumps left the cache cold", evidence, action)]
+    return []
+
+
+def check_crowding(w: Window, t: Thresholds) -> list[Finding]:
+    prompt = w.delta_by("prefixcache_prompt_tokens_total", "tenant")
+    hits = w.delta_by("prefixcache_hit_tokens_total", "tenant")
+    computed = {tenant: prompt[tenant] - hits.get(tenant, 0.0) for tenant in prompt}
+    total = sum(computed.values())
+    evicted = sum(tier.evictions for tier in tiers(w))
+    if len(computed) < 2 or total <= 0 or evicted <= 0:
+        return []
+    tenant, top = max(((k, v) for k, v in computed.items() if k != "other"), key=lambda kv: kv[1], default=("", 0.0))
+    if top / total < t.crowding_share:
+        return []
+    rest_prompt = sum(v for k, v in prompt.items() if k != tenant)
+    rest_hit = sum(v for k, v in hits.items() if k != tenant)
+    rest = f"; the other tenants hit {rest_hit / rest_prompt:.0%} of their tokens" if rest_prompt else ""
+    return [
+        Finding(
+            "warning",
+            f"tenant {tenant!r} crowds the others out",
+            f"it brings {top / total:.0%} of the new (computed) tokens {w.span()} while the cache evicted "
+            f"{evicted:,.0f} blocks{rest}",
+            f"give {tenant!r} a quota (isolation='partitioned', quotas={{{tenant!r}: ...}}) so its burst evicts "
+            "only its own blocks, or rate-limit it at the gateway",
+        )
+    ]
+
+
+def check_hit_rate(w: Window, t: Thresholds, found: list[Finding]) -> list[Finding]:
+    looked, hit = _token_counts(w)
+    if looked < t.min_lookup_tokens or hit / looked >= t.low_hit_rate or found:
+        return []
+    collisions = w.delta("prefixcache_hash_collisions_total")
+    bumps = w.delta("prefixcache_epoch_bumps_total")
+    return [
+        Finding(
+            "warning",
+            f"low hit rate ({hit / looked:.0%} of tokens) with no capacity pressure",
+            f"{looked:,.0f} tokens looked up {w.span()}, {hit:,.0f} hit; {bumps:,.0f} epoch bumps, "
+            f"{collisions:,.0f} hash collisions, no tier under pressure",
+            "check the block size against prompt lengths (partial_blocks=True for short prompts); check hashing: the "
+            "same seed, hash and tokenizer id on every server, and no per-request text (a timestamp, a request id) "
+            "at the start of prompts; check epochs (bumps or adapters reloaded); check isolation (namespace mode "
+            "keeps tenants from sharing a common prompt: hot-prefix promotion wins it back)",
+        )
+    ]
+
+
+CHECKS: tuple[Callable[[Window, Thresholds], list[Finding]], ...] = (
+    check_pressure,
+    check_tier_health,
+    check_invalidation,
+    check_crowding,
+)
+
+
+def diagnose(w: Window, t: Thresholds | None = None) -> list[Finding]:
+    """Every finding, most severe first."""
+    t = t or Thresholds()
+    found = [f for check in CHECKS for f in check(w, t)]
+    found += check_hit_rate(w, t, found)
+    return sorted(found, key=lambda f: SEVERITY_ORDER[f.severity])
+
+
+def summary(w: Window) -> list[str]:
+    looked, hit = _token_counts(w)
+    lines = [f"window: {w.span()}"]
+    if looked:
+        lines.append(f"token hit rate {hit / looked:.1%} ({hit:,.0f} of {looked:,.0f} tokens)")
+    saved = w.delta("prefixcache_prefill_seconds_saved_total")
+    spent = w.delta("prefixcache_prefill_seconds_total")
+    if saved + spent > 0:
+        lines.append(f"prefill time saved {saved / (saved + spent):.1%} ({saved:,.1f} s saved, {spent:,.1f} s spent)")
+    for tier in tiers(w):
+        lines.append(f"{tier.name}: {tier.occupancy:.0%} full, {tier.evictions:,.0f} evictions")
+    return lines
+
+
+def report(w: Window, findings: Sequence[Finding]) -> str:
+    lines = ["prefixcache diagnose", *(f"  {line}" for line in summary(w)), ""]
+    if not findings:
+        lines.append("OK: nothing needs action.")
+    for f in findings:
+        lines += [f"{f.severity.upper()}: {f.problem}", f"  evidence: {f.evidence}", f"  next: {f.action}", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# ============================================================================ command
+
+
+def fetch(source: str, token: str | None, timeout: float = 10.0) -> str:
+    if source.startswith(("http://", "https://")):
+        request = urllib.request.Request(source, headers={"Authorization": f"Bearer {token}"} if token else {})
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body: bytes = response.read()
+            return body.decode()
+    return Path(source).read_text()
+
+
+def add_diagnose_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "diagnose",
+        help="read /metrics (a URL or saved scrapes) and print a diagnosis with the next action",
+        description="Exit status: 0 nothing needs action, 1 something does, 2 the input could not be read.",
+    )
+    p.add_argument("source", help="a /metrics URL or a saved scrape (Prometheus text format)")
+    p.add_argument("later", nargs="?", help="a second saved scrape taken --interval seconds after the first")
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=None,
+        help="URL: seconds between the two scrapes taken (default 10; 0 for one scrape); "
+        "two files: the seconds between them (required)",
+    )
+    p.add_argument("--token", default=None, help="bearer token (the admin key) for a protected /metrics")
+
+
+def run_diagnose(args: argparse.Namespace, sleep: Callable[[float], None] = time.sleep) -> int:
+    try:
+        if args.later is not None:
+            if not args.interval:
+                print("diagnose: two scrapes need --interval (the seconds between them)")
+                return 2
+            first, second = fetch(args.source, args.token), fetch(args.later, args.token)
+            window = Window(Scrape.parse(second), Scrape.parse(first), args.interval)
+        elif args.source.startswith(("http://", "https://")) and (args.interval is None or args.interval > 0):
+            interval = 10.0 if args.interval is None else args.interval
+            first = fetch(args.source, args.token)
+            sleep(interval)
+            window = Window(Scrape.parse(fetch(args.source, args.token)), Scrape.parse(first), interval)
+        else:
+            window = Window(Scrape.parse(fetch(args.source, args.token)))
+    except (OSError, ValueError) as exc:
+        print(f"diagnose: cannot read {args.source}: {exc}")
+        return 2
+    findings = diagnose(window)
+    print(report(window, findings), end="")
+    return 1 if any(f.needs_action for f in findings) else 0
