@@ -1,0 +1,122 @@
+"""The JSON behind the server's dashboard page (``server/static/index.html``).
+
+The server serves it at ``GET /dashboard/data`` (behind the admin key, like
+``/metrics``: it holds per-tenant figures); the page polls it every two seconds and
+computes live rates from the difference of two polls. Shape (version 1)::
+
+    {
+      "version": 1,
+      "time": 1795948173.7,                      # unix seconds when it was made
+      "totals": {"lookups": 120, "prompt_tokens": 52000, "hit_tokens": 31000, "hit_rate": 0.596,
+                 "prefill_seconds_saved": 6.2, "prefill_seconds": 4.2, "saved_share": 0.596,
+                 "prefill_seconds_per_token": 0.0002},       # null until the engine measured it
+      "tier_tokens": {"L0": 30000, "L2": 1000},  # hit tokens served from each tier, since start
+      "cache": {"used_tokens": 9000, "capacity_tokens": 1048576, "blocks": 560, "epoch_bumps": 0,
+                "collisions": 0, "promoted_blocks": 0,
+                "evictions": {"capacity": 0, "stale": 0, "purge": 0, "ttl": 0, "replaced": 0}},
+      "tiers": [{"name": "hbm", "kind": "memory", "level": "L0", "used_bytes": 1, "capacity_bytes": 2,
+                 "blocks": 1, "hits": 5, "misses": 1, "evictions": 0, "demotions": 0, "errors": 0}],
+      "tenants": [{"tenant": "acme", "lookups": 80, "prompt_tokens": 40000, "hit_tokens": 26000,
+                   "hit_rate": 0.65, "prefill_seconds_saved": 5.2}],   # most prompt tokens first
+      "recent": [{"tenant": "acme", "model": "smollm2", "prompt_tokens": 700,
+                  "segments": [["L0", 512], ["L2", 64], ["computed", 124]]}]   # oldest first
+    }
+
+Counters are totals since the server started; ``tenants`` uses the same labels as
+/metrics (the top N tenants, the rest as ``other``). ``segments`` runs over the
+prompt in order: where each stretch of its tokens came from (a cache tier, or
+``computed`` by prefill); their lengths sum to ``prompt_tokens``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from prefixcache.metrics import REMOVAL_REASONS, ServingMetrics, tier_level
+
+VERSION = 1
+SOURCES = ("L0", "L1", "L2", "computed")
+TIER_FIELDS = ("used_bytes", "capacity_bytes", "blocks", "hits", "misses", "evictions", "demotions")
+
+
+def _ratio(part: float, whole: float) -> float | None:
+    return part / whole if whole else None
+
+
+def _tenants(serving: ServingMetrics) -> list[dict[str, Any]]:
+    per: dict[str, dict[str, Any]] = {}
+    for (tenant, _model, _endpoint), t in serving.snapshot().items():
+        row = per.setdefault(
+            tenant, {"tenant": tenant, "lookups": 0, "prompt_tokens": 0, "hit_tokens": 0, "prefill_seconds_saved": 0.0}
+        )
+        row["lookups"] += t.lookups
+        row["prompt_tokens"] += t.prompt_tokens
+        row["hit_tokens"] += t.hit_tokens
+        row["prefill_seconds_saved"] += t.prefill_seconds_saved
+    rows = sorted(per.values(), key=lambda r: (-r["prompt_tokens"], r["tenant"]))
+    for row in rows:
+        row["hit_rate"] = _ratio(row["hit_tokens"], row["prompt_tokens"])
+    return rows
+
+
+def _recent(entry: Mapping[str, Any]) -> dict[str, Any]:
+    segments = [[str(source), int(n)] for source, n in entry["segments"]]
+    for source, n in segments:
+        if source not in SOURCES or n < 0:
+            raise ValueError(f"segment {[source, n]}: source must be one of {', '.join(SOURCES)} and n >= 0")
+    if sum(n for _, n in segments) != entry["prompt_tokens"]:
+        raise ValueError(f"segments {segments} do not sum to prompt_tokens={entry['prompt_tokens']}")
+    return {
+        "tenant": str(entry["tenant"]),
+        "model": str(entry["model"]),
+        "prompt_tokens": int(entry["prompt_tokens"]),
+        "segments": segments,
+    }
+
+
+def dashboard_data(
+    cache_stats: Mapping[str, Any],
+    serving: ServingMetrics,
+    recent: Sequence[Mapping[str, Any]],
+    limit: int = 20,
+    clock: Callable[[], float] = time.time,
+) -> dict[str, Any]:
+    """The page's JSON from ``PrefixCache.stats()``, the server's metrics and its last
+    requests (oldest first; the last ``limit`` are kept)."""
+    tenants = _tenants(serving)
+    lookups = sum(r["lookups"] for r in tenants)
+    prompt = sum(r["prompt_tokens"] for r in tenants)
+    hit = sum(r["hit_tokens"] for r in tenants)
+    snapshot = serving.snapshot().values()
+    saved = sum(t.prefill_seconds_saved for t in snapshot)
+    spent = sum(t.prefill_seconds for t in snapshot)
+    tiers = [
+        {"name": t["name"], "kind": t["kind"], "level": tier_level(i)}
+        | {k: t.get(k, 0) for k in TIER_FIELDS}
+        | {"errors": sum(t.get("errors", {}).values())}
+        for i, t in enumerate(cache_stats.get("tiers") or [])
+    ]
+    return {
+        "version": VERSION,
+        "time": clock(),
+        "totals": {
+            "lookups": lookups,
+            "prompt_tokens": prompt,
+            "hit_tokens": hit,
+            "hit_rate": _ratio(hit, prompt),
+            "prefill_seconds_saved": saved,
+            "prefill_seconds": spent,
+            "saved_share": _ratio(saved, saved + spent),
+            "prefill_seconds_per_token": serving.prefill_seconds_per_token,
+        },
+        "tier_tokens": dict(serving.tier_tokens),
+        "cache": {k: cache_stats.get(k, 0) for k in ("used_tokens", "capacity_tokens", "blocks")}
+        | {"epoch_bumps": cache_stats.get("epoch_bumps", 0), "collisions": cache_stats.get("collisions", 0)}
+        | {"promoted_blocks": cache_stats.get("promoted_blocks", 0)}
+        | {"evictions": {reason: cache_stats.get(key, 0) for key, reason in REMOVAL_REASONS.items()}},
+        "tiers": tiers,
+        "tenants": tenants,
+        "recent": [_recent(entry) for entry in list(recent)[-limit:]] if limit > 0 else [],
+    }
