@@ -183,9 +183,16 @@ class Engine:
     def context_length(self) -> int:
         return self.loaded.context_length
 
-    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat template's tokens for ``messages``, ending with the assistant's turn."""
-        out: Any = self.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    @property
+    def vocab_size(self) -> int:
+        embeddings: Any = self.loaded.model.get_input_embeddings()
+        return int(embeddings.weight.shape[0])
+
+    def tokenize_chat(self, messages: list[dict[str, str]], generation_prompt: bool = True) -> list[int]:
+        """The chat template's tokens for ``messages``, ending with the assistant's turn
+        (without it: the prefix that later conversations starting this way share)."""
+        tokenizer = self.loaded.tokenizer
+        out: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
         ids = out if isinstance(out, list) else out["input_ids"]  # transformers >= 5 returns a BatchEncoding
         return [int(t) for t in ids]
 
@@ -208,6 +215,9 @@ class Engine:
             raise EngineClosed("the engine is shutting down")
         if not request.tokens:
             raise EngineError("the prompt is empty", param="prompt")
+        vocab = self.vocab_size
+        if min(request.tokens) < 0 or max(request.tokens) >= vocab:
+            raise EngineError(f"token ids must be in [0, {vocab})", param="prompt")
         self.check_length(len(request.tokens), request.params.max_tokens)
         self.start()
         timeout = self.timeout_s if request.timeout_s is None else request.timeout_s

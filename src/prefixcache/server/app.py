@@ -382,10 +382,7 @@ def _routes(app: FastAPI, server: Server) -> None:
     async def completions(request: Request, body: CompletionRequest, tenant: str = Depends(server.tenant)) -> Response:
         prompt = body.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], int):
-            tokens = [int(t) for t in prompt]
-            vocab = len(engine.loaded.tokenizer)
-            if any(not 0 <= t < vocab for t in tokens):
-                raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
+            tokens = [int(t) for t in prompt]  # the engine checks they are in the vocabulary
         else:
             tokens = engine.tokenize_text(prompt if isinstance(prompt, str) else str(prompt[0]))
         if not tokens:
@@ -417,7 +414,7 @@ def _routes(app: FastAPI, server: Server) -> None:
         if body.prompt is None and body.messages is None:
             return {"tenant": body.tenant, "removed_blocks": cache.purge(body.tenant)}
         if body.messages is not None:
-            tokens = engine.tokenize_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+            tokens = engine.tokenize_chat([{"role": m.role, "content": m.text()} for m in body.messages], False)
         else:
             tokens = engine.tokenize_text(body.prompt or "")
         removed = cache.purge_prefix(tokens, engine.context(body.tenant))

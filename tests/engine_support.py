@@ -1,0 +1,71 @@
+"""The real model, converted once and reused by every engine and server test; a live
+server on a free port in a thread."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from prefixcache.cache import PrefixCache
+from prefixcache.config import CacheConfig, KVLayout, TierConfig
+from prefixcache.engine import Engine, LoadedModel, load_model
+
+MODELS_DIR = Path(__file__).resolve().parent.parent / ".prefixcache" / "models"  # git-ignored, kept across runs
+MODEL_ID = "smollm2-135m-instruct"
+
+
+@functools.cache
+def model() -> LoadedModel:
+    """SmolLM2-135M-Instruct on CPU (converted from the GGUF on the first run only)."""
+    return load_model(models_dir=MODELS_DIR, device="cpu")
+
+
+def layout(loaded: LoadedModel) -> KVLayout:
+    kv = loaded.kv
+    return KVLayout(layers=kv.layers, kv_heads=kv.kv_heads, head_dim=kv.head_dim, dtype=kv.dtype)
+
+
+def tiered_cache(loaded: LoadedModel, tmp: Path, memory_bytes: int = 256 << 20, **extra: Any) -> PrefixCache:
+    """A memory + disk cache for ``loaded``'s KV; ``extra`` goes to CacheConfig."""
+    tiers = extra.pop("tiers", None) or (
+        TierConfig(kind="memory", capacity_bytes=memory_bytes),
+        TierConfig(kind="disk", capacity_bytes=1 << 30, path=str(tmp / "disk")),
+    )
+    return PrefixCache(CacheConfig(block_size=16, kv_layout=layout(loaded), tiers=tiers, **extra))
+
+
+class LiveServer:
+    """uvicorn serving ``app`` on 127.0.0.1 at a free port, in a thread."""
+
+    def __init__(self, app: Any) -> None:
+        self.config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def url(self) -> str:
+        sockets = self.server.servers[0].sockets
+        port = sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def engine(loaded: LoadedModel, cache: PrefixCache | None = None, **kwargs: Any) -> Engine:
+    return Engine(loaded, MODEL_ID, cache=cache, **kwargs)

@@ -1,0 +1,244 @@
+"""The engine on the real model: cached prefill is exact, the worker samples, streams,
+stops, cancels, times out and refuses what it cannot do."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine_support import engine, model, tiered_cache
+from prefixcache.engine import (
+    ContextLengthError,
+    DoneEvent,
+    EngineError,
+    Event,
+    LoadedModel,
+    QueueFull,
+    Request,
+    RequestTimeout,
+    SamplingParams,
+    TokenEvent,
+)
+from prefixcache.engine.kv import cut_cache, fill_cache, to_numpy
+from prefixcache.engine.model import load_model
+from prefixcache.engine.runner import Sequence, full_logits
+from prefixcache.hashing import CacheContext
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+SYSTEM = (
+    "You are a meticulous assistant for a company that sells garden tools. Answer in one short sentence. "
+    "Policies: refunds within 30 days; shipping takes 3 to 5 days; the support line is open 9 to 5. "
+) * 4
+
+
+@pytest.fixture(scope="module")
+def lm() -> LoadedModel:
+    return model()
+
+
+def chat(lm: LoadedModel, user: str) -> list[int]:
+    return engine(lm).tokenize_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}])
+
+
+def test_conversion_is_reused_and_reload_gives_identical_logits(lm: LoadedModel) -> None:
+    folder = Path(lm.source)
+    assert (folder / "model.safetensors").is_file()
+    assert "quantization_config" not in (folder / "config.json").read_text()
+    started = time.monotonic()
+    again = load_model(folder.as_posix(), device="cpu")  # a local folder by path, no conversion
+    assert time.monotonic() - started < 10
+    tokens = chat(lm, "Hi")
+    assert torch.equal(full_logits(lm, tokens), full_logits(again, tokens))
+    assert (lm.kv.layers, lm.kv.kv_heads, lm.kv.head_dim, lm.kv.dtype) == (30, 3, 64, "float32")
+
+
+def test_unknown_model_name_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="neither"):
+        load_model(str(tmp_path / "nope"))
+
+
+def test_kv_cut_and_fill_round_trip(lm: LoadedModel) -> None:
+    tokens = chat(lm, "What is the refund window?")
+    seq = Sequence(lm)
+    seq.prefill(tokens)
+    payload = cut_cache(seq.cache, len(tokens))
+    assert tuple(payload.shape) == (30, 2, 3, len(tokens), 64) and payload.is_contiguous()
+    assert torch.equal(payload[7, 1], seq.cache.layers[7].values[0])  # type: ignore[union-attr]
+    refilled = fill_cache(to_numpy(payload), lm.model.config, lm.device, torch.float32)
+    assert refilled.get_seq_length() == len(tokens)
+    assert torch.equal(refilled.layers[29].keys[0], payload[29, 0])  # type: ignore[union-attr]
+
+
+def test_bfloat16_payload_travels_bit_exact_through_numpy() -> None:
+    payload = torch.randn(2, 2, 3, 5, 4).to(torch.bfloat16)
+    array = to_numpy(payload)
+    assert array.dtype == np.int16
+    cache = fill_cache(array, None, torch.device("cpu"), torch.bfloat16)
+    assert torch.equal(cache.layers[1].values[0], payload[1, 1])  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("cached", [16, 100, 173])  # block-aligned, mid-prompt, a partial block
+def test_suffix_logits_match_a_full_prefill(lm: LoadedModel, cached: int) -> None:
+    tokens = chat(lm, "How long does shipping take, and can I return a rake?")
+    assert len(tokens) > cached + 10
+    full = full_logits(lm, tokens)
+    seq = Sequence(lm)
+    seq.prefill(tokens)
+    kv = to_numpy(cut_cache(seq.cache, cached))
+    suffix = Sequence(lm).prefill(tokens, kv, keep=len(tokens) - cached)
+    torch.testing.assert_close(suffix, full[cached:], atol=1e-3, rtol=1e-4)
+    with pytest.raises(ValueError, match="at least one"):
+        Sequence(lm).prefill(tokens[:cached], kv)
+
+
+def greedy(lm: LoadedModel, tokens: list[int], cache: object | None, tenant: str = "acme") -> DoneEvent:
+    eng = engine(lm, cache)
+    try:
+        return eng.generate(Request(tokens, tenant, GREEDY)).result(timeout=120)
+    finally:
+        eng.close()
+
+
+def test_cached_greedy_equals_uncached_through_memory_and_disk(lm: LoadedModel, tmp_path: Path) -> None:
+    first = chat(lm, "Can I return a rake?")
+    second = chat(lm, "How long does shipping take?")
+    plain = [greedy(lm, t, None) for t in (first, second)]
+    cache = tiered_cache(lm, tmp_path, partial_blocks=True)
+    eng = engine(lm, cache)
+    try:
+        a = eng.generate(Request(first, "acme", GREEDY)).result(timeout=120)
+        b = eng.generate(Request(second, "acme", GREEDY)).result(timeout=120)
+        other = eng.generate(Request(second, "globex", GREEDY)).result(timeout=120)
+        again = eng.generate(Request(first + list(a.tokens), "acme", GREEDY)).result(timeout=120)
+    finally:
+        eng.close()
+    assert a.usage.cached_tokens == 0 and a.tokens == plain[0].tokens
+    shared = next(i for i, (x, y) in enumerate(zip(first, second, strict=False)) if x != y)
+    assert 16 <= b.usage.cached_tokens <= shared  # the system prompt, a partial block included
+    assert b.tokens == plain[1].tokens and b.text == plain[1].text
+    assert sum(b.usage.tier_tokens.values()) == b.usage.cached_tokens
+    assert other.usage.cached_tokens == 0 and other.tokens == plain[1].tokens  # namespace isolation
+    # The whole first turn (prompt + answer, less the last token) was stored after it finished.
+    assert again.usage.cached_tokens >= len(first) + len(a.tokens) - 1 - 16
+    cache.close()
+
+
+def test_disk_tier_alone_serves_an_exact_hit(lm: LoadedModel, tmp_path: Path) -> None:
+    from prefixcache.config import TierConfig
+
+    tokens = chat(lm, "Is the support line open on Sunday?")
+    plain = greedy(lm, tokens, None)
+    tiers = (TierConfig(kind="disk", capacity_bytes=1 << 30, path=str(tmp_path / "d"), write="through"),)
+    cache = tiered_cache(lm, tmp_path, tiers=tiers)
+    ctx = CacheContext(tenant="acme", model="smollm2-135m-instruct", tokenizer="smollm2-135m-instruct")
+    seq = Sequence(lm)
+    seq.prefill(tokens)
+    cache.insert(tokens, ctx, kv=cut_cache(seq.cache, len(tokens)))
+    hit = greedy(lm, tokens, cache)
+    assert hit.usage.cached_tokens >= len(tokens) - 16
+    assert hit.usage.tier_tokens.get("disk", 0) == hit.usage.cached_tokens
+    assert hit.tokens == plain.tokens
+    cache.close()
+
+
+def test_sampling_is_seeded_and_respects_max_tokens(lm: LoadedModel) -> None:
+    tokens = chat(lm, "Write a word.")
+    params = SamplingParams(max_tokens=8, temperature=1.3, top_p=0.9, seed=7)
+    eng = engine(lm)
+    try:
+        one = eng.generate(Request(tokens, "t", params)).result(timeout=60)
+        two = eng.generate(Request(tokens, "t", params)).result(timeout=60)
+    finally:
+        eng.close()
+    assert one.tokens == two.tokens and len(one.tokens) <= 8
+    assert one.finish_reason in ("length", "stop")
+
+
+def test_stop_sequence_ends_the_answer_without_it(lm: LoadedModel) -> None:
+    tokens = engine(lm).tokenize_chat([{"role": "user", "content": "Count from 1 to 10 separated by commas."}])
+    free = greedy(lm, tokens, None)
+    assert "3" in free.text
+    eng = engine(lm)
+    try:
+        done = eng.generate(Request(tokens, "t", SamplingParams(max_tokens=12, temperature=0, stop=("3",)))).result(60)
+    finally:
+        eng.close()
+    assert done.finish_reason == "stop" and "3" not in done.text
+    assert free.text.startswith(done.text)
+
+
+def test_streaming_events_add_up_to_the_answer(lm: LoadedModel) -> None:
+    events: list[Event] = []
+    finished = threading.Event()
+
+    def sink(event: Event) -> None:
+        events.append(event)
+        if not isinstance(event, TokenEvent):
+            finished.set()
+
+    eng = engine(lm)
+    eng.submit(Request(chat(lm, "Say hello."), "t", GREEDY), sink)
+    assert finished.wait(60)
+    eng.close()
+    done = events[-1]
+    assert isinstance(done, DoneEvent)
+    assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == done.text
+    assert [e.token for e in events if isinstance(e, TokenEvent)] == list(done.tokens)
+
+
+def test_cancel_stops_generation(lm: LoadedModel) -> None:
+    events: list[Event] = []
+    finished = threading.Event()
+    eng = engine(lm)
+
+    def sink(event: Event) -> None:
+        events.append(event)
+        if isinstance(event, TokenEvent) and len(events) == 2:
+            handle.cancel()
+        if not isinstance(event, TokenEvent):
+            finished.set()
+
+    handle = eng.submit(Request(chat(lm, "Tell me a long story."), "t", SamplingParams(200, 0.0)), sink)
+    assert finished.wait(60)
+    eng.close()
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and done.finish_reason == "cancelled"
+    assert len(done.tokens) <= 3
+
+
+def test_queue_full_timeout_and_context_limit(lm: LoadedModel) -> None:
+    eng = engine(lm, max_queue=1, timeout_s=0.05)
+    tokens = chat(lm, "Hi")
+    long = SamplingParams(max_tokens=40, temperature=0.0)
+    try:
+        with pytest.raises(ContextLengthError, match="maximum context length is 8192"):
+            eng.submit(Request(tokens, "t", SamplingParams(max_tokens=8192)), lambda e: None)
+        first = eng.generate(Request(tokens, "t", long))
+        time.sleep(0.3)  # the worker is busy with the first; the second waits in the queue ...
+        second = eng.generate(Request(tokens, "t", long))
+        with pytest.raises(QueueFull) as full:  # ... and the third finds it full
+            eng.submit(Request(tokens, "t", long), lambda e: None)
+        assert full.value.status == 429 and full.value.retry_after >= 1
+        with pytest.raises(RequestTimeout):
+            first.result(60)  # 40 tokens do not fit in 50 ms
+        with pytest.raises(RequestTimeout):
+            second.result(60)  # timed out while waiting
+    finally:
+        eng.close()
+
+
+def test_bad_token_ids_are_refused_and_the_worker_keeps_serving(lm: LoadedModel) -> None:
+    eng = engine(lm)
+    try:
+        for bad in ([10**9], [-1], []):
+            with pytest.raises(EngineError) as error:
+                eng.submit(Request(bad, "t", GREEDY), lambda e: None)
+            assert error.value.status == 400
+        assert eng.generate(Request(chat(lm, "Hi"), "t", GREEDY)).result(60).tokens
+    finally:
+        eng.close()

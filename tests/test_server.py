@@ -1,0 +1,275 @@
+"""The OpenAI-compatible server, live on a free port, driven by the official ``openai``
+client and raw HTTP: answers, streaming, cached_tokens per tenant, errors, admin, load."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from engine_support import MODEL_ID, LiveServer, engine, model, tiered_cache
+from prefixcache.server.app import create_app
+from prefixcache.server.settings import AuthSettings, ServerSettings, Settings
+
+KEYS = {"sk-acme-0123456789": "acme", "sk-globex-0123456789": "globex"}
+ADMIN = "adm-0123456789"
+SYSTEM = (
+    "You are the support assistant of Fernwood Garden Tools. Answer in one short sentence. "
+    "Refunds are accepted within 30 days of delivery with the receipt. Shipping takes 3 to 5 working days. "
+    "The support line is open from 9 to 5 on weekdays. Never promise discounts. "
+) * 3
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    lm = model()
+    cache = tiered_cache(lm, tmp_path_factory.mktemp("cache"), partial_blocks=True)
+    settings = Settings(
+        server=ServerSettings(max_queue=32, request_timeout_s=120.0, max_body_bytes=1 << 20),
+        auth=AuthSettings(api_keys=KEYS, admin_key=ADMIN),
+    )
+    eng = engine(lm, cache, max_queue=32, timeout_s=120.0)
+    server = LiveServer(create_app(eng, settings, cache)).start()
+    yield server
+    server.stop()
+    eng.close()
+    cache.close()
+
+
+def client(live: LiveServer, key: str = "sk-acme-0123456789") -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def ask(live: LiveServer, question: str, key: str = "sk-acme-0123456789") -> Any:
+    messages: Any = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return client(live, key).chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=10, temperature=0)
+
+
+def test_models_and_health(live: LiveServer) -> None:
+    assert [m.id for m in client(live).models.list()] == [MODEL_ID]
+    health = httpx.get(live.url + "/healthz").json()
+    assert health["status"] == "ok" and health["model"] == MODEL_ID
+
+
+def test_chat_then_shared_system_prompt_hits_only_for_the_same_tenant(live: LiveServer) -> None:
+    first = ask(live, "Can I return a rake after two weeks?")
+    assert first.choices[0].message.content and first.object == "chat.completion"
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = ask(live, "How long does shipping take?")
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 and cached < second.usage.prompt_tokens
+    other = ask(live, "How long does shipping take?", key="sk-globex-0123456789")
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # namespace isolation
+    assert other.choices[0].message.content == second.choices[0].message.content  # greedy: the same answer
+
+
+def test_streaming_chat_and_usage(live: LiveServer) -> None:
+    messages: Any = [{"role": "user", "content": "Name a garden tool."}]
+    plain = client(live).chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=8, temperature=0)
+    stream = client(live).chat.completions.create(
+        model=MODEL_ID,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_completions_plain_and_streaming(live: LiveServer) -> None:
+    c = client(live)
+    done = c.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert done.object == "text_completion" and done.choices[0].text
+    assert done.usage is not None and done.usage.completion_tokens <= 6
+    streamed = c.completions.create(
+        model=MODEL_ID, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True
+    )
+    assert "".join(ch.choices[0].text for ch in streamed) == done.choices[0].text
+
+
+def test_next_turn_hits_on_the_whole_history(live: LiveServer) -> None:
+    history: Any = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Do you sell shovels?"}]
+    c = client(live, "sk-globex-0123456789")
+    first = c.chat.completions.create(model=MODEL_ID, messages=history, max_tokens=10, temperature=0)
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And rakes?"},
+    ]
+    second = c.chat.completions.create(model=MODEL_ID, messages=history, max_tokens=5, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
+def post(
+    live: LiveServer,
+    path: str,
+    body: Any,
+    key: str | None = "sk-acme-0123456789",
+    headers: dict[str, str] | None = None,
+) -> httpx.Response:
+    headers = (headers or {}) | ({"Authorization": f"Bearer {key}"} if key else {})
+    if not isinstance(body, dict | list):
+        headers["Content-Type"] = "application/json"
+        return httpx.post(live.url + path, content=body, headers=headers, timeout=60)
+    return httpx.post(live.url + path, json=body, headers=headers, timeout=60)
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2} | extra
+
+
+BAD = [
+    ("malformed json", b'{"model": "x", "messages": [', 400, "invalid_json"),
+    ("missing messages", {"model": MODEL_ID}, 400, "invalid_value"),
+    ("empty messages", chat_body(messages=[]), 400, "invalid_value"),
+    ("unknown role", chat_body(messages=[{"role": "wizard", "content": "x"}]), 400, "invalid_value"),
+    ("unknown model", chat_body(model="gpt-17"), 404, "model_not_found"),
+    ("negative max_tokens", chat_body(max_tokens=-1), 400, "invalid_value"),
+    ("zero max_tokens", chat_body(max_tokens=0), 400, "invalid_value"),
+    ("huge max_tokens", chat_body(max_tokens=10**12), 400, "invalid_value"),
+    ("max_tokens over the context", chat_body(max_tokens=9000), 400, "context_length_exceeded"),
+    ("temperature too high", chat_body(temperature=3.5), 400, "invalid_value"),
+    ("temperature negative", chat_body(temperature=-0.1), 400, "invalid_value"),
+    ("top_p zero", chat_body(top_p=0), 400, "invalid_value"),
+    ("n > 1", chat_body(n=3), 400, "invalid_value"),
+    ("five stops", chat_body(stop=["a", "b", "c", "d", "e"]), 400, "invalid_value"),
+    ("body is a list", b"[1, 2]", 400, "invalid_value"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "status", "code"), BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_an_openai_error_and_the_server_stays_healthy(
+    live: LiveServer, name: str, body: Any, status: int, code: str
+) -> None:
+    response = post(live, "/v1/chat/completions", body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and error["message"] and error["type"]
+    assert httpx.get(live.url + "/healthz").status_code == 200
+
+
+def test_prompt_over_the_context_limit(live: LiveServer) -> None:
+    body = chat_body(messages=[{"role": "user", "content": "garden " * 9000}])
+    response = post(live, "/v1/chat/completions", body)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert "8192" in response.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        client(live).completions.create(model=MODEL_ID, prompt="tool " * 9000, max_tokens=2)
+
+
+def test_bodies_of_several_megabytes_are_refused(live: LiveServer) -> None:
+    huge = json.dumps(chat_body(messages=[{"role": "user", "content": "x" * (5 << 20)}]))
+    assert post(live, "/v1/chat/completions", huge).status_code == 413
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit still holds
+        yield huge.encode()[: 3 << 20]
+        yield huge.encode()[3 << 20 :]
+
+    response = post(live, "/v1/chat/completions", chunks())
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(live.url + "/healthz").status_code == 200
+
+
+def test_authentication(live: LiveServer) -> None:
+    for key in ("sk-wrong", None, "sk-acme-012345678"):  # wrong, missing, a prefix of a real key
+        response = post(live, "/v1/chat/completions", chat_body(), key=key)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        client(live, "sk-nope").models.list()
+    # A tenant named in the body or a header is not trusted (no gateway header configured).
+    spoof = post(
+        live, "/v1/chat/completions", chat_body(user="acme"), key="sk-globex-0123456789", headers={"X-Tenant": "acme"}
+    )
+    assert spoof.status_code == 200
+
+
+def test_admin_routes(live: LiveServer) -> None:
+    def admin(path: str, body: Any | None = None, key: str = ADMIN) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"}
+        if body is None:
+            return httpx.get(live.url + path, headers=headers)
+        return httpx.post(live.url + path, json=body, headers=headers)
+
+    assert admin("/admin/stats", key="sk-acme-0123456789").status_code == 401  # a tenant key is not the admin key
+    ask(live, "Where are you based?")
+    assert ask(live, "Where are you based?").usage.prompt_tokens_details.cached_tokens > 0
+    stats = admin("/admin/stats").json()
+    assert stats["cache"]["per_tenant"]["acme"]["hit_tokens"] > 0
+    before = ask(live, "Where are you based?").usage.prompt_tokens_details.cached_tokens
+    purged = admin("/admin/purge", {"tenant": "acme", "messages": [{"role": "system", "content": SYSTEM}]}).json()
+    assert purged["removed_blocks"] > 0
+    # What continued the purged prefix is gone; at most the prefix's own leading blocks still hit.
+    assert (
+        ask(live, "Where are you based?").usage.prompt_tokens_details.cached_tokens <= purged["prefix_tokens"] < before
+    )
+    assert admin("/admin/purge", {"tenant": "acme"}).json()["removed_blocks"] > 0
+    assert ask(live, "Where are you based?").usage.prompt_tokens_details.cached_tokens == 0
+    ask(live, "Where are you based?")
+    assert admin("/admin/epoch", {"model": MODEL_ID}).json()["epoch"] >= 1
+    assert ask(live, "Where are you based?").usage.prompt_tokens_details.cached_tokens == 0
+    assert admin("/admin/purge", {"tenant": "globex"}).status_code == 200
+
+
+def test_metrics_exposition(live: LiveServer) -> None:
+    ask(live, "Hello?")
+    text = httpx.get(live.url + "/metrics").text
+    assert "prefixcache_hit_tokens_total" in text and 'tenant="acme"' in text
+    assert "prefixcache_time_to_first_token_seconds_bucket" in text
+
+
+def test_sixteen_concurrent_streams_all_complete(live: LiveServer) -> None:
+    def one(i: int) -> tuple[str, str | None]:
+        key = list(KEYS)[i % 2]
+        stream = client(live, key).chat.completions.create(
+            model=MODEL_ID,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Q{i}?"}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+        )
+        chunks = list(stream)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].choices[
+            0
+        ].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16), timeout=240))
+    assert len(results) == 16
+    assert all(finish in ("stop", "length") for _, finish in results)
+    assert httpx.get(live.url + "/healthz").json()["queue_depth"] == 0
+
+
+def test_local_mode_and_queue_full(tmp_path: Path) -> None:
+    lm = model()
+    eng = engine(lm, None, max_queue=1)
+    server = LiveServer(create_app(eng, Settings(), None)).start()
+    try:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="anything", max_retries=0, timeout=120)
+        messages: Any = [{"role": "user", "content": "Tell me a long story about a garden."}]
+
+        def one(_: int) -> int:
+            try:
+                c.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=30, temperature=0)
+                return 200
+            except openai.RateLimitError as exc:
+                assert int(exc.response.headers["retry-after"]) >= 1
+                return 429
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            statuses = list(pool.map(one, range(6)))
+        assert 200 in statuses and 429 in statuses and set(statuses) <= {200, 429}
+        assert httpx.post(server.url + "/admin/epoch", json={"model": MODEL_ID}).status_code == 409  # no cache
+    finally:
+        server.stop()
+        eng.close()
