@@ -62,11 +62,12 @@ def _tenants(serving: ServingMetrics) -> list[dict[str, Any]]:
 
 
 def _recent(entry: Mapping[str, Any]) -> dict[str, Any]:
-    segments = [[str(source), int(n)] for source, n in entry["segments"]]
-    for source, n in segments:
+    pairs = [(str(source), int(n)) for source, n in entry["segments"]]
+    for source, n in pairs:
         if source not in SOURCES or n < 0:
             raise ValueError(f"segment {[source, n]}: source must be one of {', '.join(SOURCES)} and n >= 0")
-    if sum(n for _, n in segments) != entry["prompt_tokens"]:
+    segments = [[source, n] for source, n in pairs]
+    if sum(n for _, n in pairs) != entry["prompt_tokens"]:
         raise ValueError(f"segments {segments} do not sum to prompt_tokens={entry['prompt_tokens']}")
     return {
         "tenant": str(entry["tenant"]),
