@@ -282,3 +282,32 @@ def test_metric_names_lists_exactly_what_is_exported() -> None:
     registry.register(CacheCollector(Stats(full)))
     exported = {name for name, _ in samples(registry)}
     assert exported == metric_names()
+
+
+def test_collector_exports_a_real_tier() -> None:
+    """A real memory tier holding KV: what it stored and served is on the scrape."""
+    if "tiers" not in CacheConfig.__dataclass_fields__:
+        pytest.skip("the tiered cache (CacheConfig.tiers) has not landed in this checkout")
+    import numpy as np
+
+    from prefixcache.config import KVLayout, TierConfig
+
+    layout = KVLayout(layers=2, kv_heads=1, head_dim=8)
+    config = CacheConfig(
+        block_size=4, capacity_tokens=64, kv_layout=layout, tiers=(TierConfig(kind="memory", capacity_bytes=1 << 20),)
+    )
+    cache = PrefixCache(config)
+    ctx = CacheContext(tenant="acme", model="m")
+    prompt = list(range(16))
+    cache.insert(prompt, ctx, kv=np.zeros((2, 2, 1, 16, 8), dtype=np.float16))
+    with cache.match(prompt, ctx) as m:
+        assert cache.load(m) is not None
+    (tier,) = cache.stats()["tiers"]
+    registry = CollectorRegistry()
+    registry.register(CacheCollector(cache))
+    labels = {"tier": tier["name"], "kind": "memory", "level": "L0"}
+    assert registry.get_sample_value("prefixcache_tier_hits_total", labels) == tier["hits"] == 4
+    assert registry.get_sample_value("prefixcache_tier_used_bytes", labels) == tier["used_bytes"] > 0
+    assert registry.get_sample_value("prefixcache_tier_written_bytes_total", labels) == tier["bytes_written"] > 0
+    assert registry.get_sample_value("prefixcache_tier_load_seconds_count", labels) == 1
+    assert registry.get_sample_value("prefixcache_tier_load_seconds_bucket", {**labels, "le": "+Inf"}) == 1
