@@ -19,6 +19,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from operator import attrgetter
 from types import TracebackType
@@ -63,6 +64,7 @@ from prefixcache.index import (
     runs_to,
 )
 from prefixcache.tenancy import GLOBAL, PUBLIC, Pool, Tenancy
+from prefixcache.tiered import LoadedKV, TieredStorage, as_kv_array
 
 Tokens = Sequence[int] | np.ndarray
 _key_of = attrgetter("key")
@@ -94,6 +96,7 @@ class CacheStats:
     expired: int = 0
     purged: int = 0
     replaced: int = 0
+    lost: int = 0
     promoted_blocks: int = 0
     epoch_bumps: int = 0
     tenants: dict[str, TenantStats] = field(default_factory=dict)
@@ -111,6 +114,7 @@ _REASON_COUNTER = {
     RemovalReason.EXPIRED: "expired",
     RemovalReason.PURGED: "purged",
     RemovalReason.REPLACED: "replaced",
+    RemovalReason.LOST: "lost",
 }
 
 
@@ -123,7 +127,16 @@ class Match:
     cached block that shares them with the request.
     """
 
-    __slots__ = ("_block", "_cache", "_released", "cached_tokens", "num_blocks", "partial_tokens", "tenant")
+    __slots__ = (
+        "_block",
+        "_cache",
+        "_released",
+        "cached_tokens",
+        "num_blocks",
+        "partial_tokens",
+        "tenant",
+        "tier_tokens",
+    )
 
     def __init__(
         self,
@@ -140,6 +153,7 @@ class Match:
         self.partial_tokens = partial_tokens
         self.cached_tokens = num_blocks * cache.config.block_size + partial_tokens
         self.tenant = tenant
+        self.tier_tokens: dict[str, int] = {}  # tier name -> matched tokens whose fastest copy is there
 
     @property
     def block_keys(self) -> tuple[bytes, ...]:
@@ -204,6 +218,15 @@ class PrefixCache:
         self._stats = CacheStats()
         self._used = 0
         self._lock = threading.RLock()
+        self._tiers: TieredStorage | None = None
+        if self.config.tiers:
+            self._tiers = TieredStorage(
+                self.config,
+                len(self._hash().digest()),
+                on_empty=lambda block: self._remove(block, RemovalReason.EVICTED),
+                on_lost=lambda block: self._lose(block),
+                reclaim=lambda: bool((self._stale or self._ttl) and self._reclaim_one()),
+            )
 
     # ================================================================ public API
 
@@ -211,27 +234,78 @@ class PrefixCache:
         """The longest cached prefix of ``tokens`` that ``ctx`` may reuse, pinned."""
         with self._lock:
             lookup = self._lookup(tokens, ctx, segments)
+            if self._tiers is not None:
+                self._adopt(lookup, ctx)
             pinned, n_blocks, partial_len, _ = self._match(lookup, ctx, self._alive())
             self._drop_if_empty(lookup.roots[0])
-            return Match(self, pinned, n_blocks, partial_len, ctx.tenant)
+            match = Match(self, pinned, n_blocks, partial_len, ctx.tenant)
+            if self._tiers is not None and pinned is not None:
+                match.tier_tokens = self._tier_tokens(path_to(pinned), partial_len)
+            return match
 
-    def insert(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None) -> int:
+    def load(self, match: Match) -> LoadedKV:
+        """The KV of ``match``'s cached tokens, read from the fastest tier holding each
+        block (and promoted to the fastest tier). ``tokens`` of the result is the true
+        length: shorter than ``match.cached_tokens`` when a tier failed or held bad bytes
+        (those blocks are dropped and counted). Call it before ``release``."""
+        tiers = self._need_tiers("load")
+        with self._lock:
+            if match._cache is not self:
+                raise ValueError("this match belongs to another cache")
+            if match._block is None:
+                return tiers.load([], 0)
+            if match.released:
+                raise RuntimeError("load of a released match: its blocks may have been evicted")
+            return tiers.load(path_to(match._block), match.partial_tokens)
+
+    def prefetch(self, match: Match) -> Future[LoadedKV]:
+        """Start ``load(match)`` in the background (keep the match until it is done)."""
+        return self._need_tiers("prefetch").prefetch(lambda: self.load(match))
+
+    def close(self) -> None:
+        """Close the tiers' stores (files, connections). Idempotent."""
+        with self._lock:
+            if self._tiers is not None:
+                self._tiers.close()
+
+    def __enter__(self) -> PrefixCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def insert(
+        self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None, *, kv: Any = None
+    ) -> int:
         """Cache the full blocks of ``tokens`` (and the tail, with ``partial_blocks``).
         Returns how many tokens were newly stored; fewer than asked when the pool has
-        no room left that eviction can make (pinned or quota-bound)."""
+        no room left that eviction can make (pinned or quota-bound).
+
+        With tiers, ``kv`` is the KV of (at least) these tokens, ``[layers, 2, kv_heads,
+        >= len(tokens), head_dim]`` (numpy or CPU torch); only new blocks are cut from it."""
         with self._lock:
-            return self._insert(self._lookup(tokens, ctx, segments), tokens, ctx, segments, None)
+            lookup = self._lookup(tokens, ctx, segments)
+            array = None
+            if self._tiers is not None:
+                if kv is None:
+                    raise ValueError("this cache has tiers: insert needs kv (the KV of the tokens)")
+                array = as_kv_array(kv, self._tiers.layout, len(lookup.data) // 4)
+            elif kv is not None:
+                raise ValueError("kv given, but this cache has no tiers to hold it (configure tiers and kv_layout)")
+            return self._insert(lookup, tokens, ctx, segments, None, array)
 
     def access(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None) -> tuple[int, int]:
         """Match, insert, release as one step -- what a simulator does with each request.
         Returns (cached tokens, newly stored tokens). It searches the tree once when no
         TTL, promotion or declared prefix can make the insert see another tree."""
+        if self._tiers is not None:
+            raise ValueError("access() is metadata-only; with tiers, use match/load/insert(kv=...)")
         with self._lock:
             lookup = self._lookup(tokens, ctx, segments)
             pinned, n_blocks, partial_len, deepest = self._match(lookup, ctx, self._alive())
             reuse = self._ttl is None and self._tenancy.promotion is None and not self._declared
             try:
-                stored = self._insert(lookup, tokens, ctx, segments, deepest if reuse else None)
+                stored = self._insert(lookup, tokens, ctx, segments, deepest if reuse else None, None)
             finally:
                 if pinned is not None:
                     self._release(pinned)
@@ -330,6 +404,7 @@ class PrefixCache:
                 blocks=len(self._tree),
                 stale_roots_pending=len(self._stale),
                 events_dropped=self._events.dropped,
+                tiers=self._tiers.stats() if self._tiers is not None else [],
                 pools={
                     p.name: {
                         "quota_tokens": p.quota,
@@ -352,6 +427,46 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._tree)
+
+    # ================================================================ tiers
+
+    def _need_tiers(self, what: str) -> TieredStorage:
+        if self._tiers is None:
+            raise RuntimeError(f"{what}: this cache is metadata-only (no tiers hold KV bytes)")
+        return self._tiers
+
+    def _adopt(self, lookup: Lookup, ctx: CacheContext) -> None:
+        """Take into the tree the blocks of this request that a probing tier (Redis, or a
+        disk reopened after a restart) holds beyond what the tree knows: keys are the same
+        in every process (invariant 2), and the bytes are checked against the tokens when
+        loaded (invariant 3)."""
+        tiers = self._tiers
+        assert tiers is not None
+        if not any(t.probes for t in tiers.tiers):
+            return
+        bs = self.config.block_size
+        n_full = len(lookup.data) // 4 // bs
+        deepest, _ = self._find(lookup, self._alive())
+        own = lookup.roots[0]
+        if deepest is not None and deepest.root is not own:
+            return  # matched in the public pool: probing the own chain below it has no parent here
+        parent = deepest if deepest is not None else own
+        ends = list(range(parent.end + bs, n_full * bs + 1, bs))
+        if not ends:
+            return
+        tier, found = tiers.probe(lookup.chains[0].many(ends), parent)
+        if found:
+            self._store(lookup, 0, parent, ends[:found], ctx, self._tenancy.mode == "shared", adopt=tier)
+
+    def _tier_tokens(self, path: list[Block], partial_tokens: int) -> dict[str, int]:
+        tiers = self._tiers
+        assert tiers is not None
+        out = {t.name: 0 for t in tiers.tiers}
+        for i, block in enumerate(path):
+            if block.tiers:
+                n = partial_tokens if partial_tokens and i == len(path) - 1 else block.num_tokens
+                out[tiers.top_tier(block).name] += n
+        return out
 
     # ================================================================ lookup
 
@@ -466,6 +581,7 @@ class PrefixCache:
         ctx: CacheContext,
         segments: Sequence[Segment] | None,
         deepest: Block | None,
+        kv: np.ndarray | None,
     ) -> int:
         """Store what ``lookup`` lacks; ``deepest`` is a search result to reuse (or None)."""
         n_tokens = len(lookup.data) // 4
@@ -473,7 +589,7 @@ class PrefixCache:
             return 0
         stored = 0
         if self._tenancy.promotion is not None or self._declared:
-            stored = self._promote(lookup, ctx)
+            stored = self._promote(lookup, ctx, kv)
             if stored:
                 lookup = self._lookup(tokens, ctx, segments)
         if deepest is None:
@@ -483,7 +599,7 @@ class PrefixCache:
         ends = list(range(parent.end + bs, n_tokens + 1, bs))
         if self.config.partial_blocks and n_tokens % bs:
             ends.append(n_tokens)
-        created = self._store(lookup, 0, parent, ends, ctx, public=self._tenancy.mode == "shared")
+        created = self._store(lookup, 0, parent, ends, ctx, self._tenancy.mode == "shared", kv)
         stored += created[-1].end - parent.end if created else 0
         self._stats.tenant(ctx.tenant).inserted_tokens += stored
         return stored
@@ -499,12 +615,21 @@ class PrefixCache:
     # ================================================================ storing
 
     def _store(
-        self, lookup: Lookup, which: int, parent: Block, ends: list[int], ctx: CacheContext, public: bool
+        self,
+        lookup: Lookup,
+        which: int,
+        parent: Block,
+        ends: list[int],
+        ctx: CacheContext,
+        public: bool,
+        kv: np.ndarray | None = None,
+        adopt: int = -1,
     ) -> list[Block]:
         """Store the blocks ending at ``ends`` under ``parent``, keyed by the lookup's
         chain ``which``, as far as room allows; returns the blocks created. Public blocks
         belong to nobody, except in shared mode where the tenant that stored a block
-        stays its owner (for ``purge``)."""
+        stays its owner (for ``purge``). With tiers, the blocks' bytes come from ``kv``,
+        or, for ``adopt`` >= 0, are already in that tier."""
         if not ends:
             self._refresh_ttl(parent)
             return []
@@ -548,6 +673,13 @@ class PrefixCache:
             created.append(block)
             room -= end - begin
             parent, begin = block, end
+        tiers = self._tiers
+        if tiers is not None and created:
+            first_parent = created[0].parent
+            assert first_parent is not None
+            created = self._place(tiers, created, kv, adopt)
+            parent = created[-1] if created else first_parent
+            begin = parent.end
         self._stats.declined_tokens += max(ends[-1] - begin, 0)
         if created:
             first = created[0].parent
@@ -561,6 +693,19 @@ class PrefixCache:
             self._stored(created, stored, pool, ctx, public)
         self._refresh_ttl(parent)
         return created
+
+    def _place(self, tiers: TieredStorage, created: list[Block], kv: np.ndarray | None, adopt: int) -> list[Block]:
+        """Give new blocks their bytes in the tiers; the ones that got none leave the tree
+        again (they were linked, but not yet counted anywhere)."""
+        if adopt >= 0:
+            for block in created:
+                tiers.adopt(block, adopt)
+            return created
+        assert kv is not None
+        placed = tiers.write(created, kv)
+        for block in reversed(created[placed:]):
+            self._tree.detach(block)
+        return created[:placed]
 
     def _stored(self, created: list[Block], stored: int, pool: Pool, ctx: CacheContext, public: bool) -> None:
         """Tell the policy, the statistics and the events about ``stored`` new tokens."""
@@ -677,6 +822,8 @@ class PrefixCache:
         pool, key = block.pool, block.key
         assert pool is not None and block.pins == 0 and not block.children
         self._tree.detach(block)
+        if self._tiers is not None:
+            self._tiers.forget(block)
         if block.run is not None:
             block.run.truncate(block.run_index)
         if in_policy and not block.doomed:
@@ -730,31 +877,36 @@ class PrefixCache:
                 block.pins == 0 and block.pool is not None and not block.children and (block.doomed or block.root.stale)
             ):
                 parent = block.parent
-                self._remove(block, RemovalReason.PURGED if block.doomed else RemovalReason.STALE)
+                self._remove(block, RemovalReason(block.doomed) if block.doomed else RemovalReason.STALE)
                 if parent is None or parent.is_root:
                     break
                 block = parent
 
-    def _purge_subtree(self, top: Block) -> int:
+    def _lose(self, block: Block) -> None:
+        """A tier lost ``block``'s bytes (or held bad ones): it and what hangs below it
+        leave the tree, since nothing below can be loaded without it."""
+        self._purge_subtree(block, RemovalReason.LOST)
+
+    def _purge_subtree(self, top: Block, reason: RemovalReason = RemovalReason.PURGED) -> int:
         removed = 0
         for block in list(postorder(top)):
             if block.pool is None:
                 continue
             removed += block.num_tokens
             if block.pins == 0 and not block.children:
-                self._remove(block, RemovalReason.PURGED)
+                self._remove(block, reason)
             elif not block.doomed:
                 # NOTE: in use right now; make it unmatchable at once and free it on release
                 self._tree.unlink(block)
                 block.pool.policy.remove(block.key)
                 if self._ttl is not None and self._ttl.get(block.key) is block:
                     del self._ttl[block.key]
-                block.doomed = True
+                block.doomed = reason
         return removed
 
     # ================================================================ promotion
 
-    def _promote(self, lookup: Lookup, ctx: CacheContext) -> int:
+    def _promote(self, lookup: Lookup, ctx: CacheContext, kv: np.ndarray | None) -> int:
         """Copy the prefix of this request that has become public -- declared by an
         operator, or sent by enough distinct tenants -- under the public root. Returns
         how many tokens were stored there."""
@@ -786,7 +938,7 @@ class PrefixCache:
             return 0
         parent = path[-1] if path else public[0]
         ends = [bs * (i + 1) for i in range(len(path), depth)]
-        created = self._store(pub_lookup, 0, parent, ends, ctx, public=True)
+        created = self._store(pub_lookup, 0, parent, ends, ctx, True, kv)
         for block in path_to(created[-1]) if created else ():
             self._tenancy.forget(block.key)
         if created:

@@ -15,6 +15,9 @@ from prefixcache.policies import POLICIES
 
 ISOLATION_MODES = ("shared", "namespace", "partitioned")
 DEFAULT_CAPACITY_TOKENS = 1 << 20
+TIER_KINDS = ("memory", "disk", "redis")
+WRITE_MODES = ("back", "through")
+KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def check_int(name: str, value: object, minimum: int) -> None:
@@ -45,12 +48,89 @@ class PromotionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The shape of a model's KV cache: what one block's payload holds,
+    ``[layers, 2 (K, V), kv_heads, block_tokens, head_dim]`` in ``dtype``."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        check_int("kv_layout.layers", self.layers, 1)
+        check_int("kv_layout.kv_heads", self.kv_heads, 1)
+        check_int("kv_layout.head_dim", self.head_dim, 1)
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"unknown kv dtype {self.dtype!r}; valid: {', '.join(KV_DTYPES)}")
+
+    def shape(self, tokens: int) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.kv_heads, tokens, self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * KV_DTYPES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """One storage tier, listed fast to slow in ``CacheConfig.tiers``.
+
+    ``write`` says when a block reaches the next slower tier: ``"back"`` when this tier
+    evicts it (demotion), ``"through"`` as soon as it is stored here. ``policy`` (default:
+    the cache's) picks this tier's victims. ``path`` is the disk tier's directory;
+    ``url`` and ``namespace`` (default: the cache's seed) the Redis tier's server and key
+    prefix.
+    """
+
+    kind: str
+    capacity_bytes: int
+    policy: str | None = None
+    write: str = "back"
+    name: str | None = None
+    path: str | None = None
+    fsync: str = "data"
+    url: str | None = None
+    namespace: str | None = None
+    connect_timeout: float = 0.2
+    read_timeout: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.kind not in TIER_KINDS:
+            raise ValueError(f"unknown tier kind {self.kind!r}; valid: {', '.join(TIER_KINDS)}")
+        check_int(f"tiers[{self.kind}].capacity_bytes", self.capacity_bytes, 0)
+        if self.policy is not None and self.policy not in POLICIES:
+            raise ValueError(f"unknown tier policy {self.policy!r}; valid: {', '.join(sorted(POLICIES))}")
+        if self.write not in WRITE_MODES:
+            raise ValueError(f"unknown write mode {self.write!r}; valid: {', '.join(WRITE_MODES)}")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ValueError("a tier name must be a non-empty string")
+        if self.kind == "disk" and not self.path:
+            raise ValueError("a disk tier needs path (its directory)")
+        if self.kind == "redis" and not self.url:
+            raise ValueError("a redis tier needs url (e.g. redis://127.0.0.1:6379/0)")
+        for name in ("connect_timeout", "read_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+    @property
+    def label(self) -> str:
+        return self.name if self.name is not None else self.kind
+
+
+@dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Configuration of a ``PrefixCache``.
 
     Capacity is given either in tokens (``capacity_tokens``) or in bytes
     (``capacity_bytes`` with ``bytes_per_token``); partitioned ``quotas`` and
     ``shared_quota`` are in the same unit as the capacity.
+
+    With ``tiers`` (fast to slow) the cache holds the blocks' KV bytes, laid out as
+    ``kv_layout`` says; each tier's byte capacity bounds what it holds, and the capacity
+    above (default: what all tiers hold together) bounds the blocks cached in any tier.
+    ``io_threads`` load from several tiers at once and run ``prefetch``.
     """
 
     block_size: int = 16
@@ -68,9 +148,13 @@ class CacheConfig:
     shared_quota: int | None = None
     promotion: PromotionConfig | None = None
     events_capacity: int = 65_536
+    tiers: tuple[TierConfig, ...] = ()
+    kv_layout: KVLayout | None = None
+    io_threads: int = 4
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, 1)
+        self._check_tiers()
         self._check_capacity()
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; valid: {', '.join(sorted(POLICIES))}")
@@ -86,6 +170,20 @@ class CacheConfig:
             raise ValueError(f"ttl_seconds must be a positive number or None, got {self.ttl_seconds!r}")
         check_int("events_capacity", self.events_capacity, 0)
         self._check_tenancy()
+
+    def _check_tiers(self) -> None:
+        object.__setattr__(self, "tiers", tuple(self.tiers))
+        for tier in self.tiers:
+            if not isinstance(tier, TierConfig):
+                raise ValueError(f"tiers must be TierConfig objects, got {type(tier).__name__}")
+        names = [t.label for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique (give each a name=), got {names}")
+        if self.tiers and self.kv_layout is None:
+            raise ValueError("tiers need kv_layout (the model's layers, kv_heads, head_dim and dtype)")
+        if self.kv_layout is not None and not isinstance(self.kv_layout, KVLayout):
+            raise ValueError(f"kv_layout must be a KVLayout, got {type(self.kv_layout).__name__}")
+        check_int("io_threads", self.io_threads, 1)
 
     def _check_capacity(self) -> None:
         if self.capacity_tokens is not None and self.capacity_bytes is not None:
@@ -123,7 +221,11 @@ class CacheConfig:
         """Capacity in the unit it was given in (bytes or tokens)."""
         if self.capacity_bytes is not None:
             return self.capacity_bytes
-        return self.capacity_tokens if self.capacity_tokens is not None else DEFAULT_CAPACITY_TOKENS
+        if self.capacity_tokens is not None:
+            return self.capacity_tokens
+        if self.tiers and self.kv_layout is not None:
+            return sum(t.capacity_bytes for t in self.tiers) // self.kv_layout.bytes_per_token
+        return DEFAULT_CAPACITY_TOKENS
 
     @property
     def capacity(self) -> int:

@@ -20,6 +20,7 @@ class RemovalReason(StrEnum):
     EXPIRED = "expired"  # its TTL ran out
     PURGED = "purged"  # an operator purged its tenant or prefix
     REPLACED = "replaced"  # a partial tail block superseded by a longer block
+    LOST = "lost"  # a tier lost its bytes or returned bad ones (with what hung below it)
 
 
 @dataclass(frozen=True, slots=True)

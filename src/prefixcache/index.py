@@ -43,6 +43,7 @@ class Block:
         "end",
         "extra",
         "key",
+        "kid_tops",
         "last_access",
         "members",
         "n_segments",
@@ -55,6 +56,7 @@ class Block:
         "run",
         "run_index",
         "stale",
+        "tiers",
         "tokens",
     )
 
@@ -81,9 +83,11 @@ class Block:
         self.pins = 0
         self.pool: Pool | None = None  # None for a root sentinel and after removal
         self.last_access = 0.0
-        self.doomed = False  # purged while pinned: unlinked, freed on release
+        self.doomed = ""  # why it was removed while pinned (a RemovalReason): unlinked, freed on release
         self.run: Run | None = None  # the chain stored with it (None on a root)
         self.run_index = 0
+        self.tiers = 0  # bit k set: tier k holds this block's KV (``tiered``)
+        self.kid_tops: list[int] | None = None  # children counted by their fastest tier (``tiered``)
         if root is not None:
             self.root: Block = root
             return

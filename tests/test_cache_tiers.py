@@ -1,0 +1,486 @@
+"""The tiered cache: KV bytes through memory, disk and Redis tiers, demotion and promotion,
+invariant 4 across tiers, and every failure a shorter (or no) match, counted, never wrong
+bytes (invariant 6). Redis is a real ``redis-server``; disk tiers live in ``tmp_path``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prefixcache.cache import PrefixCache
+from prefixcache.config import CacheConfig, KVLayout, TierConfig
+from prefixcache.tiered import LatencyHistogram
+from redis_server import REDIS_SERVER, RedisServer, StallingProxy, free_port
+from tier_worker import BLOCK, CTX, cache_with, frame_bytes, kv_for, prompt, store
+
+HERE = Path(__file__).resolve().parent
+BIG = 1 << 30
+needs_redis = pytest.mark.skipif(not Path(REDIS_SERVER).exists(), reason="redis-server is not installed")
+
+
+def mem(blocks: int, **kwargs: object) -> TierConfig:
+    return TierConfig(kind="memory", capacity_bytes=blocks * frame_bytes(), **kwargs)  # type: ignore[arg-type]
+
+
+def disk(path: Path, blocks: int = 1 << 20, **kwargs: object) -> TierConfig:
+    return TierConfig(kind="disk", capacity_bytes=blocks * frame_bytes(), path=str(path), **kwargs)  # type: ignore[arg-type]
+
+
+def rds(url: str, **kwargs: object) -> TierConfig:
+    return TierConfig(kind="redis", capacity_bytes=BIG, url=url, **kwargs)  # type: ignore[arg-type]
+
+
+def fetch(cache: PrefixCache, tokens: list[int], dtype: str = "float16") -> tuple[int, int, dict[str, int]]:
+    """match + load + release; asserts that what was loaded is the exact KV of the prefix.
+    Returns (tokens the match claimed, tokens loaded, tokens per tier)."""
+    with cache.match(tokens, CTX) as m:
+        loaded = cache.load(m)
+        assert loaded.tokens <= m.cached_tokens == loaded.requested
+        assert loaded.kv.flags.c_contiguous
+        want = kv_for(tokens, dtype)[:, :, :, : loaded.tokens, :]
+        assert loaded.kv.shape == want.shape
+        assert np.array_equal(loaded.kv.view(np.uint8), np.ascontiguousarray(want).view(np.uint8))
+        assert sum(loaded.tier_tokens.values()) == loaded.tokens
+        return m.cached_tokens, loaded.tokens, loaded.tier_tokens
+
+
+def check_tiers(cache: PrefixCache, reachable: bool = True) -> None:
+    """Invariant 4 across tiers, residency == store contents, capacities, counters."""
+    tiers = cache._tiers
+    assert tiers is not None
+    n = len(tiers.tiers)
+    blocks = list(cache._tree.nodes.values())
+    for block in blocks:
+        assert block.tiers, f"{block} is cached but held by no tier"
+        parent = block.parent
+        assert parent is not None
+        for k in range(n):
+            upto = (1 << (k + 1)) - 1
+            if block.tiers & upto and not parent.is_root:
+                assert parent.tiers & upto, f"tiers 0..{k} hold {block} but not its parent"
+        kids = [0] * n
+        for child in block.children.values():
+            if child.tiers:
+                kids[(child.tiers & -child.tiers).bit_length() - 1] += 1
+        assert kids == (block.kid_tops or [0] * n)
+    for tier in tiers.tiers:
+        held = {b.key for b in blocks if b.tiers & tier.bit}
+        if tier.config.kind != "redis":
+            assert len(tier.store) == len(held) + len(tier.orphans)
+        assert not reachable or all(key in tier.store for key in held)
+        assert tier.store.used_bytes <= tier.store.capacity_bytes
+        assert len(tier.policy) == len(held) + len(tier.orphans)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    srv = RedisServer(tmp_path).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+# ============================================================================ round trips
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("kind", ["memory", "disk", "redis"])
+def test_round_trip_through_every_tier_and_dtype_is_bit_exact(tmp_path: Path, kind: str, dtype: str) -> None:
+    srv = None
+    if kind == "memory":
+        tier = TierConfig(kind="memory", capacity_bytes=BIG >> 6)
+    elif kind == "disk":
+        tier = TierConfig(kind="disk", capacity_bytes=BIG, path=str(tmp_path / "d"))
+    else:
+        if not Path(REDIS_SERVER).exists():
+            pytest.skip("redis-server is not installed")
+        srv = RedisServer(tmp_path).start()
+        tier = rds(srv.url)
+    try:
+        with cache_with(tier, dtype=dtype, partial_blocks=True) as cache:
+            tokens = [*prompt(1, 5), 7, 8]  # 5 full blocks and a 2-token tail
+            assert store(cache, tokens, dtype) == len(tokens)
+            cached, loaded, per_tier = fetch(cache, tokens, dtype)
+            assert cached == loaded == len(tokens) and per_tier[kind] == len(tokens)
+            check_tiers(cache)
+    finally:
+        if srv is not None:
+            srv.stop()
+
+
+def test_partial_block_hit_loads_only_the_shared_tokens() -> None:
+    with cache_with(mem(64), partial_blocks=True) as cache:
+        store(cache, prompt(1, 3))
+        other = [*prompt(1, 3)[:10], 55, 56, 57]  # shares 2 blocks and 2 tokens of the third
+        cached, loaded, _ = fetch(cache, other)
+        assert cached == loaded == 10
+
+
+def test_prefetch_gives_what_load_gives() -> None:
+    with cache_with(mem(64)) as cache:
+        store(cache, prompt(2))
+        with cache.match(prompt(2), CTX) as m:
+            loaded = cache.prefetch(m).result(timeout=10)
+            assert loaded.tokens == m.cached_tokens == len(prompt(2))
+            assert np.array_equal(loaded.kv, kv_for(prompt(2)))
+
+
+# ============================================================================ moving between tiers
+
+
+def test_eviction_demotes_to_disk_and_a_hit_there_promotes_back(tmp_path: Path) -> None:
+    with cache_with(mem(6), disk(tmp_path)) as cache:
+        a, b = prompt(1), prompt(2)  # 6 blocks each, sharing the first
+        store(cache, a)
+        store(cache, b)  # memory holds 6 blocks: a's own 5 go down to disk
+        memory, dsk = cache.stats()["tiers"]
+        assert memory["demotions"] == 0 and dsk["demotions"] == 5 and memory["evictions"] == 5
+        with cache.match(a, CTX) as m:
+            assert m.tier_tokens == {"memory": 4, "disk": 20}
+        check_tiers(cache)
+        assert fetch(cache, a)[1:] == (24, {"memory": 4, "disk": 20})
+        assert cache.stats()["tiers"][0]["promotions"] == 5  # a is back in memory, b went down
+        assert fetch(cache, a)[1:] == (24, {"memory": 24, "disk": 0})
+        assert fetch(cache, b)[2] == {"memory": 4, "disk": 20}
+        check_tiers(cache)
+
+
+def test_write_through_copies_below_at_once_so_eviction_writes_nothing(tmp_path: Path) -> None:
+    with cache_with(mem(6, write="through"), disk(tmp_path)) as cache:
+        store(cache, prompt(1))
+        memory, dsk = cache.stats()["tiers"]
+        assert dsk["blocks"] == 6 and dsk["bytes_written"] > 0
+        written = dsk["bytes_written"]
+        store(cache, prompt(2))
+        memory, dsk = cache.stats()["tiers"]
+        assert memory["evictions"] == 5 and dsk["demotions"] == 0
+        assert dsk["bytes_written"] == written + 5 * (written // 6)  # b's own blocks, nothing demoted
+        assert fetch(cache, prompt(1))[1] == 24
+        check_tiers(cache)
+
+
+def test_a_block_leaves_the_last_tier_only_as_a_leaf_and_then_leaves_the_tree(tmp_path: Path) -> None:
+    with cache_with(mem(2), disk(tmp_path, 6)) as cache:
+        for i in range(5):
+            store(cache, prompt(i))
+            check_tiers(cache)
+        assert len(cache) <= 8
+        assert cache.stats()["evictions"] > 0
+        for i in range(5):
+            fetch(cache, prompt(i))  # whatever is left loads exactly
+        check_tiers(cache)
+
+
+def test_stale_blocks_are_reclaimed_before_live_ones_are_evicted() -> None:
+    with cache_with(mem(6)) as cache:
+        store(cache, prompt(1))
+        store(cache, prompt(2, 1))  # the shared block only: already there
+        cache.bump_epoch("m")
+        store(cache, prompt(3))
+        stats = cache.stats()
+        assert stats["stale_reclaimed"] == 6 and stats["evictions"] == 0
+        assert stats["tiers"][0]["evictions"] == 0
+        assert fetch(cache, prompt(3))[1] == 24 and fetch(cache, prompt(1))[1] == 4
+
+
+def test_pinned_blocks_stay_in_their_tier() -> None:
+    with cache_with(mem(6)) as cache:
+        store(cache, prompt(1))
+        with cache.match(prompt(1), CTX) as m:
+            assert store(cache, prompt(2)) == 0  # no room: every block is pinned or an ancestor of one
+            assert cache.load(m).tokens == 24
+        assert store(cache, prompt(2)) == 20
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["insert", "fetch", "bump", "purge"]), st.integers(0, 5), st.integers(1, 7)),
+    max_size=40,
+)
+
+
+@given(ops=ops, through=st.booleans(), policy=st.sampled_from(["lru", "s3fifo", "sieve"]))
+def test_invariant_4_holds_across_tiers_under_any_sequence(
+    tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, int, int]], through: bool, policy: str
+) -> None:
+    path = tmp_path_factory.mktemp("disk")
+    tiers = (mem(3, write="through" if through else "back", policy=policy), mem(5, name="ram2"), disk(path, 9))
+    with cache_with(*tiers, partial_blocks=True) as cache:
+        for op, i, n in ops:
+            tokens = prompt(i, n)[: BLOCK * n - (i % 3)]
+            if op == "insert":
+                store(cache, tokens)
+            elif op == "fetch":
+                fetch(cache, tokens)
+            elif op == "bump":
+                cache.bump_epoch("m")
+            else:
+                cache.purge_prefix(tokens[:BLOCK], CTX)
+            check_tiers(cache)
+
+
+# ============================================================================ disk faults
+
+
+def damage(cache: PrefixCache, tokens: list[int], block: int, how: str) -> None:
+    """Damage the disk file of the ``block``-th block of ``tokens``."""
+    with cache.match(tokens, CTX) as m:
+        key = m.block_keys[block]
+    tiers = cache._tiers
+    assert tiers is not None
+    store_ = tiers.tiers[-1].store
+    path = store_._path(key)  # type: ignore[attr-defined]
+    if how == "flip":
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0x10
+        path.write_bytes(bytes(data))
+    elif how == "truncate":
+        path.write_bytes(path.read_bytes()[:-7])
+    else:
+        path.unlink()
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
+def test_a_damaged_disk_block_shortens_the_match_and_is_counted(tmp_path: Path, how: str) -> None:
+    with cache_with(mem(1), disk(tmp_path)) as cache:
+        a = prompt(1)
+        store(cache, a)
+        store(cache, [*prompt(2, 1), 9, 9, 9, 9])  # push a's blocks out of memory onto disk
+        damage(cache, a, 3, how)
+        cached, loaded, _ = fetch(cache, a)
+        assert cached == 24 and loaded == 12  # blocks 0-2 good, block 3 bad: the true length
+        errors = cache.stats()["tiers"][1]["errors"]
+        assert sum(errors.values()) >= 1
+        assert cache.stats()["lost"] >= 1
+        assert fetch(cache, a)[:2] == (12, 12)  # the bad block and its children are gone
+        store(cache, a)
+        assert fetch(cache, a)[:2] == (24, 24)
+        check_tiers(cache)
+
+
+def test_a_full_disk_declines_blocks_and_never_serves_wrong_bytes(tmp_path: Path) -> None:
+    with cache_with(mem(2), disk(tmp_path, 4)) as cache:
+        for i in range(6):
+            store(cache, prompt(i))
+        for i in range(6):
+            fetch(cache, prompt(i))
+        tiers = cache.stats()["tiers"]
+        assert tiers[1]["used_bytes"] <= tiers[1]["capacity_bytes"]
+        check_tiers(cache)
+
+
+def test_warm_restart_in_a_new_process_still_hits(tmp_path: Path) -> None:
+    worker = [sys.executable, str(HERE / "tier_worker.py"), "disk", str(tmp_path), "3"]
+    subprocess.run(worker, check=True, timeout=60, cwd=HERE)
+    with cache_with(mem(64), disk(tmp_path)) as cache:
+        assert len(cache) == 0
+        for i in range(3):
+            cached, loaded, per_tier = fetch(cache, prompt(i))
+            assert cached == loaded == 24
+        assert per_tier == {"memory": 4, "disk": 20}  # the shared block was promoted by prompt 0
+        assert fetch(cache, prompt(7))[:2] == (4, 4)  # the shared first block only
+        check_tiers(cache)
+
+
+def test_kill_9_while_writing_then_restart_serves_only_whole_verified_blocks(tmp_path: Path) -> None:
+    worker = [sys.executable, str(HERE / "tier_worker.py"), "disk-forever", str(tmp_path)]
+    child = subprocess.Popen(worker, stdout=subprocess.PIPE, text=True, cwd=HERE)
+    assert child.stdout is not None
+    done = -1
+    while done < 20:
+        line = child.stdout.readline()
+        assert line, "the writer died early"
+        done = int(line)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=10)
+    with cache_with(mem(256), disk(tmp_path)) as cache:
+        full = 0
+        for i in range(done + 5):
+            _, loaded, _ = fetch(cache, prompt(i))
+            full += loaded == 24
+        assert full >= done + 1  # every prompt stored before the kill is whole
+        check_tiers(cache)
+
+
+# ============================================================================ redis
+
+
+def redis_cache(url: str, mem_blocks: int = 2, **kwargs: object) -> PrefixCache:
+    return cache_with(mem(mem_blocks, write="through"), rds(url, **kwargs))
+
+
+@needs_redis
+def test_two_processes_share_one_redis_with_no_shared_index(server: RedisServer) -> None:
+    worker = [sys.executable, str(HERE / "tier_worker.py"), "redis", server.url, "3"]
+    subprocess.run(worker, check=True, timeout=60, cwd=HERE)
+    with redis_cache(server.url, 64) as cache:
+        assert len(cache) == 0
+        cached, loaded, per_tier = fetch(cache, prompt(2))
+        assert cached == loaded == 24 and per_tier == {"memory": 0, "redis": 24}
+        assert fetch(cache, prompt(2))[2] == {"memory": 24, "redis": 0}  # promoted
+        assert fetch(cache, prompt(9))[:2] == (4, 4)
+        check_tiers(cache)
+
+
+@needs_redis
+def test_redis_killed_mid_run_is_a_shorter_match_and_counted(server: RedisServer) -> None:
+    with redis_cache(server.url) as cache:
+        store(cache, prompt(1))
+        store(cache, prompt(2))  # prompt 1's blocks now live in redis only
+        server.kill()
+        cached, loaded, _ = fetch(cache, prompt(1))
+        assert cached == 24 and loaded < 24
+        assert sum(cache.stats()["tiers"][1]["errors"].values()) >= 1
+        assert fetch(cache, prompt(2))[1] >= 4  # memory still serves what it holds
+        store(cache, prompt(3))  # the write-through fails, counted; the insert still works
+        assert fetch(cache, prompt(3))[1] >= 4
+        check_tiers(cache, reachable=False)
+
+
+@needs_redis
+def test_redis_unreachable_at_start_still_serves_from_memory() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with cache_with(mem(64, write="through"), rds(url)) as cache:
+        store(cache, prompt(1))
+        assert fetch(cache, prompt(1))[:2] == (24, 24)
+        assert sum(cache.stats()["tiers"][1]["errors"].values()) >= 1
+
+
+@needs_redis
+def test_a_stalled_redis_read_is_abandoned_at_its_deadline(server: RedisServer) -> None:
+    import time
+
+    proxy = StallingProxy(server.port)
+    try:
+        with redis_cache(proxy.url, read_timeout=0.2) as cache:
+            store(cache, prompt(1))
+            store(cache, prompt(2))
+            proxy.stall()
+            started = time.monotonic()
+            cached, loaded, _ = fetch(cache, prompt(1))
+            assert time.monotonic() - started < 2.0
+            assert cached == 24 and loaded == 4
+            assert cache.stats()["tiers"][1]["errors"].get("timeout", 0) >= 1
+    finally:
+        proxy.stop()
+
+
+@needs_redis
+def test_flushall_mid_run_is_misses_never_wrong_bytes(server: RedisServer) -> None:
+    with redis_cache(server.url) as cache:
+        store(cache, prompt(1))
+        store(cache, prompt(2))
+        redis.Redis.from_url(server.url).flushall()
+        cached, loaded, _ = fetch(cache, prompt(1))
+        assert cached == 24 and loaded == 4
+        assert cache.stats()["tiers"][1]["errors"]["missing"] >= 1
+        check_tiers(cache, reachable=False)  # redis lost keys behind the tree's back: found out on load
+
+
+@needs_redis
+def test_redis_evicting_under_maxmemory_serves_only_right_bytes(tmp_path: Path) -> None:
+    srv = RedisServer(tmp_path, extra=("--maxmemory-policy", "allkeys-lru")).start()
+    try:
+        client = redis.Redis.from_url(srv.url)
+        baseline = int(client.info("memory")["used_memory"])
+        client.config_set("maxmemory", baseline + 600_000)  # room for about half of the 2,400 frames
+        with redis_cache(srv.url) as cache:
+            prompts = [[50_000 + 64 * i + j for j in range(32)] for i in range(300)]  # no shared block
+            for tokens in prompts:
+                store(cache, tokens)
+            loaded = [fetch(cache, tokens)[1] for tokens in prompts]  # each checked bit-exact
+            assert max(loaded) == 32 and sum(n < 32 for n in loaded) > 0  # redis kept some, dropped some
+            assert cache.stats()["tiers"][1]["errors"]["missing"] > 0
+    finally:
+        srv.stop()
+
+
+# ============================================================================ interface
+
+
+def test_bad_calls_are_clear_errors() -> None:
+    with cache_with(mem(8)) as cache:
+        with pytest.raises(ValueError, match="needs kv"):
+            cache.insert(prompt(1), CTX)
+        with pytest.raises(ValueError, match="shape"):
+            cache.insert(prompt(1), CTX, kv=np.zeros((2, 2, 2, 3, 4), np.float16))
+        with pytest.raises(ValueError, match="dtype"):
+            cache.insert(prompt(1), CTX, kv=kv_for(prompt(1), "float32"))
+        with pytest.raises(ValueError, match="metadata-only"):
+            cache.access(prompt(1), CTX)
+        store(cache, prompt(1))
+        m = cache.match(prompt(1), CTX)
+        m.release()
+        with pytest.raises(RuntimeError, match="released"):
+            cache.load(m)
+    plain = PrefixCache(CacheConfig())
+    with pytest.raises(RuntimeError, match="metadata-only"):
+        plain.load(plain.match([1, 2, 3], CTX))
+    with pytest.raises(ValueError, match="no tiers"):
+        plain.insert([1, 2, 3], CTX, kv=np.zeros(3))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tiers": (TierConfig(kind="memory", capacity_bytes=1),)}, "kv_layout"),
+        ({"tiers": (TierConfig(kind="memory", capacity_bytes=1),) * 2, "kv_layout": KVLayout(1, 1, 1)}, "unique"),
+    ],
+)
+def test_bad_tier_configs_are_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CacheConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kind": "tape", "capacity_bytes": 1}, "unknown tier kind"),
+        ({"kind": "disk", "capacity_bytes": 1}, "path"),
+        ({"kind": "redis", "capacity_bytes": 1}, "url"),
+        ({"kind": "memory", "capacity_bytes": -1}, "capacity_bytes"),
+        ({"kind": "memory", "capacity_bytes": 1, "write": "around"}, "write mode"),
+        ({"kind": "memory", "capacity_bytes": 1, "policy": "mru"}, "policy"),
+        ({"kind": "redis", "capacity_bytes": 1, "url": "redis://x", "read_timeout": 0}, "read_timeout"),
+    ],
+)
+def test_bad_tier_fields_are_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TierConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_stats_report_each_tier_with_a_latency_histogram(tmp_path: Path) -> None:
+    with cache_with(mem(6), disk(tmp_path)) as cache:
+        store(cache, prompt(1))
+        store(cache, prompt(2))
+        fetch(cache, prompt(1))
+        memory, dsk = cache.stats()["tiers"]
+        assert (memory["name"], memory["kind"], dsk["kind"]) == ("memory", "memory", "disk")
+        assert dsk["hits"] == 5 and memory["hits"] == 1
+        hist = dsk["load_seconds"]
+        assert hist["count"] == 1 and hist["buckets"][-1] == [float("inf"), 1] and hist["sum"] > 0
+
+
+def test_latency_histogram_uses_le_buckets() -> None:
+    hist = LatencyHistogram((0.1, 1.0))
+    for seconds in (0.05, 0.1, 0.5, 2.0):
+        hist.observe(seconds)
+    assert hist.snapshot() == {"buckets": [[0.1, 2], [1.0, 3], [float("inf"), 4]], "sum": 2.65, "count": 4}
+
+
+def test_torch_tensors_are_accepted_as_kv() -> None:
+    torch = pytest.importorskip("torch")
+    with cache_with(mem(64), dtype="bfloat16") as cache:
+        kv = torch.from_numpy(kv_for(prompt(1), "bfloat16").view(np.int16)).view(torch.bfloat16)
+        assert cache.insert(prompt(1), CTX, kv=kv) == 24
+        assert fetch(cache, prompt(1), "bfloat16")[1] == 24

@@ -1,0 +1,97 @@
+"""KV of known value for the tiered-cache tests, and a second process that writes it.
+
+``kv_for(tokens)`` gives every token position a KV derived from (token id, position),
+so a test knows the exact bytes any cached prefix must load back.
+
+Run as a script, it is the *other* server process::
+
+    python tier_worker.py disk DIR N          # store prompts 0..N-1 on a disk tier, close, exit
+    python tier_worker.py disk-forever DIR    # store prompts 0, 1, ... printing each; until killed
+    python tier_worker.py redis URL N         # store prompts 0..N-1 through to Redis, exit
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from prefixcache.cache import PrefixCache
+from prefixcache.config import CacheConfig, KVLayout, TierConfig
+from prefixcache.hashing import CacheContext
+
+BLOCK = 4
+SEED = "tiers-test"
+CTX = CacheContext(tenant="acme", model="m")
+_WIRE = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+
+
+def layout(dtype: str = "float16") -> KVLayout:
+    return KVLayout(layers=2, kv_heads=2, head_dim=4, dtype=dtype)
+
+
+def kv_for(tokens: list[int], dtype: str = "float16") -> np.ndarray:
+    """[layers, 2, kv_heads, len(tokens), head_dim]: each value a function of its token
+    id, position and coordinates, never NaN, distinct enough to catch any misplaced copy."""
+    lay = layout(dtype)
+    t = np.asarray(tokens, dtype=np.int64)[None, None, None, :, None]
+    pos = np.arange(len(tokens), dtype=np.int64)[None, None, None, :, None]
+    coords = (
+        np.arange(lay.layers)[:, None, None, None, None] * 7
+        + np.arange(2)[None, :, None, None, None] * 5
+        + np.arange(lay.kv_heads)[None, None, :, None, None] * 3
+        + np.arange(lay.head_dim)[None, None, None, None, :]
+    )
+    bits = (t * 131 + pos * 17 + coords) % 1999
+    if dtype == "bfloat16":
+        return (bits + 0x3F00).astype(np.uint16)  # finite bfloat16 bit patterns
+    return (bits.astype(np.float64) / 8).astype(_WIRE[dtype])
+
+
+def prompt(i: int, n_blocks: int = 6) -> list[int]:
+    """Prompt ``i``: a shared first block, then tokens of its own."""
+    return [1, 2, 3, 4] + [1000 * (i + 1) + j for j in range(BLOCK * (n_blocks - 1))]
+
+
+def frame_bytes(dtype: str = "float16") -> int:
+    from prefixcache import codec
+
+    size = codec.encoded_size(layout(dtype).shape(BLOCK), dtype, 16)
+    return -(-size // 16) * 16
+
+
+def cache_with(*tiers: TierConfig, dtype: str = "float16", **kwargs: object) -> PrefixCache:
+    config = CacheConfig(block_size=BLOCK, seed=SEED, kv_layout=layout(dtype), tiers=tiers, **kwargs)  # type: ignore[arg-type]
+    return PrefixCache(config)
+
+
+def store(cache: PrefixCache, tokens: list[int], dtype: str = "float16") -> int:
+    return cache.insert(tokens, CTX, kv=kv_for(tokens, dtype))
+
+
+def main(argv: list[str]) -> None:
+    mode, where = argv[0], argv[1]
+    big = 1 << 30
+    if mode == "redis":
+        tiers = (
+            TierConfig(kind="memory", capacity_bytes=big, write="through"),
+            TierConfig(kind="redis", capacity_bytes=big, url=where),
+        )
+    else:
+        tiers = (
+            TierConfig(kind="memory", capacity_bytes=big, write="through"),
+            TierConfig(kind="disk", capacity_bytes=big, path=where),
+        )
+    with cache_with(*tiers) as cache:
+        if mode == "disk-forever":
+            i = 0
+            while True:
+                store(cache, prompt(i))
+                print(i, flush=True)
+                i += 1
+        for i in range(int(argv[2])):
+            store(cache, prompt(i))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
