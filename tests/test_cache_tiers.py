@@ -95,11 +95,11 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("kind", ["memory", "disk", "redis"])
+@pytest.mark.parametrize("kind", ["device", "memory", "disk", "redis"])
 def test_round_trip_through_every_tier_and_dtype_is_bit_exact(tmp_path: Path, kind: str, dtype: str) -> None:
     srv = None
-    if kind == "memory":
-        tier = TierConfig(kind="memory", capacity_bytes=BIG >> 6)
+    if kind in ("memory", "device"):
+        tier = TierConfig(kind=kind, capacity_bytes=BIG >> 6)
     elif kind == "disk":
         tier = TierConfig(kind="disk", capacity_bytes=BIG, path=str(tmp_path / "d"))
     else:
@@ -457,6 +457,27 @@ def test_bad_tier_configs_are_refused(kwargs: dict[str, object], message: str) -
 def test_bad_tier_fields_are_refused(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TierConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_device_tier_on_cpu_over_memory_and_disk(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    with cache_with(TierConfig(kind="device", capacity_bytes=7 * frame_bytes()), mem(4), disk(tmp_path)) as cache:
+        for i in range(4):
+            store(cache, prompt(i))
+        for i in range(4):
+            assert fetch(cache, prompt(i))[1] == 24
+        assert fetch(cache, prompt(3))[2]["device"] == 24
+        check_tiers(cache)
+
+
+def test_a_device_tier_on_a_missing_device_is_a_clear_error() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="CUDA"):
+        cache_with(TierConfig(kind="device", capacity_bytes=BIG >> 10, device="cuda:0"))
+    with pytest.raises(ValueError, match="bad device"):
+        cache_with(TierConfig(kind="device", capacity_bytes=BIG >> 10, device="warp-drive"))
 
 
 def test_stats_report_each_tier_with_a_latency_histogram(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from prefixcache.policies import POLICIES
 
 ISOLATION_MODES = ("shared", "namespace", "partitioned")
 DEFAULT_CAPACITY_TOKENS = 1 << 20
-TIER_KINDS = ("memory", "disk", "redis")
+TIER_KINDS = ("device", "memory", "disk", "redis")
 WRITE_MODES = ("back", "through")
 KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -80,7 +80,7 @@ class TierConfig:
     evicts it (demotion), ``"through"`` as soon as it is stored here. ``policy`` (default:
     the cache's) picks this tier's victims. ``path`` is the disk tier's directory;
     ``url`` and ``namespace`` (default: the cache's seed) the Redis tier's server and key
-    prefix.
+    prefix; ``device`` the torch device of a device tier (``"cpu"``, ``"cuda:0"``).
     """
 
     kind: str
@@ -94,6 +94,7 @@ class TierConfig:
     namespace: str | None = None
     connect_timeout: float = 0.2
     read_timeout: float = 0.2
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.kind not in TIER_KINDS:

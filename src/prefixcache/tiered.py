@@ -174,9 +174,13 @@ class Tier:
 def open_store(config: TierConfig, layout: KVLayout, block_size: int, key_len: int, seed: str) -> TierStore:
     """The store a tier's configuration names."""
     frame = codec.encoded_size(layout.shape(block_size), layout.dtype, key_len)
+    slot = -(-frame // codec.HEADER_ALIGN) * codec.HEADER_ALIGN
     if config.kind == "memory":
-        slot = -(-frame // codec.HEADER_ALIGN) * codec.HEADER_ALIGN
         return MemoryStore(config.capacity_bytes, slot)
+    if config.kind == "device":
+        from prefixcache.tiers.device import DeviceStore  # torch only when asked for
+
+        return DeviceStore(config.capacity_bytes, slot, config.device)
     if config.kind == "disk":
         assert config.path is not None
         return DiskStore(config.path, config.capacity_bytes, config.fsync)

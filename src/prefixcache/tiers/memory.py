@@ -71,13 +71,24 @@ class MemoryStore(TierStore):
         self.slot_bytes = slot_bytes
         self.slots = slots
         self.capacity_bytes = slots * slot_bytes
-        self._slab = _aligned_slab(self.capacity_bytes)
-        # NOTE: views handed out are read-only: a consumer cannot scribble into a slot
-        # another key may reuse. Slicing this one read-only view is O(1) and copies nothing.
-        self._readonly = self._slab.data.toreadonly()
+        self._slab, self._readonly = self._allocate(self.capacity_bytes)
         self._free = list(range(slots - 1, -1, -1))  # slot 0 on top: low addresses are used first
         self._where: dict[bytes, tuple[int, int]] = {}
         self._closed = False
+
+    def _allocate(self, nbytes: int) -> tuple[np.ndarray, memoryview]:
+        """The slab, and one read-only view of it.
+
+        NOTE: views handed out are read-only: a consumer cannot scribble into a slot
+        another key may reuse. Slicing this one read-only view is O(1) and copies nothing."""
+        slab = _aligned_slab(nbytes)
+        return slab, slab.data.toreadonly()
+
+    def _write(self, start: int, view: memoryview) -> None:
+        self._slab[start : start + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
+
+    def _read(self, start: int, length: int) -> Frame:
+        return self._readonly[start : start + length]
 
     @classmethod
     def for_blocks(cls, blocks: int, shape: Sequence[int], dtype: str, key_len: int = 16) -> MemoryStore:
@@ -120,7 +131,7 @@ class MemoryStore(TierStore):
         else:
             raise TierFull(f"all {self.slots} slots of {self.slot_bytes} bytes are in use")
         start = slot * self.slot_bytes
-        self._slab[start : start + length] = np.frombuffer(view, dtype=np.uint8)
+        self._write(start, view)
         self._where[key] = (slot, length)
         self.stats.puts += 1
         self.stats.bytes_written += length
@@ -143,7 +154,7 @@ class MemoryStore(TierStore):
             start = slot * self.slot_bytes
             self.stats.hits += 1
             self.stats.bytes_read += length
-            out.append(self._readonly[start : start + length])
+            out.append(self._read(start, length))
         return out
 
     def delete(self, key: bytes) -> bool:
