@@ -1,19 +1,21 @@
-"""Load bandwidth of a 2,048-token prefix of SmolLM2-135M-shaped KV from each tier store.
+"""Load bandwidth of a 2,048-token prefix of SmolLM2-135M-shaped KV from each tier,
+through the tiered cache's own load path.
 
 SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, float16; block size 16, so the
-prefix is 128 blocks of 368,640 payload bytes (47 MB). "Load" is what a hit costs: the
-store's ``get_many`` of the 128 keys, every frame verified by the codec (checksums),
-and each block's KV copied into one contiguous destination array ready for the model.
+prefix is 128 blocks of 368,640 payload bytes (47 MB). "Load" is what a hit costs:
+``cache.match`` of the 2,048 tokens (hashes, tree, verification), then ``cache.load``:
+the store's ``get_many`` of the 128 frames, every frame verified by the codec (key,
+token and payload checksums, once), and each block's KV copied into one contiguous
+``[layers, 2, kv_heads, tokens, head_dim]`` array ready for the model (a buffer the
+caller reuses, ``load(match, out=...)``, as a server keeps its KV memory; the memory
+baseline copies into a reused array too).
 
 Each tier is printed beside its physical baseline, measured in the same run on the same
-bytes: a numpy copy for memory; reading the same files with plain ``open().read()`` for
-disk (page cache warm for both; the bytes read are kept, as a load keeps them); and
-redis-py ``GET``s of the same raw values for Redis (a server this script starts on
-loopback). Targets (the storage issue): memory >= 70 %
-of the copy's bandwidth, disk >= 60 % of the plain read, Redis >= 70 % of raw redis-py.
-
-NOTE: this measures the stores and the codec; the tiered cache that will call them
-(promotion, demotion, prefetch) is not built yet, and its load path will be measured here.
+bytes: a numpy copy for memory (and the device tier on the CPU); reading the same files
+with plain ``open().read()`` for disk (page cache warm for both; the bytes read are
+kept, as a load keeps them); and redis-py ``GET``s of the same raw values for Redis (a
+server this script starts on loopback). Targets (the storage issue): memory >= 70 % of
+the copy's bandwidth, disk >= 60 % of the plain read, Redis >= 70 % of raw redis-py.
 
 Run:  .venv/bin/python benchmarks/bench_tiers.py
 """
@@ -30,21 +32,16 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixcache import codec
-from prefixcache.tiers import DiskStore, MemoryStore, TierStore
+from prefixcache.cache import PrefixCache
+from prefixcache.config import CacheConfig, KVLayout, TierConfig
+from prefixcache.hashing import CacheContext
 
-SHAPE = (30, 2, 3, 16, 64)  # [layers, 2, kv_heads, block_tokens, head_dim]
-BLOCKS = 2048 // 16
-TOKENS = np.arange(16, dtype="<u4").tobytes()
-TARGETS = {"memory": 0.70, "disk": 0.60, "redis": 0.70}
-
-
-def blocks() -> tuple[list[bytes], list[bytes], list[np.ndarray]]:
-    rng = np.random.default_rng(0)
-    keys = [i.to_bytes(16, "little") for i in range(BLOCKS)]
-    kvs = [rng.standard_normal(SHAPE).astype(np.float16) for _ in range(BLOCKS)]
-    frames = [codec.encode(k, TOKENS, kv) for k, kv in zip(keys, kvs, strict=True)]
-    return keys, frames, kvs
+LAYOUT = KVLayout(layers=30, kv_heads=3, head_dim=64, dtype="float16")
+BLOCK = 16
+TOKENS = list(range(2048))
+TARGETS = {"device": 0.70, "memory": 0.70, "disk": 0.60, "redis": 0.70}
+CTX = CacheContext(tenant="bench", model="smollm2-135m")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def best_seconds(fn: Callable[[], object], repeat: int = 7) -> float:
@@ -56,13 +53,18 @@ def best_seconds(fn: Callable[[], object], repeat: int = 7) -> float:
     return statistics.median(times)
 
 
-def load(store: TierStore, keys: list[bytes], dest: np.ndarray) -> None:
-    """A hit: fetch the frames, verify them, copy each block's KV into ``dest``."""
-    for i, (key, frame) in enumerate(zip(keys, store.get_many(keys), strict=True)):
-        assert frame is not None
-        # A store that verifies its reads has hashed this payload already: hash it once.
-        check = not store.verifies_reads
-        dest[i] = codec.decode(frame, key=key, tokens=TOKENS, shape=SHAPE, dtype="float16", check_payload=check)
+def cache_over(tier: TierConfig, kv: np.ndarray) -> PrefixCache:
+    cache = PrefixCache(CacheConfig(block_size=BLOCK, kv_layout=LAYOUT, tiers=(tier,), seed="bench"))
+    assert cache.insert(TOKENS, CTX, kv=kv) == len(TOKENS)
+    return cache
+
+
+def load(cache: PrefixCache, out: np.ndarray | None = None) -> np.ndarray:
+    """A hit: match, load (fetch, verify, copy into one array), release."""
+    with cache.match(TOKENS, CTX) as m:
+        loaded = cache.load(m, out)
+    assert loaded.tokens == len(TOKENS)
+    return loaded.kv
 
 
 def report(name: str, ours: float, base: float, base_name: str, nbytes: int) -> None:
@@ -74,20 +76,18 @@ def report(name: str, ours: float, base: float, base_name: str, nbytes: int) -> 
     )
 
 
-def bench_memory(keys: list[bytes], frames: list[bytes], kvs: list[np.ndarray], dest: np.ndarray) -> None:
-    store = MemoryStore.for_blocks(BLOCKS, SHAPE, "float16")
-    for key, frame in zip(keys, frames, strict=True):
-        store.put(key, frame)
-    source = np.stack(kvs)
-    base = best_seconds(lambda: np.copyto(dest, source))
-    ours = best_seconds(lambda: load(store, keys, dest))
-    report("memory", ours, base, "numpy copy", source.nbytes)
+def bench_in_memory(kind: str, kv: np.ndarray) -> None:
+    cache = cache_over(TierConfig(kind=kind, capacity_bytes=1 << 27), kv)
+    assert np.array_equal(load(cache), kv)
+    dest, out = np.empty_like(kv), np.empty_like(kv)
+    base = best_seconds(lambda: np.copyto(dest, kv))
+    ours = best_seconds(lambda: load(cache, out))
+    report(kind, ours, base, "numpy copy", kv.nbytes)
+    cache.close()
 
 
-def bench_disk(keys: list[bytes], frames: list[bytes], dest: np.ndarray, root: Path) -> None:
-    store = DiskStore(root / "disk", capacity_bytes=1 << 32, fsync="none")
-    for key, frame in zip(keys, frames, strict=True):
-        store.put(key, frame)
+def bench_disk(kv: np.ndarray, root: Path) -> None:
+    cache = cache_over(TierConfig(kind="disk", capacity_bytes=1 << 32, path=str(root / "disk"), fsync="none"), kv)
     paths = sorted((root / "disk" / "blocks").rglob("*.blk"))
 
     def plain() -> list[bytes]:
@@ -98,45 +98,53 @@ def bench_disk(keys: list[bytes], frames: list[bytes], dest: np.ndarray, root: P
         return out
 
     base = best_seconds(plain)
-    ours = best_seconds(lambda: load(store, keys, dest))
-    report("disk", ours, base, "plain file read", dest.nbytes)
-    store.close()
+    out = np.empty_like(kv)
+    ours = best_seconds(lambda: load(cache, out))
+    report("disk", ours, base, "plain file read", kv.nbytes)
+    cache.close()
 
 
-def bench_redis(keys: list[bytes], frames: list[bytes], dest: np.ndarray, root: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+def bench_redis(kv: np.ndarray, root: Path) -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
     import redis
 
-    from prefixcache.tiers.redis import RedisStore
     from redis_server import RedisServer  # the tests' helper: a real server on loopback
 
     (root / "redis").mkdir()
     server = RedisServer(root / "redis").start()
     try:
-        url = f"redis://127.0.0.1:{server.port}/0"
-        store = RedisStore(url, capacity_bytes=1 << 32, namespace="bench", read_timeout=5.0)
-        store.put_many(list(zip(keys, frames, strict=True)))
-        raw = redis.Redis.from_url(url)
-        names = [b"bench:" + key for key in keys]
+        tier = TierConfig(kind="redis", capacity_bytes=1 << 32, url=server.url, namespace="bench", read_timeout=5.0)
+        cache = cache_over(tier, kv)
+        raw = redis.Redis.from_url(server.url)
+        names = raw.keys(b"bench:*")
+        assert len(names) == len(TOKENS) // BLOCK
         base = best_seconds(lambda: [raw.get(name) for name in names])
-        ours = best_seconds(lambda: load(store, keys, dest))
-        report("redis", ours, base, "redis-py GETs", dest.nbytes)
-        store.close()
+        out = np.empty_like(kv)
+        ours = best_seconds(lambda: load(cache, out))
+        report("redis", ours, base, "redis-py GETs", kv.nbytes)
+        cache.close()
         raw.close()
     finally:
         server.stop()
 
 
 def main() -> None:
-    keys, frames, kvs = blocks()
-    dest = np.empty((BLOCKS, *SHAPE), dtype=np.float16)
-    print(f"2,048-token prefix: {BLOCKS} blocks of {SHAPE} float16, {dest.nbytes / 1e6:.1f} MB")
-    bench_memory(keys, frames, kvs, dest)
+    kv = np.random.default_rng(0).standard_normal(LAYOUT.shape(len(TOKENS))).astype(np.float16)
+    print(
+        f"2,048-token prefix: {len(TOKENS) // BLOCK} blocks of {LAYOUT.shape(BLOCK)} float16, {kv.nbytes / 1e6:.1f} MB"
+    )
+    bench_in_memory("memory", kv)
+    try:
+        import torch  # noqa: F401
+
+        bench_in_memory("device", kv)
+    except ImportError:
+        print("device: skipped (torch is not installed)")
     root = Path(tempfile.mkdtemp(prefix="bench-tiers-"))
     try:
-        bench_disk(keys, frames, dest, root)
+        bench_disk(kv, root)
         if shutil.which("redis-server") or Path("/usr/bin/redis-server").exists():
-            bench_redis(keys, frames, dest, root)
+            bench_redis(kv, root)
         else:
             print(" redis: skipped (no redis-server; `make test` installs it)")
     finally:

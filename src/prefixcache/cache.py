@@ -243,20 +243,24 @@ class PrefixCache:
                 match.tier_tokens = self._tier_tokens(path_to(pinned), partial_len)
             return match
 
-    def load(self, match: Match) -> LoadedKV:
+    def load(self, match: Match, out: np.ndarray | None = None) -> LoadedKV:
         """The KV of ``match``'s cached tokens, read from the fastest tier holding each
         block (and promoted to the fastest tier). ``tokens`` of the result is the true
         length: shorter than ``match.cached_tokens`` when a tier failed or held bad bytes
-        (those blocks are dropped and counted). Call it before ``release``."""
+        (those blocks are dropped and counted). Call it before ``release``.
+
+        ``out``, any writable C-contiguous array of at least ``cached_tokens *
+        kv_layout.bytes_per_token`` bytes, is used as the result's memory: a server that
+        reuses one buffer skips the page faults of a fresh 50 MB array per request."""
         tiers = self._need_tiers("load")
         with self._lock:
             if match._cache is not self:
                 raise ValueError("this match belongs to another cache")
             if match._block is None:
-                return tiers.load([], 0)
+                return tiers.load([], 0, out)
             if match.released:
                 raise RuntimeError("load of a released match: its blocks may have been evicted")
-            return tiers.load(path_to(match._block), match.partial_tokens)
+            return tiers.load(path_to(match._block), match.partial_tokens, out)
 
     def prefetch(self, match: Match) -> Future[LoadedKV]:
         """Start ``load(match)`` in the background (keep the match until it is done)."""

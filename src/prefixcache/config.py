@@ -81,6 +81,8 @@ class TierConfig:
     the cache's) picks this tier's victims. ``path`` is the disk tier's directory;
     ``url`` and ``namespace`` (default: the cache's seed) the Redis tier's server and key
     prefix; ``device`` the torch device of a device tier (``"cpu"``, ``"cuda:0"``).
+    ``verify_payload`` hashes every payload read from a memory or device tier too (disk
+    and Redis always verify; see ``TierStore.private`` for why memory need not).
     """
 
     kind: str
@@ -95,6 +97,7 @@ class TierConfig:
     connect_timeout: float = 0.2
     read_timeout: float = 0.2
     device: str = "cpu"
+    verify_payload: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in TIER_KINDS:

@@ -23,6 +23,7 @@ Calls come from ``PrefixCache`` under its lock; only reads fan out to ``io_threa
 
 from __future__ import annotations
 
+import os
 import time
 from bisect import bisect_left
 from collections import Counter
@@ -45,6 +46,7 @@ from prefixcache.tiers.memory import MemoryStore
 __all__ = ["LATENCY_BUCKETS", "LatencyHistogram", "LoadedKV", "Tier", "TieredStorage", "as_kv_array"]
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_PARALLEL_COPY_BYTES = 4 << 20  # below this a load's copy stays on the calling thread
 _WIRE: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 
 
@@ -146,6 +148,13 @@ class Tier:
         return max(store.capacity_bytes - store.used_bytes, 0) // self.frame_bytes
 
     @property
+    def trusts_payloads(self) -> bool:
+        """Whether a load may skip the payload checksum (the store verified it, or holds
+        only frames this process wrote or verified)."""
+        store = self.store
+        return store.verifies_reads or (store.private and not self.config.verify_payload)
+
+    @property
     def probes(self) -> bool:
         """Whether a request should ask this store for keys the tree does not know."""
         return self.shared or bool(self.orphans)
@@ -239,6 +248,7 @@ class TieredStorage:
                 for key in held:
                     tier.policy.insert(key, config.block_size)
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="prefixcache-io")
+        self._copiers = max(1, min(config.io_threads, os.cpu_count() or 1))
         self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="prefixcache-prefetch")
         self._closed = False
 
@@ -448,15 +458,16 @@ class TieredStorage:
 
     # ================================================================ load
 
-    def load(self, path: Sequence[Block], partial_tokens: int) -> LoadedKV:
+    def load(self, path: Sequence[Block], partial_tokens: int, out: np.ndarray | None = None) -> LoadedKV:
         """The KV of ``path`` (root-most first; the last block read up to ``partial_tokens``
         when that is > 0), from the fastest tier holding each block, then the path
-        promoted to tier 0. The caller holds the blocks pinned."""
+        promoted to tier 0. The caller holds the blocks pinned. ``out`` is a buffer to
+        reuse (see ``PrefixCache.load``)."""
         sizes = [b.num_tokens for b in path]
         if partial_tokens and sizes:
             sizes[-1] = partial_tokens
         requested = sum(sizes)
-        out = np.empty(self.layout.shape(requested), dtype=_WIRE[self.layout.dtype])
+        out = self._destination(requested, out)
         for block in path:
             block.pins += 1
         try:
@@ -468,6 +479,17 @@ class TieredStorage:
         tokens = sum(sizes[:good])
         kv = out if tokens == requested else np.ascontiguousarray(out[:, :, :, :tokens, :])
         return LoadedKV(tokens, kv, tier_tokens, requested)
+
+    def _destination(self, tokens: int, buffer: np.ndarray | None) -> np.ndarray:
+        shape, dtype = self.layout.shape(tokens), _WIRE[self.layout.dtype]
+        if buffer is None:
+            return np.empty(shape, dtype=dtype)
+        need = tokens * self.layout.bytes_per_token
+        if not isinstance(buffer, np.ndarray) or not buffer.flags.c_contiguous or not buffer.flags.writeable:
+            raise ValueError("out must be a writable, C-contiguous numpy array")
+        if buffer.nbytes < need:
+            raise ValueError(f"out holds {buffer.nbytes} bytes; this load needs {need}")
+        return buffer.reshape(-1).view(np.uint8)[:need].view(dtype).reshape(shape)
 
     def _fill(
         self, path: Sequence[Block], sizes: list[int], out: np.ndarray
@@ -481,9 +503,9 @@ class TieredStorage:
         frames: list[Frame | None] = [None] * len(path)
         elapsed = self._fetch(path, groups, frames)
         tier_tokens = {t.name: 0 for t in self.tiers}
-        verified = {t: self.tiers[t].store.verifies_reads for t in groups}
+        verified = {t: self.tiers[t].trusts_payloads for t in groups}
         tier_of = {i: t for t, members in groups.items() for i in members}
-        offset, good = 0, 0
+        arrays: list[np.ndarray] = []
         hits: dict[int, list[bytes]] = {}
         for i, block in enumerate(path):
             t = tier_of.get(i)
@@ -491,16 +513,17 @@ class TieredStorage:
                 break
             tier = self.tiers[t]
             started = time.perf_counter()
-            ok = self._decode_into(tier, block, frames[i], verified[t], out, offset, sizes[i])
+            arr = self._decode(tier, block, frames[i], verified[t])
             elapsed[t] += time.perf_counter() - started
-            if not ok:
+            if arr is None:
                 self._on_lost(block)
                 break
+            arrays.append(arr)
             tier.hits += 1
             hits.setdefault(t, []).append(block.key)
             tier_tokens[tier.name] += sizes[i]
-            offset += sizes[i]
-            good += 1
+        good = len(arrays)
+        self._copy(arrays, sizes, out)
         for t, seconds in elapsed.items():
             self.tiers[t].latency.observe(seconds)
         for t, keys in hits.items():
@@ -530,15 +553,14 @@ class TieredStorage:
         elapsed.update({t: f.result() for t, f in futures.items()})
         return elapsed
 
-    def _decode_into(
-        self, tier: Tier, block: Block, frame: Frame | None, verified: bool, out: np.ndarray, offset: int, n: int
-    ) -> bool:
+    def _decode(self, tier: Tier, block: Block, frame: Frame | None, verified: bool) -> np.ndarray | None:
+        """The block's KV, a view of its verified frame; ``None`` (counted) if missing or bad."""
         if frame is None:
             tier.misses += 1
             tier.errors["missing"] += 1
-            return False
+            return None
         try:
-            arr = codec.decode(
+            return codec.decode(
                 frame,
                 key=block.key,
                 tokens=block.tokens,
@@ -549,11 +571,34 @@ class TieredStorage:
         except codec.FrameError as exc:
             tier.misses += 1
             tier.errors[type(exc).__name__] += 1
-            return False
-        if arr.dtype != out.dtype:
-            arr = arr.view(out.dtype)  # bfloat16 as ml_dtypes -> its raw bits
-        out[:, :, :, offset : offset + n, :] = arr[:, :, :, :n, :]
-        return True
+            return None
+
+    def _copy(self, arrays: Sequence[np.ndarray], sizes: Sequence[int], out: np.ndarray) -> None:
+        """Gather the blocks into ``out`` along the token axis.
+
+        NOTE: each block lands as layers x 2 x kv_heads short runs spread over ``out``,
+        a strided gather that one core does at about half the speed of a flat copy; numpy
+        releases the GIL while it copies, so the blocks are split among the I/O threads
+        (a 47 MB load: 1.5x the single-thread flat copy on 2 cores, instead of 0.6x)."""
+        if not arrays:
+            return
+        offsets = [0]
+        for n in sizes[: len(arrays)]:
+            offsets.append(offsets[-1] + n)
+
+        def run(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                arr = arrays[i]
+                if arr.dtype != out.dtype:
+                    arr = arr.view(out.dtype)  # bfloat16 as ml_dtypes -> its raw bits
+                out[:, :, :, offsets[i] : offsets[i + 1], :] = arr[:, :, :, : sizes[i], :]
+
+        parts = min(self._copiers, len(arrays), max(1, out.nbytes // _PARALLEL_COPY_BYTES))
+        bounds = [len(arrays) * j // parts for j in range(parts + 1)]
+        futures = [self._io.submit(run, bounds[j], bounds[j + 1]) for j in range(1, parts)]
+        run(bounds[0], bounds[1])
+        for future in futures:
+            future.result()
 
     def _promote(self, path: Sequence[Block], frames: Sequence[Frame | None]) -> None:
         """Copy the loaded path into tier 0, root-most first, while room can be made."""

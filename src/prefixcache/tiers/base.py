@@ -50,6 +50,10 @@ class TierStore(ABC):
     # Whether ``get_many`` returns only immutable frames it has verified in full (codec
     # checksums): a loader may then skip the payload checksum (``codec.decode``).
     verifies_reads: ClassVar[bool] = False
+    # Whether the frames live in this process's own memory, written only from KV the cache
+    # encoded or a verifying store read: no medium or network between write and read, so a
+    # loader may skip the payload checksum (the header, key and token checks still run).
+    private: ClassVar[bool] = False
 
     def __init__(self, capacity_bytes: int) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:

@@ -62,6 +62,7 @@ class MemoryStore(TierStore):
     """
 
     kind: ClassVar[str] = "memory"
+    private: ClassVar[bool] = True
 
     def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
         super().__init__(capacity_bytes)
