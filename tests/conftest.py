@@ -1,12 +1,30 @@
-"""Hypothesis profiles: CI replays a fixed set of examples (a red CI run is then a
-regression, never bad luck); a developer's run explores new random examples."""
+"""Shared fixtures, and hypothesis profiles: CI replays a fixed set of examples (a red
+CI run is then a regression, never bad luck); a developer's run explores new random
+examples."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 from hypothesis import settings
+
+from redis_server import REDIS_SERVER, RedisServer
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("dev", print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real ``redis-server`` of the test's own, on a free loopback port."""
+    if not Path(REDIS_SERVER).exists():
+        pytest.skip("redis-server is not installed")
+    srv = RedisServer(tmp_path).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -80,15 +79,6 @@ def check_tiers(cache: PrefixCache, reachable: bool = True) -> None:
         assert not reachable or all(key in tier.store for key in held)
         assert tier.store.used_bytes <= tier.store.capacity_bytes
         assert len(tier.policy) == len(held) + len(tier.orphans)
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    srv = RedisServer(tmp_path).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 # ============================================================================ round trips
@@ -320,10 +310,10 @@ def redis_cache(url: str, mem_blocks: int = 2, **kwargs: object) -> PrefixCache:
 
 
 @needs_redis
-def test_two_processes_share_one_redis_with_no_shared_index(server: RedisServer) -> None:
-    worker = [sys.executable, str(HERE / "tier_worker.py"), "redis", server.url, "3"]
+def test_two_processes_share_one_redis_with_no_shared_index(redis_server: RedisServer) -> None:
+    worker = [sys.executable, str(HERE / "tier_worker.py"), "redis", redis_server.url, "3"]
     subprocess.run(worker, check=True, timeout=60, cwd=HERE)
-    with redis_cache(server.url, 64) as cache:
+    with redis_cache(redis_server.url, 64) as cache:
         assert len(cache) == 0
         cached, loaded, per_tier = fetch(cache, prompt(2))
         assert cached == loaded == 24 and per_tier == {"memory": 0, "redis": 24}
@@ -333,11 +323,11 @@ def test_two_processes_share_one_redis_with_no_shared_index(server: RedisServer)
 
 
 @needs_redis
-def test_redis_killed_mid_run_is_a_shorter_match_and_counted(server: RedisServer) -> None:
-    with redis_cache(server.url) as cache:
+def test_redis_killed_mid_run_is_a_shorter_match_and_counted(redis_server: RedisServer) -> None:
+    with redis_cache(redis_server.url) as cache:
         store(cache, prompt(1))
         store(cache, prompt(2))  # prompt 1's blocks now live in redis only
-        server.kill()
+        redis_server.kill()
         cached, loaded, _ = fetch(cache, prompt(1))
         assert cached == 24 and loaded < 24
         assert sum(cache.stats()["tiers"][1]["errors"].values()) >= 1
@@ -357,10 +347,10 @@ def test_redis_unreachable_at_start_still_serves_from_memory() -> None:
 
 
 @needs_redis
-def test_a_stalled_redis_read_is_abandoned_at_its_deadline(server: RedisServer) -> None:
+def test_a_stalled_redis_read_is_abandoned_at_its_deadline(redis_server: RedisServer) -> None:
     import time
 
-    proxy = StallingProxy(server.port)
+    proxy = StallingProxy(redis_server.port)
     try:
         with redis_cache(proxy.url, read_timeout=0.2) as cache:
             store(cache, prompt(1))
@@ -376,11 +366,11 @@ def test_a_stalled_redis_read_is_abandoned_at_its_deadline(server: RedisServer) 
 
 
 @needs_redis
-def test_flushall_mid_run_is_misses_never_wrong_bytes(server: RedisServer) -> None:
-    with redis_cache(server.url) as cache:
+def test_flushall_mid_run_is_misses_never_wrong_bytes(redis_server: RedisServer) -> None:
+    with redis_cache(redis_server.url) as cache:
         store(cache, prompt(1))
         store(cache, prompt(2))
-        redis.Redis.from_url(server.url).flushall()
+        redis.Redis.from_url(redis_server.url).flushall()
         cached, loaded, _ = fetch(cache, prompt(1))
         assert cached == 24 and loaded == 4
         assert cache.stats()["tiers"][1]["errors"]["missing"] >= 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,15 +23,6 @@ pytestmark = pytest.mark.skipif(not Path(REDIS_SERVER).exists(), reason="redis-s
 
 BIG = 1 << 30
 SEED = "deploy-1"
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    srv = RedisServer(tmp_path).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture
@@ -55,8 +45,8 @@ def timed(fn: object, *args: object) -> tuple[object, float]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_codec_frames_round_trip_bit_exact(server: RedisServer, dtype: str) -> None:
-    with store_at(server.url) as store:
+def test_codec_frames_round_trip_bit_exact(redis_server: RedisServer, dtype: str) -> None:
+    with store_at(redis_server.url) as store:
         frames = {key_of(i): frame_of(i, dtype) for i in range(6)}
         store.put(key_of(0), frames[key_of(0)])
         store.put_many([(k, memoryview(f)) for k, f in frames.items() if k != key_of(0)])
@@ -72,9 +62,9 @@ def test_codec_frames_round_trip_bit_exact(server: RedisServer, dtype: str) -> N
         assert key_of(3) in store and key_of(99) not in store
 
 
-def test_budget_replace_and_delete(server: RedisServer) -> None:
+def test_budget_replace_and_delete(redis_server: RedisServer) -> None:
     size = len(frame_of(0))
-    with RedisStore(server.url, 2 * size, SEED) as store:
+    with RedisStore(redis_server.url, 2 * size, SEED) as store:
         store.put(key_of(0), frame_of(0))
         store.put(key_of(0), frame_of(0))  # a replace does not grow the budget
         store.put(key_of(1), frame_of(1))
@@ -86,13 +76,13 @@ def test_budget_replace_and_delete(server: RedisServer) -> None:
         assert len(store) == 2 and store.get_many([key_of(0)]) == [None]
 
 
-def test_namespace_is_required_and_isolates(server: RedisServer) -> None:
+def test_namespace_is_required_and_isolates(redis_server: RedisServer) -> None:
     with pytest.raises(ValueError, match="namespace"):
-        RedisStore(server.url, BIG, "")
-    with store_at(server.url, namespace="a") as a, store_at(server.url, namespace="b") as b:
+        RedisStore(redis_server.url, BIG, "")
+    with store_at(redis_server.url, namespace="a") as a, store_at(redis_server.url, namespace="b") as b:
         a.put(key_of(1), frame_of(1))
         assert b.get_many([key_of(1)]) == [None] and key_of(1) not in b and b.contains_prefix([key_of(1)]) == 0
-        raw = redis.Redis.from_url(server.url)
+        raw = redis.Redis.from_url(redis_server.url)
         assert raw.get(b"a:" + key_of(1)) == frame_of(1) and raw.dbsize() == 1
         raw.close()
 
@@ -112,33 +102,33 @@ with RedisStore(url, 1 << 30, seed) as store:
 """
 
 
-def test_second_process_reads_blocks_with_no_shared_index(server: RedisServer) -> None:
-    subprocess.run([sys.executable, "-c", WRITER, server.url, SEED, "5"], check=True, timeout=20)
+def test_second_process_reads_blocks_with_no_shared_index(redis_server: RedisServer) -> None:
+    subprocess.run([sys.executable, "-c", WRITER, redis_server.url, SEED, "5"], check=True, timeout=20)
     chain = [key_of(i) for i in range(8)]  # the writer put the first 5 blocks of this chain
-    with store_at(server.url) as store:
+    with store_at(redis_server.url) as store:
         assert len(store) == 0  # nothing local: all it knows is in Redis
         assert store.contains_prefix(chain) == 5
         out = store.get_many(chain[:5])
         assert out == [frame_of(i) for i in range(5)]  # the same bytes this process would have written
 
 
-def test_contains_prefix_counts_leading_keys_across_chunks_and_stops_at_a_hole(server: RedisServer) -> None:
+def test_contains_prefix_counts_leading_keys_across_chunks_and_stops_at_a_hole(redis_server: RedisServer) -> None:
     n = EXISTS_CHUNK + 20
     frame = frame_of(0)
-    with store_at(server.url) as store:
+    with store_at(redis_server.url) as store:
         store.put_many([(key_of(i), frame) for i in range(n)])
         chain = [key_of(i) for i in range(n + 5)]
         assert store.contains_prefix(chain) == n
         assert store.contains_prefix([]) == 0
         # Redis's own eviction knows no chains: a parent may go while its children stay
-        redis.Redis.from_url(server.url).delete(f"{SEED}:".encode() + key_of(EXISTS_CHUNK + 3))
+        redis.Redis.from_url(redis_server.url).delete(f"{SEED}:".encode() + key_of(EXISTS_CHUNK + 3))
         assert store.contains_prefix(chain) == EXISTS_CHUNK + 3
         assert store.contains_prefix(chain[:10]) == 10
 
 
-def test_corrupt_values_are_counted_misses_and_deleted(server: RedisServer) -> None:
-    raw = redis.Redis.from_url(server.url)
-    with store_at(server.url) as store:
+def test_corrupt_values_are_counted_misses_and_deleted(redis_server: RedisServer) -> None:
+    raw = redis.Redis.from_url(redis_server.url)
+    with store_at(redis_server.url) as store:
         store.put_many([(key_of(i), frame_of(i)) for i in range(3)])
         raw.set(f"{SEED}:".encode() + key_of(0), b"garbage")
         raw.set(f"{SEED}:".encode() + key_of(1), frame_of(7))  # a good frame of another block
@@ -154,11 +144,11 @@ def test_corrupt_values_are_counted_misses_and_deleted(server: RedisServer) -> N
 # ============================================================================ failures
 
 
-def test_killed_redis_opens_the_breaker_which_backs_off_and_recovers(server: RedisServer, clock: Clock) -> None:
-    with store_at(server.url, clock) as store:
+def test_killed_redis_opens_the_breaker_which_backs_off_and_recovers(redis_server: RedisServer, clock: Clock) -> None:
+    with store_at(redis_server.url, clock) as store:
         store.put(key_of(1), frame_of(1))
         assert store.get_many([key_of(1)]) == [frame_of(1)]
-        server.kill()
+        redis_server.kill()
         for _ in range(3):  # failure_threshold
             out, elapsed = timed(store.get_many, [key_of(1), key_of(2)])
             assert out == [None, None] and elapsed < 1.0
@@ -175,7 +165,7 @@ def test_killed_redis_opens_the_breaker_which_backs_off_and_recovers(server: Red
         assert store.breaker.state == "open" and store.breaker.backoff == 2.0
         assert store.stats.errors["connection"] == 4
 
-        server.start()  # same port, empty (no persistence)
+        redis_server.start()  # same port, empty (no persistence)
         clock.now += 1.0
         assert store.get_many([key_of(1)]) == [None] and store.breaker.state == "open"  # still backing off
         clock.now += 1.0
@@ -196,8 +186,8 @@ def test_unreachable_at_start_is_misses_not_exceptions() -> None:
         assert store.stats.errors["connection"] == 3 and store.stats.errors["breaker_open"] >= 1
 
 
-def test_stalled_redis_is_a_miss_at_the_read_deadline(server: RedisServer) -> None:
-    proxy = StallingProxy(server.port)
+def test_stalled_redis_is_a_miss_at_the_read_deadline(redis_server: RedisServer) -> None:
+    proxy = StallingProxy(redis_server.port)
     try:
         with store_at(proxy.url, read_timeout=0.2) as store:
             store.put(key_of(1), frame_of(1))
@@ -212,10 +202,10 @@ def test_stalled_redis_is_a_miss_at_the_read_deadline(server: RedisServer) -> No
         proxy.stop()
 
 
-def test_flushall_mid_run_is_misses_and_forgets_the_keys(server: RedisServer) -> None:
-    with store_at(server.url) as store:
+def test_flushall_mid_run_is_misses_and_forgets_the_keys(redis_server: RedisServer) -> None:
+    with store_at(redis_server.url) as store:
         store.put_many([(key_of(i), frame_of(i)) for i in range(4)])
-        redis.Redis.from_url(server.url).flushall()
+        redis.Redis.from_url(redis_server.url).flushall()
         assert store.get_many([key_of(i) for i in range(4)]) == [None] * 4
         assert len(store) == 0 and store.used_bytes == 0 and not store.stats.errors
 

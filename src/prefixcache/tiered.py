@@ -377,12 +377,7 @@ class TieredStorage:
         except TierError:
             tier.errors["io"] += 1
             return False
-        if block.key in tier.orphans:
-            tier.orphans.discard(block.key)
-            tier.policy.access(block.key)
-        else:
-            tier.policy.insert(block.key, block.num_tokens)
-        self._set_mask(block, block.tiers | tier.bit)
+        self.adopt(block, tier.index)
         return True
 
     # ================================================================ store, adopt, forget
@@ -419,8 +414,8 @@ class TieredStorage:
             parent.pins -= 1
 
     def adopt(self, block: Block, k: int) -> None:
-        """A block the tree did not know but tier ``k`` holds (put by another process, or
-        before a restart); its bytes are checked against its tokens when loaded."""
+        """Tier ``k`` holds ``block`` now: just put there, or put by another process or
+        before a restart (its bytes are then checked against its tokens when loaded)."""
         tier = self.tiers[k]
         if block.key in tier.orphans:
             tier.orphans.discard(block.key)
