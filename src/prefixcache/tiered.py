@@ -384,16 +384,26 @@ class TieredStorage:
 
     def write(self, blocks: Sequence[Block], kv: np.ndarray) -> int:
         """Frame and store new ``blocks`` (a chain, root-most first); returns how many
-        leading blocks found room in some tier."""
+        leading blocks found room in some tier. Write-through copies go down in one
+        batch per tier (one pipelined round trip to Redis)."""
         label = self.layout.dtype
-        for placed, block in enumerate(blocks):
+        below: dict[int, list[tuple[Block, Frame]]] = {}
+        placed = 0
+        for block in blocks:
             n = block.num_tokens
             frame = codec.encode(block.key, block.tokens, kv[:, :, :, block.end - n : block.end, :], dtype=label)
-            if not self._place_new(block, frame):
-                return placed
-        return len(blocks)
+            tier = self._place_new(block, frame)
+            if tier is None:
+                break
+            placed += 1
+            if tier.write_through and tier.index + 1 < len(self.tiers):
+                below.setdefault(tier.index + 1, []).append((block, frame))
+        for k in range(len(self.tiers)):  # NOTE: a batch written to tier k may add one for k + 1
+            if k in below:
+                self._write_below(self.tiers[k], below.pop(k), below)
+        return placed
 
-    def _place_new(self, block: Block, frame: Frame) -> bool:
+    def _place_new(self, block: Block, frame: Frame) -> Tier | None:
         """Put a new block in the fastest tier its parent is in; when that tier cannot
         make room (everything there pinned or holding children), in the next one
         (invariant 4 holds: the parent is in every union from its tier down)."""
@@ -403,15 +413,32 @@ class TieredStorage:
         try:
             for tier in self.tiers[self.entry_tier(parent) :]:
                 if self._put(tier, block, frame):
-                    below = tier
-                    while below.write_through and below.index + 1 < len(self.tiers):
-                        below = self.tiers[below.index + 1]
-                        if not self._put(below, block, frame):
-                            break
-                    return True
-            return False
+                    return tier
+            return None
         finally:
             parent.pins -= 1
+
+    def _write_below(
+        self, tier: Tier, items: list[tuple[Block, Frame]], below: dict[int, list[tuple[Block, Frame]]]
+    ) -> None:
+        """The write-through copies of ``items`` into ``tier``, as far as it has room."""
+        items = [(b, f) for b, f in items if b.tiers and not b.tiers & tier.bit][: self.reserve(tier.index, len(items))]
+        put_many = getattr(tier.store, "put_many", None)
+        if put_many is not None and items:
+            try:
+                put_many([(b.key, f) for b, f in items])
+            except TierFull:
+                tier.errors["full"] += 1
+                return
+            except TierError:
+                tier.errors["io"] += 1
+                return
+            for block, _ in items:
+                self.adopt(block, tier.index)
+        else:
+            items = [(b, f) for b, f in items if self._put(tier, b, f, reserve=False)]
+        if tier.write_through and tier.index + 1 < len(self.tiers):
+            below.setdefault(tier.index + 1, []).extend(items)
 
     def adopt(self, block: Block, k: int) -> None:
         """Tier ``k`` holds ``block`` now: just put there, or put by another process or
