@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from engine_support import engine, model, tiered_cache
+from prefixcache.cache import PrefixCache
+from prefixcache.config import TierConfig
 from prefixcache.engine import (
     ContextLengthError,
     DoneEvent,
@@ -28,6 +30,7 @@ from prefixcache.engine.kv import cut_cache, fill_cache, to_numpy
 from prefixcache.engine.model import load_model
 from prefixcache.engine.runner import Sequence, full_logits
 from prefixcache.hashing import CacheContext
+from redis_server import RedisServer
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 SYSTEM = (
@@ -129,8 +132,6 @@ def test_cached_greedy_equals_uncached_through_memory_and_disk(lm: LoadedModel, 
 
 
 def test_disk_tier_alone_serves_an_exact_hit(lm: LoadedModel, tmp_path: Path) -> None:
-    from prefixcache.config import TierConfig
-
     tokens = chat(lm, "Is the support line open on Sunday?")
     plain = greedy(lm, tokens, None)
     tiers = (TierConfig(kind="disk", capacity_bytes=1 << 30, path=str(tmp_path / "d"), write="through"),)
@@ -144,6 +145,57 @@ def test_disk_tier_alone_serves_an_exact_hit(lm: LoadedModel, tmp_path: Path) ->
     assert hit.usage.tier_tokens.get("disk", 0) == hit.usage.cached_tokens
     assert hit.tokens == plain.tokens
     cache.close()
+
+
+def serve_all(cache: PrefixCache, *prompts: list[int]) -> list[DoneEvent]:
+    """Greedy answers to ``prompts`` in turn on one engine over ``cache``."""
+    eng = engine(model(), cache)
+    try:
+        return [eng.generate(Request(p, "acme", GREEDY)).result(timeout=120) for p in prompts]
+    finally:
+        eng.close()
+
+
+def test_redis_hits_are_exact_for_this_cache_and_for_another_sharing_the_redis(
+    lm: LoadedModel, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    first, second = chat(lm, "Can I return a rake?"), chat(lm, "Do you ship to Canada?")
+    plain = [greedy(lm, t, None) for t in (first, second)]
+    # Memory holds 4 blocks and writes every block through to Redis: the rest of the
+    # shared system prompt (~11 blocks) is evicted from memory and comes back from Redis.
+    tiers = (
+        TierConfig(kind="memory", capacity_bytes=4 * 750_000, write="through"),
+        TierConfig(kind="redis", capacity_bytes=1 << 30, url=redis_server.url),
+    )
+    with tiered_cache(lm, tmp_path, tiers=tiers, partial_blocks=True) as cache:
+        a, b = serve_all(cache, first, second)
+    assert a.usage.cached_tokens == 0 and a.tokens == plain[0].tokens
+    assert b.usage.tier_tokens["redis"] >= 16 and sum(b.usage.tier_tokens.values()) == b.usage.cached_tokens
+    assert b.tokens == plain[1].tokens and b.text == plain[1].text
+    # Another process's cache: an empty tree over the same Redis adopts what the first stored.
+    with tiered_cache(lm, tmp_path, tiers=tiers, partial_blocks=True) as fresh:
+        assert len(fresh) == 0
+        (again,) = serve_all(fresh, first)
+    assert again.usage.cached_tokens >= len(first) - 16
+    assert again.usage.tier_tokens == {"memory": 0, "redis": again.usage.cached_tokens}
+    assert again.tokens == plain[0].tokens and again.text == plain[0].text
+
+
+def test_disk_hit_after_a_restart_is_exact(lm: LoadedModel, tmp_path: Path) -> None:
+    tokens = chat(lm, "Can I return a rake?")
+    plain = greedy(lm, tokens, None)
+    tiers = (
+        TierConfig(kind="memory", capacity_bytes=64 << 20, write="through"),
+        TierConfig(kind="disk", capacity_bytes=1 << 30, path=str(tmp_path / "disk")),
+    )
+    with tiered_cache(lm, tmp_path, tiers=tiers) as cache:
+        (before,) = serve_all(cache, tokens)
+    with tiered_cache(lm, tmp_path, tiers=tiers) as restarted:  # a new process over yesterday's disk
+        (after,) = serve_all(restarted, tokens)
+    assert before.usage.cached_tokens == 0 and before.tokens == plain.tokens
+    assert after.usage.cached_tokens >= len(tokens) - 16
+    assert after.usage.tier_tokens == {"memory": 0, "disk": after.usage.cached_tokens}
+    assert after.tokens == plain.tokens and after.text == plain.text
 
 
 def test_sampling_is_seeded_and_respects_max_tokens(lm: LoadedModel) -> None:
@@ -209,6 +261,21 @@ def test_cancel_stops_generation(lm: LoadedModel) -> None:
     done = events[-1]
     assert isinstance(done, DoneEvent) and done.finish_reason == "cancelled"
     assert len(done.tokens) <= 3
+    assert (eng.stats.cancelled, eng.stats.completed) == (1, 0)
+
+
+def test_a_request_cancelled_while_queued_ends_without_work(lm: LoadedModel) -> None:
+    eng = engine(lm)
+    try:
+        busy = eng.generate(Request(chat(lm, "Tell me a long story."), "t", SamplingParams(30, 0.0)))
+        queued = eng.generate(Request(chat(lm, "Hi"), "t", GREEDY))
+        queued.cancel()
+        gone = queued.result(60)  # the caller still gets an end, not silence
+        assert gone.finish_reason == "cancelled" and gone.tokens == () and gone.usage.prefill_s == 0.0
+        assert busy.result(60).finish_reason in ("stop", "length")
+    finally:
+        eng.close()
+    assert (eng.stats.cancelled, eng.stats.completed, eng.stats.failed) == (1, 1, 0)
 
 
 def test_queue_full_timeout_and_context_limit(lm: LoadedModel) -> None:
@@ -230,6 +297,7 @@ def test_queue_full_timeout_and_context_limit(lm: LoadedModel) -> None:
             second.result(60)  # timed out while waiting
     finally:
         eng.close()
+    assert eng.stats.timed_out == 2
 
 
 def test_bad_token_ids_are_refused_and_the_worker_keeps_serving(lm: LoadedModel) -> None:

@@ -7,7 +7,8 @@
 A caller gets a ``Handle`` at once and its tokens through a ``sink`` callback, called
 from the worker thread (the server hands them to its event loop). A full queue is a
 ``QueueFull`` with a retry hint; a request waits and runs at most ``timeout_s``;
-``Handle.cancel()`` (client gone) stops it at the next token.
+``Handle.cancel()`` (client gone) stops it at the next token, or before it starts when
+it is still queued; ``Engine.stats`` counts how requests ended.
 """
 
 from __future__ import annotations
@@ -115,6 +116,16 @@ Event = TokenEvent | DoneEvent | ErrorEvent
 Sink = Callable[[Event], None]
 
 
+@dataclass(slots=True)
+class EngineStats:
+    """How requests ended, counted by the worker thread (its only writer)."""
+
+    completed: int = 0  # finished with "stop" or "length"
+    cancelled: int = 0  # the caller cancelled (client gone), queued or mid-answer
+    timed_out: int = 0
+    failed: int = 0  # refused by the worker or an internal error
+
+
 @dataclass(eq=False)
 class Handle:
     """A submitted request: ``cancel()`` it, or wait for it with ``result()`` when no sink was given."""
@@ -176,6 +187,7 @@ class Engine:
         self._busy_s = 1.0  # a running estimate of one request's seconds, for Retry-After
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.stats = EngineStats()
 
     # ------------------------------------------------------------------ front door
 
@@ -271,10 +283,15 @@ class Engine:
             started = self._clock()
             try:
                 self._run(handle)
+            except RequestTimeout as exc:
+                self.stats.timed_out += 1
+                handle.sink(ErrorEvent(exc))
             except EngineError as exc:
+                self.stats.failed += 1
                 handle.sink(ErrorEvent(exc))
             except Exception as exc:  # a bug must not kill the worker: fail this request only
                 log.exception("request %d failed", handle.id)
+                self.stats.failed += 1
                 error = EngineError(f"internal error: {type(exc).__name__}")
                 error.status, error.type = 500, "server_error"
                 handle.sink(ErrorEvent(error))
@@ -286,12 +303,14 @@ class Engine:
 
     def _run(self, handle: Handle) -> None:
         request, params = handle.request, handle.request.params
-        if handle.cancelled:
-            return
-        if self._clock() > handle.deadline:
-            raise RequestTimeout("the request timed out while waiting in the queue")
         start = self._clock()
         queued = start - (handle.deadline - handle.timeout_s)
+        if handle.cancelled:  # gone while queued: no work, but still an end the caller can wait for
+            self.stats.cancelled += 1
+            handle.sink(DoneEvent("cancelled", "", (), Usage(len(request.tokens), 0, 0, {}, queued, 0.0)))
+            return
+        if start > handle.deadline:
+            raise RequestTimeout("the request timed out while waiting in the queue")
         seq = Sequence(self.loaded)
         cached, tiers, logits = self._prefill(seq, request)
         prefill_s = self._clock() - start
@@ -322,6 +341,10 @@ class Engine:
         if tail:
             handle.sink(TokenEvent(out[-1] if out else -1, tail))
         usage = Usage(len(request.tokens), len(out), cached, tiers, queued, prefill_s)
+        if finish == "cancelled":
+            self.stats.cancelled += 1
+        else:
+            self.stats.completed += 1
         handle.sink(DoneEvent(finish, stream.text, tuple(out), usage))
         self._store(request, out, seq)
 
