@@ -4,9 +4,11 @@
                                                                   <── events via the event loop
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE),
-``GET /v1/models``, ``GET /healthz``, ``GET /metrics``, and behind the admin key
-``POST /admin/epoch``, ``POST /admin/purge``, ``GET /admin/stats``. Every error is
-OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+``GET /v1/models``, ``GET /healthz``, the dashboard page at ``GET /``; behind the admin
+key ``GET /metrics`` and ``GET /dashboard/data`` (per-tenant figures: a tenant's key
+gets 403, so no tenant sees another's), ``POST /admin/epoch``, ``POST /admin/purge``,
+``GET /admin/stats``. In local mode (no API keys, no admin key) everything is open.
+Every error is OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -18,17 +20,21 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from importlib import resources
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prefixcache.dashboard import dashboard_data
 from prefixcache.engine import DoneEvent, Engine, EngineError, ErrorEvent, Event, Handle, SamplingParams, TokenEvent
 from prefixcache.engine import Request as EngineRequest
+from prefixcache.metrics import CacheCollector, ServingMetrics, tier_level
 from prefixcache.server.schemas import ChatRequest, CompletionRequest, EpochRequest, PurgeRequest, _Request
 from prefixcache.server.settings import Settings
 
@@ -36,6 +42,15 @@ log = logging.getLogger(__name__)
 
 LOCAL_TENANT = "local"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+RECENT_REQUESTS = 20  # kept for the dashboard's token-source strips
+STRIP_LEVELS = ("L0", "L1", "L2")  # the page's colours; slower tiers are drawn as L2
+# NOTE: the page is inline HTML/CSS/JS and must load nothing from elsewhere; the policy makes that a rule.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "Referrer-Policy": "no-referrer",  # the page may be opened as /?key=...
+    "Cache-Control": "no-cache",
+}
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -115,7 +130,9 @@ class Server:
         self.engine, self.settings, self.cache, self.registry = engine, settings, cache, registry
         self.model_id = engine.model_id
         self.created = int(time.time())
-        self.metrics = _serving_metrics(registry)
+        self.metrics = ServingMetrics(registry)
+        self.tier_levels = _tier_levels(cache)
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
 
     # ------------------------------------------------------------------ auth
 
@@ -146,6 +163,28 @@ class Server:
         key = self._key(request)
         if key is None or not hmac.compare_digest(key.encode(), auth.admin_key.encode()):
             raise APIError(401, "Incorrect admin key provided.", code="invalid_api_key")
+
+    def operator(self, request: Request) -> None:
+        """Guard the per-tenant figures (/metrics, /dashboard/data): the admin key only.
+        A tenant's own key is recognised and refused with 403, no key or a wrong one is 401."""
+        auth = self.settings.auth
+        if auth.local_mode and not auth.admin_key:
+            return  # a developer's machine: one tenant, nothing to hide from anyone
+        key = self._key(request)
+        if key is None:
+            raise APIError(401, "This route needs the admin key as a Bearer token.", code="invalid_api_key")
+        if auth.admin_key and hmac.compare_digest(key.encode(), auth.admin_key.encode()):
+            return
+        if _lookup(auth.api_keys, key) is not None:
+            raise APIError(
+                403,
+                "Per-tenant figures are for the operator: this route needs the admin key, not a tenant's API key.",
+                type_="permission_error",
+                code="admin_key_required",
+            )
+        if not auth.admin_key:
+            raise APIError(403, "metrics are disabled: set [auth] admin_key", code="admin_disabled")
+        raise APIError(401, "Incorrect admin key provided.", code="invalid_api_key")
 
     # ------------------------------------------------------------------ generation
 
@@ -292,9 +331,19 @@ class Server:
         }
 
     def _record(self, tenant: str, chat: bool, done: DoneEvent, arrived: float, ttft: float) -> None:
-        if self.metrics is None:
-            return
         usage = done.usage
+        levels: dict[str, int] = {}  # tier name -> level (L0 fastest), as /metrics and the page name them
+        for name, n in usage.tier_tokens.items():
+            level = self.tier_levels.get(name, name)
+            levels[level] = levels.get(level, 0) + n
+        self.recent.append(
+            {
+                "tenant": tenant,
+                "model": self.model_id,
+                "prompt_tokens": usage.prompt_tokens,
+                "segments": _segments(levels, usage.prompt_tokens, usage.cached_tokens),
+            }
+        )
         try:
             computed = usage.prompt_tokens - usage.cached_tokens
             if usage.cached_tokens == 0 and computed >= 64:
@@ -305,7 +354,7 @@ class Server:
                 "chat" if chat else "completions",
                 usage.prompt_tokens,
                 usage.cached_tokens,
-                usage.tier_tokens,
+                levels,
                 usage.queue_s,
                 ttft,
                 time.monotonic() - arrived,
@@ -324,6 +373,32 @@ def _lookup(keys: Any, key: str) -> str | None:
     return found
 
 
+def _tier_levels(cache: Any | None) -> dict[str, str]:
+    """Tier name -> level (``L0`` fastest), in the order the cache's config lists its tiers."""
+    tiers = getattr(getattr(cache, "config", None), "tiers", None) or ()
+    return {tier.label: tier_level(i) for i, tier in enumerate(tiers)}
+
+
+def _segments(levels: Mapping[str, int], prompt_tokens: int, cached_tokens: int) -> list[list[Any]]:
+    """Where a prompt's tokens came from, in prompt order: ``[["L0", 96], ["L1", 32], ["computed", 70]]``.
+
+    NOTE: tiers are prefix-closed (design invariant 4): a block's ancestors sit in its
+    tier or a faster one, so along a loaded prefix the tiers only get slower and the
+    sources can be listed fastest first without knowing each block's position."""
+    folded: dict[str, int] = {}
+    for level, n in sorted(levels.items(), key=lambda item: _level_rank(item[0])):
+        source = level if level in STRIP_LEVELS else STRIP_LEVELS[-1]
+        folded[source] = folded.get(source, 0) + n
+    segments: list[list[Any]] = [[source, n] for source, n in folded.items() if n]
+    if prompt_tokens > cached_tokens:
+        segments.append(["computed", prompt_tokens - cached_tokens])
+    return segments
+
+
+def _level_rank(level: str) -> int:
+    return int(level[1:]) if level[:1] == "L" and level[1:].isdigit() else 1 << 30
+
+
 def _usage(done: DoneEvent) -> dict[str, Any]:
     u = done.usage
     return {
@@ -338,15 +413,6 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def _serving_metrics(registry: CollectorRegistry) -> Any | None:
-    """The project's ServingMetrics on ``registry`` (None if that module is not installed)."""
-    try:
-        from prefixcache.metrics import ServingMetrics
-    except ImportError:  # pragma: no cover - depends on the checkout
-        return None
-    return ServingMetrics(registry)
-
-
 def create_app(
     engine: Engine, settings: Settings, cache: Any | None = None, registry: CollectorRegistry | None = None
 ) -> FastAPI:
@@ -354,12 +420,7 @@ def create_app(
     registry = registry if registry is not None else CollectorRegistry()
     server = Server(engine, settings, cache, registry)
     if cache is not None:
-        try:
-            from prefixcache.metrics import CacheCollector
-
-            registry.register(CacheCollector(cache))
-        except ImportError:  # pragma: no cover - depends on the checkout
-            pass
+        registry.register(CacheCollector(cache))
     app = FastAPI(title="prefixcache", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     _routes(app, server)
@@ -399,9 +460,20 @@ def _routes(app: FastAPI, server: Server) -> None:
     async def healthz() -> dict[str, Any]:
         return {"status": "ok", "model": server.model_id, "queue_depth": engine.queue_depth()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(server.operator)])
     async def metrics() -> Response:
         return Response(generate_latest(server.registry), media_type=CONTENT_TYPE_LATEST)
+
+    page = _page()
+
+    @app.get("/", include_in_schema=False)
+    async def dashboard_page() -> Response:
+        return HTMLResponse(page, headers=PAGE_HEADERS)
+
+    @app.get("/dashboard/data", dependencies=[Depends(server.operator)])
+    async def dashboard_json() -> dict[str, Any]:
+        cache_stats = server.cache.stats() if server.cache is not None else {}
+        return dashboard_data(cache_stats, server.metrics, list(server.recent), limit=RECENT_REQUESTS)
 
     @app.post("/admin/epoch", dependencies=[Depends(server.admin)])
     async def bump_epoch(body: EpochRequest) -> dict[str, Any]:
@@ -424,6 +496,11 @@ def _routes(app: FastAPI, server: Server) -> None:
     async def stats() -> dict[str, Any]:
         cache_stats = server.cache.stats() if server.cache is not None else None
         return {"model": server.model_id, "queue_depth": engine.queue_depth(), "cache": cache_stats}
+
+
+def _page() -> str:
+    """The dashboard page, shipped as package data (``server/static/index.html``)."""
+    return resources.files("prefixcache.server").joinpath("static", "index.html").read_text(encoding="utf-8")
 
 
 def _need_cache(server: Server) -> Any:

@@ -1,0 +1,190 @@
+"""The server's side of observability, live: /metrics and /dashboard/data behind the
+admin key, hit tokens on /metrics equal to the cached_tokens the clients were told,
+the dashboard's token-source strips from the engine's per-tier loads, and the page at
+/ in headless Chromium against the real app."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_support import MODEL_ID, LiveServer, engine, layout, model, tiered_cache
+from prefixcache.config import TierConfig
+from prefixcache.server.app import create_app
+from prefixcache.server.settings import AuthSettings, Settings
+from test_ops_dashboard_page import ARTIFACTS, chromium, run_chromium
+
+KEYS = {"sk-acme-0123456789": "acme", "sk-globex-0123456789": "globex"}
+ADMIN = "adm-0123456789"
+SYSTEM = {
+    "acme": "You are the help desk of Acme Anvils. Anvils ship in 2 days; returns within 14 days. " * 6,
+    "globex": "You answer for Globex Power. Outages are reported on the status page; bills are monthly. " * 6,
+}
+MEMORY_BLOCKS = 12  # L0 holds the first 12 blocks of a prompt; deeper blocks are demoted to L1 (disk)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    lm = model()
+    tmp = tmp_path_factory.mktemp("cache")
+    tiers = (
+        TierConfig(kind="memory", capacity_bytes=MEMORY_BLOCKS * 16 * layout(lm).bytes_per_token),
+        TierConfig(kind="disk", capacity_bytes=1 << 30, path=str(tmp / "disk")),
+    )
+    cache = tiered_cache(lm, tmp, tiers=tiers, partial_blocks=True)
+    eng = engine(lm, cache)
+    server = LiveServer(create_app(eng, Settings(auth=AuthSettings(api_keys=KEYS, admin_key=ADMIN)), cache)).start()
+    yield server
+    server.stop()
+    eng.close()
+    cache.close()
+
+
+def key_of(tenant: str) -> str:
+    return next(key for key, name in KEYS.items() if name == tenant)
+
+
+def ask(live: LiveServer, tenant: str, question: str, stream: bool = False) -> int:
+    """One chat request as ``tenant`` through the official client; the cached_tokens it was told."""
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key=key_of(tenant), max_retries=0, timeout=120)
+    messages: Any = [{"role": "system", "content": SYSTEM[tenant]}, {"role": "user", "content": question}]
+    if not stream:
+        answer = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=3, temperature=0)
+        assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+        return answer.usage.prompt_tokens_details.cached_tokens or 0
+    chunks = client.chat.completions.create(
+        model=MODEL_ID,
+        messages=messages,
+        max_tokens=3,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens_details is not None
+    return usage[0].prompt_tokens_details.cached_tokens or 0
+
+
+@pytest.fixture(scope="module")
+def traffic(live: LiveServer) -> dict[str, list[int]]:
+    """Two tenants, each its own system prompt three or four times: cached_tokens as reported."""
+    told: dict[str, list[int]] = {"acme": [], "globex": []}
+    for i, (tenant, stream) in enumerate(
+        [("acme", False), ("globex", False), ("acme", False), ("globex", True), ("acme", True), ("acme", False)]
+    ):
+        told[tenant].append(ask(live, tenant, f"Question number {i}: what should I do?", stream))
+    return told
+
+
+def get(live: LiveServer, path: str, key: str | None = ADMIN) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.get(live.url + path, headers=headers, timeout=30)
+
+
+def by_tenant(text: str, name: str) -> dict[str, float]:
+    """The sum of a counter's samples per tenant label, from a scrape's text."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                tenant = sample.labels["tenant"]
+                out[tenant] = out.get(tenant, 0.0) + sample.value
+    return out
+
+
+def test_hit_tokens_on_metrics_equal_the_cached_tokens_told_to_each_tenant(
+    live: LiveServer, traffic: dict[str, list[int]]
+) -> None:
+    told = {tenant: sum(counts) for tenant, counts in traffic.items()}
+    assert told["acme"] > 0 and told["globex"] > 0  # each tenant hit its own system prompt
+    assert all(counts[0] == 0 for counts in traffic.values())  # namespace isolation: nobody else's blocks
+    text = get(live, "/metrics").text
+    assert by_tenant(text, "prefixcache_hit_tokens_total") == told
+    assert by_tenant(text, "prefixcache_tier_hit_tokens_total") == told  # the split by tier adds up
+    saved = by_tenant(text, "prefixcache_prefill_seconds_saved_total")
+    assert saved["acme"] > 0 and saved["globex"] > 0  # at the per-token prefill time the engine measured
+    assert by_tenant(text, "prefixcache_lookups_total") == {t: len(c) for t, c in traffic.items()}
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/dashboard/data"])
+def test_only_the_admin_key_reads_per_tenant_figures(live: LiveServer, path: str) -> None:
+    refused = get(live, path, key=key_of("acme"))  # a valid tenant key is not enough
+    assert refused.status_code == 403
+    assert refused.json()["error"]["code"] == "admin_key_required"
+    assert refused.json()["error"]["type"] == "permission_error"
+    assert "globex" not in refused.text
+    for key in (None, "sk-not-a-key"):
+        denied = get(live, path, key=key)
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    assert get(live, path).status_code == 200
+
+
+def test_dashboard_strips_are_the_engines_per_tier_loads(live: LiveServer, traffic: dict[str, list[int]]) -> None:
+    data = get(live, "/dashboard/data").json()
+    recent = data["recent"]
+    assert [r["tenant"] for r in recent] == ["acme", "globex", "acme", "globex", "acme", "acme"]
+    for tenant, counts in traffic.items():
+        strips = [r["segments"] for r in recent if r["tenant"] == tenant]
+        assert [sum(n for source, n in s if source != "computed") for s in strips] == counts
+    for r in recent:
+        sources = [source for source, _ in r["segments"]]
+        assert sources == sorted(sources, key=["L0", "L1", "L2", "computed"].index)  # prompt order: fast to slow
+        assert sum(n for _, n in r["segments"]) == r["prompt_tokens"]
+    # A system prompt is longer than the memory tier (L0): its deeper blocks came back from disk (L1).
+    assert data["tier_tokens"]["L0"] > 0 and data["tier_tokens"]["L1"] > 0
+    assert sum(data["tier_tokens"].values()) == data["totals"]["hit_tokens"] == sum(map(sum, traffic.values()))
+    assert [t["level"] for t in data["tiers"]] == ["L0", "L1"]
+    assert {row["tenant"] for row in data["tenants"]} == {"acme", "globex"}
+    assert data["totals"]["prefill_seconds_saved"] > 0
+
+
+def test_local_mode_keeps_metrics_and_dashboard_open() -> None:
+    eng = engine(model())
+    server = LiveServer(create_app(eng, Settings())).start()
+    try:
+        for path in ("/metrics", "/dashboard/data", "/"):
+            assert httpx.get(server.url + path).status_code == 200, path
+    finally:
+        server.stop()
+        eng.close()
+
+
+def test_the_page_is_served_self_contained(live: LiveServer) -> None:
+    page = httpx.get(live.url + "/")  # the page holds no figures: it needs no key, its data does
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp  # nothing from outside
+    assert 'fetch("dashboard/data"' in page.text
+
+
+@pytest.mark.skipif(chromium() is None, reason="chromium not found (Debian package chromium)")
+def test_the_real_apps_page_in_headless_chromium(
+    live: LiveServer, traffic: dict[str, list[int]], tmp_path: Path
+) -> None:
+    without_key = run_chromium(tmp_path, "--dump-dom", live.url + "/").stdout
+    assert "HTTP 401: enter the admin key" in without_key and '<form id="key-form">' in without_key
+
+    page = live.url + f"/?key={ADMIN}"
+    result = run_chromium(tmp_path, "--dump-dom", page)
+    dom = result.stdout
+    assert "live · updated" in dom, dom[-3000:]
+    assert '<form id="key-form" hidden="">' in dom
+    total = sum(map(sum, traffic.values()))
+    prompt = get(live, "/dashboard/data").json()["totals"]["prompt_tokens"]
+    assert f'id="hit-rate-total">{100 * total / prompt:.1f}%<' in dom
+    assert "<td>acme</td><td>4</td>" in dom and "<td>globex</td><td>2</td>" in dom
+    assert dom.count('class="request"') == 6
+    assert 'class="segment L0"' in dom and 'class="segment L1"' in dom and 'class="segment computed"' in dom
+    console = [line for line in result.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not console, console
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "server-dashboard.png"
+    shot.unlink(missing_ok=True)
+    run_chromium(tmp_path, f"--screenshot={shot}", "--window-size=1280,1000", "--hide-scrollbars", page)
+    assert shot.stat().st_size > 10_000
