@@ -5,6 +5,8 @@ the dashboard's token-source strips from the engine's per-tier loads, and the pa
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,6 +112,9 @@ def test_hit_tokens_on_metrics_equal_the_cached_tokens_told_to_each_tenant(
     saved = by_tenant(text, "prefixcache_prefill_seconds_saved_total")
     assert saved["acme"] > 0 and saved["globex"] > 0  # at the per-token prefill time the engine measured
     assert by_tenant(text, "prefixcache_lookups_total") == {t: len(c) for t, c in traffic.items()}
+    if shutil.which("promtool"):  # Prometheus's own linter reads the live scrape (Debian package prometheus)
+        lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
 @pytest.mark.parametrize("path", ["/metrics", "/dashboard/data"])
