@@ -193,3 +193,17 @@ def test_the_real_apps_page_in_headless_chromium(
     shot.unlink(missing_ok=True)
     run_chromium(tmp_path, f"--screenshot={shot}", "--window-size=1280,1000", "--hide-scrollbars", page)
     assert shot.stat().st_size > 10_000
+
+
+def test_strip_sources_follow_tier_order_and_fold_slower_tiers_into_l2() -> None:
+    from prefixcache.server.app import _segments, _tier_levels
+
+    tiers = tuple(TierConfig(kind="memory", capacity_bytes=1 << 20, name=name) for name in ("hbm", "ram", "disk"))
+    cache = tiered_cache(model(), Path("unused"), tiers=(*tiers, TierConfig(kind="memory", capacity_bytes=1 << 20)))
+    levels = _tier_levels(cache)
+    cache.close()
+    assert levels == {"hbm": "L0", "ram": "L1", "disk": "L2", "memory": "L3"}  # unnamed: its kind
+    # the page colours L0..L2: a fourth tier is drawn with L2; empty sources are left out
+    assert _segments({"L3": 16, "L0": 64, "L2": 32, "L1": 0}, 200, 112) == [["L0", 64], ["L2", 48], ["computed", 88]]
+    assert _segments({}, 50, 0) == [["computed", 50]]
+    assert _segments({"L0": 50}, 50, 50) == [["L0", 50]]
