@@ -336,14 +336,15 @@ class Server:
         for name, n in usage.tier_tokens.items():
             level = self.tier_levels.get(name, name)
             levels[level] = levels.get(level, 0) + n
-        self.recent.append(
-            {
-                "tenant": tenant,
-                "model": self.model_id,
-                "prompt_tokens": usage.prompt_tokens,
-                "segments": _segments(levels, usage.prompt_tokens, usage.cached_tokens),
-            }
-        )
+        if sum(levels.values()) == usage.cached_tokens:  # else record_request below logs the mismatch
+            self.recent.append(
+                {
+                    "tenant": tenant,
+                    "model": self.model_id,
+                    "prompt_tokens": usage.prompt_tokens,
+                    "segments": _segments(levels, usage.prompt_tokens, usage.cached_tokens),
+                }
+            )
         try:
             computed = usage.prompt_tokens - usage.cached_tokens
             if usage.cached_tokens == 0 and computed >= 64:
