@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.cache import PrefixCache
-from prefixcache.config import CacheConfig, KVLayout, TierConfig
+from prefixcache.config import CacheConfig, KVLayout, PromotionConfig, TierConfig
+from prefixcache.hashing import CacheContext
 from prefixcache.tiered import LatencyHistogram
 from redis_server import REDIS_SERVER, RedisServer, StallingProxy, free_port
 from tier_worker import BLOCK, CTX, cache_with, frame_bytes, kv_for, prompt, store
@@ -32,6 +33,9 @@ def mem(blocks: int, **kwargs: object) -> TierConfig:
 
 
 def disk(path: Path, blocks: int = 1 << 20, **kwargs: object) -> TierConfig:
+    """A disk tier without fsync (what these tests check does not depend on it; the
+    kill -9 test's writer syncs)."""
+    kwargs.setdefault("fsync", "none")
     return TierConfig(kind="disk", capacity_bytes=blocks * frame_bytes(), path=str(path), **kwargs)  # type: ignore[arg-type]
 
 
@@ -194,28 +198,66 @@ def test_pinned_blocks_stay_in_their_tier() -> None:
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["insert", "fetch", "bump", "purge"]), st.integers(0, 5), st.integers(1, 7)),
+    st.tuples(
+        st.sampled_from(["insert", "fetch", "fetch_insert", "bump", "purge_prefix", "purge"]),
+        st.integers(0, 7),
+        st.integers(1, 9),
+        st.sampled_from(["a", "b", "c"]),
+    ),
     max_size=40,
 )
 
 
-@given(ops=ops, through=st.booleans(), policy=st.sampled_from(["lru", "s3fifo", "sieve"]))
+@settings(deadline=None)  # a step may wait on disk I/O of a busy machine
+@given(
+    ops=ops,
+    writes=st.tuples(st.booleans(), st.booleans()),
+    isolation=st.sampled_from(["shared", "namespace", "partitioned", "promotion"]),
+    partial=st.booleans(),
+    sizes=st.tuples(st.integers(1, 6), st.integers(1, 8), st.integers(1, 12)),
+    policy=st.sampled_from(["lru", "s3fifo", "sieve"]),
+)
 def test_invariant_4_holds_across_tiers_under_any_sequence(
-    tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, int, int]], through: bool, policy: str
+    tmp_path_factory: pytest.TempPathFactory,
+    ops: list[tuple[str, int, int, str]],
+    writes: tuple[bool, bool],
+    isolation: str,
+    partial: bool,
+    sizes: tuple[int, int, int],
+    policy: str,
 ) -> None:
+    """Random traffic over three tiers of random sizes and write modes: after every step,
+    invariant 4, residency == store contents, capacities, and every load bit-exact."""
     path = tmp_path_factory.mktemp("disk")
-    tiers = (mem(3, write="through" if through else "back", policy=policy), mem(5, name="ram2"), disk(path, 9))
-    with cache_with(*tiers, partial_blocks=True) as cache:
-        for op, i, n in ops:
+    modes = ["through" if w else "back" for w in writes]
+    tiers = (
+        mem(sizes[0], write=modes[0], policy=policy),
+        mem(sizes[1], name="ram2", write=modes[1]),
+        disk(path, sizes[2]),
+    )
+    options: dict[str, object] = {"isolation": isolation}
+    if isolation == "promotion":
+        options = {"isolation": "namespace", "promotion": PromotionConfig(min_tenants=2, min_tokens=BLOCK)}
+    with cache_with(*tiers, partial_blocks=partial, **options) as cache:
+        for op, i, n, tenant in ops:
+            ctx = CacheContext(tenant=tenant, model="m")
             tokens = prompt(i, n)[: BLOCK * n - (i % 3)]
             if op == "insert":
-                store(cache, tokens)
-            elif op == "fetch":
-                fetch(cache, tokens)
+                cache.insert(tokens, ctx, kv=kv_for(tokens))
+            elif op in ("fetch", "fetch_insert"):
+                with cache.match(tokens, ctx) as m:
+                    if op == "fetch_insert":  # room is made while this match pins its blocks
+                        other = prompt(i + 1, n)
+                        cache.insert(other, ctx, kv=kv_for(other))
+                    loaded = cache.load(m)
+                    assert loaded.tokens == m.cached_tokens  # nothing here damages bytes
+                    assert np.array_equal(loaded.kv, kv_for(tokens)[:, :, :, : loaded.tokens])
             elif op == "bump":
                 cache.bump_epoch("m")
+            elif op == "purge_prefix":
+                cache.purge_prefix(tokens[:BLOCK], ctx)
             else:
-                cache.purge_prefix(tokens[:BLOCK], CTX)
+                cache.purge(tenant)
             check_tiers(cache)
 
 

@@ -10,10 +10,10 @@ between tiers so that hot prefixes sit in the fastest one.
     tier 2 (redis)  : ...                  <- shared by a fleet: probed for keys no local tree knows
 
 Residency is a bit mask per block (``Block.tiers``). Invariant 4 of design.md (for every
-k, tiers 0..k together hold every block's ancestors) is kept by one rule: a block
-leaves tier k only when it is also in a faster tier, or when none of its children has
-tier k or a faster one as its fastest (``Block.kid_tops`` counts children by their
-fastest tier, so the test is O(tiers)). A block that leaves its last tier leaves the
+k, tiers 0..k together hold every block's ancestors) is kept by one rule: a block may
+leave tier k when it is also in a faster tier, or when no child's fastest copy is
+faster than the block's fastest copy will be afterwards (``Block.kid_tops`` counts
+children by their fastest tier, so the test is O(tiers)). A block that leaves its last tier leaves the
 tree. A block whose bytes turn out bad is *lost*: the cache drops it and what hangs
 below it, and the load stops before it (invariant 6).
 
@@ -290,9 +290,13 @@ class TieredStorage:
         if block.pins:
             return False
         if _top(block.tiers) < k:
-            return True
+            return True  # a faster copy stays: every union keeps it
+        # NOTE: its fastest copy will be in tier ``after`` (the slower one it is also in,
+        # or the next tier, where it is demoted): no child may have a faster one than that.
+        rest = block.tiers & ~(1 << k)
+        after = _top(rest) if rest else min(k + 1, len(self.tiers))
         kids = block.kid_tops
-        return kids is None or not any(kids[: k + 1])
+        return kids is None or not any(kids[:after])
 
     # ================================================================ room
 
@@ -390,17 +394,23 @@ class TieredStorage:
         below: dict[int, list[tuple[Block, Frame]]] = {}
         placed = 0
         for block in blocks:
-            n = block.num_tokens
-            frame = codec.encode(block.key, block.tokens, kv[:, :, :, block.end - n : block.end, :], dtype=label)
-            tier = self._place_new(block, frame)
-            if tier is None:
-                break
-            placed += 1
-            if tier.write_through and tier.index + 1 < len(self.tiers):
-                below.setdefault(tier.index + 1, []).append((block, frame))
-        for k in range(len(self.tiers)):  # NOTE: a batch written to tier k may add one for k + 1
-            if k in below:
-                self._write_below(self.tiers[k], below.pop(k), below)
+            block.pins += 1  # NOTE: not in the cache's books yet: making room must not drop them
+        try:
+            for block in blocks:
+                n = block.num_tokens
+                frame = codec.encode(block.key, block.tokens, kv[:, :, :, block.end - n : block.end, :], dtype=label)
+                tier = self._place_new(block, frame)
+                if tier is None:
+                    break
+                placed += 1
+                if tier.write_through and tier.index + 1 < len(self.tiers):
+                    below.setdefault(tier.index + 1, []).append((block, frame))
+            for k in range(len(self.tiers)):  # NOTE: a batch written to tier k may add one for k + 1
+                if k in below:
+                    self._write_below(self.tiers[k], below.pop(k), below)
+        finally:
+            for block in blocks:
+                block.pins -= 1
         return placed
 
     def _place_new(self, block: Block, frame: Frame) -> Tier | None:
