@@ -120,7 +120,7 @@ def chat_traffic(
 
 def two_tier(l0_used: float, l1_used: float, **over: dict[str, Any]) -> list[dict[str, Any]]:
     return [
-        tier("hbm", "memory", 8 * GiB, int(l0_used * 8 * GiB), **over.get("hbm", {})),
+        tier("hbm", "device", 8 * GiB, int(l0_used * 8 * GiB), **over.get("hbm", {})),
         tier("ram", "memory", 64 * GiB, int(l1_used * 64 * GiB), **over.get("ram", {})),
     ]
 

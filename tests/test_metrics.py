@@ -305,7 +305,7 @@ def test_collector_exports_a_real_tier() -> None:
     (tier,) = cache.stats()["tiers"]
     registry = CollectorRegistry()
     registry.register(CacheCollector(cache))
-    labels = {"tier": tier["name"], "kind": "memory", "level": "L0"}
+    labels = {"tier": tier["name"], "kind": "memory", "level": "L1"}
     assert registry.get_sample_value("prefixcache_tier_hits_total", labels) == tier["hits"] == 4
     assert registry.get_sample_value("prefixcache_tier_used_bytes", labels) == tier["used_bytes"] > 0
     assert registry.get_sample_value("prefixcache_tier_written_bytes_total", labels) == tier["bytes_written"] > 0

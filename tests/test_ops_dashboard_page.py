@@ -70,8 +70,8 @@ def test_dashboard_data_reports_tiers_by_level() -> None:
             "misses": 0, "evictions": 3, "demotions": 1, "errors": {"io": 2, "checksum": 1}}  # fmt: skip
     data = dashboard_data({"tiers": [tier, tier | {"name": "disk", "kind": "disk"}]}, serving, [])
     assert [(t["level"], t["name"], t["errors"], t["used_bytes"]) for t in data["tiers"]] == [
-        ("L0", "ram", 3, 40),
-        ("L1", "disk", 3, 40),
+        ("L1", "ram", 3, 40),
+        ("L2", "disk", 3, 40),
     ]
 
 

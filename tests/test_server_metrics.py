@@ -28,7 +28,7 @@ SYSTEM = {
     "acme": "You are the help desk of Acme Anvils. Anvils ship in 2 days; returns within 14 days. " * 6,
     "globex": "You answer for Globex Power. Outages are reported on the status page; bills are monthly. " * 6,
 }
-MEMORY_BLOCKS = 12  # L0 holds the first 12 blocks of a prompt; deeper blocks are demoted to L1 (disk)
+MEMORY_BLOCKS = 12  # L1 (memory) holds the first 12 blocks of a prompt; deeper blocks are demoted to L2 (disk)
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +141,10 @@ def test_dashboard_strips_are_the_engines_per_tier_loads(live: LiveServer, traff
         sources = [source for source, _ in r["segments"]]
         assert sources == sorted(sources, key=["L0", "L1", "L2", "computed"].index)  # prompt order: fast to slow
         assert sum(n for _, n in r["segments"]) == r["prompt_tokens"]
-    # A system prompt is longer than the memory tier (L0): its deeper blocks came back from disk (L1).
-    assert data["tier_tokens"]["L0"] > 0 and data["tier_tokens"]["L1"] > 0
+    # A system prompt is longer than the memory tier (L1): its deeper blocks came back from disk (L2).
+    assert data["tier_tokens"]["L1"] > 0 and data["tier_tokens"]["L2"] > 0
     assert sum(data["tier_tokens"].values()) == data["totals"]["hit_tokens"] == sum(map(sum, traffic.values()))
-    assert [t["level"] for t in data["tiers"]] == ["L0", "L1"]
+    assert [t["level"] for t in data["tiers"]] == ["L1", "L2"]
     assert {row["tenant"] for row in data["tenants"]} == {"acme", "globex"}
     assert data["totals"]["prefill_seconds_saved"] > 0
 
@@ -185,7 +185,7 @@ def test_the_real_apps_page_in_headless_chromium(
     assert f'id="hit-rate-total">{100 * total / prompt:.1f}%<' in dom
     assert "<td>acme</td><td>4</td>" in dom and "<td>globex</td><td>2</td>" in dom
     assert dom.count('class="request"') == 6
-    assert 'class="segment L0"' in dom and 'class="segment L1"' in dom and 'class="segment computed"' in dom
+    assert 'class="segment L1"' in dom and 'class="segment L2"' in dom and 'class="segment computed"' in dom
     console = [line for line in result.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
     assert not console, console
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -195,14 +195,18 @@ def test_the_real_apps_page_in_headless_chromium(
     assert shot.stat().st_size > 10_000
 
 
-def test_strip_sources_follow_tier_order_and_fold_slower_tiers_into_l2() -> None:
+def test_strip_sources_name_tiers_by_kind_and_fold_slower_tiers_into_l2(tmp_path: Path) -> None:
     from prefixcache.server.app import _segments, _tier_levels
 
-    tiers = tuple(TierConfig(kind="memory", capacity_bytes=1 << 20, name=name) for name in ("hbm", "ram", "disk"))
-    cache = tiered_cache(model(), Path("unused"), tiers=(*tiers, TierConfig(kind="memory", capacity_bytes=1 << 20)))
+    tiers = (
+        TierConfig(kind="device", capacity_bytes=1 << 20, name="hbm"),
+        TierConfig(kind="memory", capacity_bytes=1 << 20),
+        TierConfig(kind="disk", capacity_bytes=1 << 20, path=str(tmp_path / "disk")),
+    )
+    cache = tiered_cache(model(), tmp_path, tiers=tiers)
     levels = _tier_levels(cache)
     cache.close()
-    assert levels == {"hbm": "L0", "ram": "L1", "disk": "L2", "memory": "L3"}  # unnamed: its kind
+    assert levels == {"hbm": "L0", "memory": "L1", "disk": "L2"}  # by what a tier is made of
     # the page colours L0..L2: a fourth tier is drawn with L2; empty sources are left out
     assert _segments({"L3": 16, "L0": 64, "L2": 32, "L1": 0}, 200, 112) == [["L0", 64], ["L2", 48], ["computed", 88]]
     assert _segments({}, 50, 0) == [["computed", 50]]

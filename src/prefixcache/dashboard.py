@@ -94,10 +94,10 @@ def dashboard_data(
     saved = sum(t.prefill_seconds_saved for t in snapshot)
     spent = sum(t.prefill_seconds for t in snapshot)
     tiers = [
-        {"name": t["name"], "kind": t["kind"], "level": tier_level(i)}
+        {"name": t["name"], "kind": t["kind"], "level": tier_level(str(t["kind"]))}
         | {k: t.get(k, 0) for k in TIER_FIELDS}
         | {"errors": sum(t.get("errors", {}).values())}
-        for i, t in enumerate(cache_stats.get("tiers") or [])
+        for t in cache_stats.get("tiers") or []
     ]
     return {
         "version": VERSION,

@@ -131,9 +131,14 @@ def metric_names() -> set[str]:
     return names
 
 
-def tier_level(index: int) -> str:
-    """``L0`` for the fastest tier, then ``L1``, ``L2``...: the names the alerts and runbook use."""
-    return f"L{index}"
+TIER_LEVELS = {"device": "L0", "memory": "L1"}  # every other kind (disk, redis) is L2
+
+
+def tier_level(kind: str) -> str:
+    """The level the alerts and runbook name a tier by, from what it is made of: ``L0``
+    device memory (HBM), ``L1`` host RAM, ``L2`` disk and Redis. By kind, not position,
+    so that a deployment without a device tier has no "L0" that is really host RAM."""
+    return TIER_LEVELS.get(kind, "L2")
 
 
 # ============================================================================ tenants
@@ -436,8 +441,8 @@ def _tier_families(tiers: list[Mapping[str, Any]]) -> Iterable[Metric]:
     latency = HistogramMetricFamily(
         "prefixcache_tier_load_seconds", "Time to load the matched blocks of a request from the tier.", labels=labels
     )
-    for index, tier in enumerate(tiers):
-        values = [str(tier["name"]), str(tier["kind"]), tier_level(index)]
+    for tier in tiers:
+        values = [str(tier["name"]), str(tier["kind"]), tier_level(str(tier["kind"]))]
         for key, family in gauges.items():
             family.add_metric(values, tier[key])
         for key, cfamily in counters.items():
