@@ -31,17 +31,17 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
-# The tests start a real redis-server and run Prometheus's promtool (Debian's redis-server and
-# prometheus packages); install them when they are missing.
+# The tests start a real redis-server, run Prometheus's promtool and load the dashboard in
+# headless Chromium (Debian's redis-server, prometheus and chromium packages); install
+# whichever is missing, as root or through sudo.
+SYSTEM_DEPS := redis-server:redis-server promtool:prometheus chromium:chromium
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 || { \
+	@missing=; for pair in $(SYSTEM_DEPS); do \
+	  command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; done; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; else \
-	    echo "redis-server is missing and cannot be installed without root: apt-get install redis-server" >&2; exit 1; fi; \
-	  $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
-	@command -v promtool >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; else \
-	    echo "promtool is missing and cannot be installed without root: apt-get install prometheus" >&2; exit 1; fi; \
-	  $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }
+	    echo "missing:$$missing; cannot install without root: apt-get install$$missing" >&2; exit 1; fi; \
+	  $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; fi
 
 test: lint system-deps
 	$(BIN)/python -m pytest
@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_match.py
 	$(BIN)/python benchmarks/bench_replay.py
 	$(BIN)/python benchmarks/bench_tiers.py
+	$(BIN)/python benchmarks/bench_ttft.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
