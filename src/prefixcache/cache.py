@@ -99,6 +99,7 @@ class CacheStats:
     lost: int = 0
     promoted_blocks: int = 0
     epoch_bumps: int = 0
+    purges: int = 0  # operator calls of purge and purge_prefix (``purged`` counts their blocks)
     tenants: dict[str, TenantStats] = field(default_factory=dict)
 
     def tenant(self, name: str) -> TenantStats:
@@ -339,6 +340,7 @@ class PrefixCache:
         if not isinstance(tenant, str) or not tenant:
             raise ValueError("purge needs a non-empty tenant name")
         with self._lock:
+            self._stats.purges += 1
             tops = [
                 b
                 for b in self._tree.nodes.values()
@@ -350,6 +352,7 @@ class PrefixCache:
         """Remove every cached sequence that ``ctx`` can see and that starts with
         ``tokens``: the block holding its end and everything below it."""
         with self._lock:
+            self._stats.purges += 1
             lookup = self._lookup(tokens, ctx, segments)
             n_tokens, bs = len(lookup.data) // 4, self.config.block_size
             n_full, tail = divmod(n_tokens, bs)
