@@ -352,12 +352,12 @@ class PrefixCache:
         """Remove every cached sequence that ``ctx`` can see and that starts with
         ``tokens``: the block holding its end and everything below it."""
         with self._lock:
-            self._stats.purges += 1
             lookup = self._lookup(tokens, ctx, segments)
             n_tokens, bs = len(lookup.data) // 4, self.config.block_size
             n_full, tail = divmod(n_tokens, bs)
             if n_tokens == 0:
                 raise ValueError("purge_prefix needs a non-empty prefix (use purge for a whole tenant)")
+            self._stats.purges += 1
             parents: list[Block] = list(lookup.roots)
             if n_full:
                 parents = []
