@@ -275,7 +275,7 @@ def test_a_request_cancelled_while_queued_ends_without_work(lm: LoadedModel) -> 
         assert busy.result(60).finish_reason in ("stop", "length")
     finally:
         eng.close()
-    assert (eng.stats.cancelled, eng.stats.completed, eng.stats.failed) == (1, 1, 0)
+    assert (eng.stats.cancelled, eng.stats.cancelled_queued, eng.stats.completed, eng.stats.failed) == (1, 1, 1, 0)
 
 
 def test_queue_full_timeout_and_context_limit(lm: LoadedModel) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-from collections.abc import Iterator
+import os
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         auth=AuthSettings(api_keys=KEYS, admin_key=ADMIN),
     )
     eng = engine(lm, cache, max_queue=32, timeout_s=120.0)
-    server = LiveServer(create_app(eng, settings, cache)).start()
+    server = LiveServer(create_app(eng, settings, cache), eng).start()
     yield server
     server.stop()
     eng.close()
@@ -196,6 +198,9 @@ def test_authentication(live: LiveServer) -> None:
 
 def test_admin_routes(live: LiveServer) -> None:
     def admin(path: str, body: Any | None = None, key: str = ADMIN) -> httpx.Response:
+        # NOTE: an answer goes out before its KV is stored; an admin action in that gap
+        # would race the store, so wait for the engine to settle first.
+        assert live.engine is not None and live.engine.wait_idle(30)
         headers = {"Authorization": f"Bearer {key}"}
         if body is None:
             return httpx.get(live.url + path, headers=headers)
@@ -223,31 +228,149 @@ def test_admin_routes(live: LiveServer) -> None:
 
 def test_metrics_exposition(live: LiveServer) -> None:
     ask(live, "Hello?")
-    text = httpx.get(live.url + "/metrics").text
+    text = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
     assert "prefixcache_hit_tokens_total" in text and 'tenant="acme"' in text
     assert "prefixcache_time_to_first_token_seconds_bucket" in text
 
 
-def test_sixteen_concurrent_streams_all_complete(live: LiveServer) -> None:
+def rss_bytes() -> int:
+    """This process's resident set (the live server runs in it)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def held_bytes(live: LiveServer) -> int:
+    """Bytes the cache's in-process tiers hold (their slabs fill as blocks arrive)."""
+    cache = live.engine.cache if live.engine is not None else None
+    tiers = cache.stats()["tiers"] if cache is not None else []
+    return sum(t["used_bytes"] for t in tiers if t["kind"] in ("memory", "device"))
+
+
+def stream_load(live: LiveServer, run: int) -> list[tuple[str, str | None]]:
+    """16 concurrent streaming chats (half per tenant); (text, finish_reason) of each."""
+
     def one(i: int) -> tuple[str, str | None]:
         key = list(KEYS)[i % 2]
         stream = client(live, key).chat.completions.create(
             model=MODEL_ID,
-            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Q{i}?"}],
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Run {run}, Q{i}?"}],
             max_tokens=6,
             temperature=0,
             stream=True,
         )
-        chunks = list(stream)
-        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].choices[
-            0
-        ].finish_reason
+        chunks = list(stream)  # a 5xx raises here
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, chunks[-1].choices[0].finish_reason
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(one, range(16), timeout=240))
-    assert len(results) == 16
-    assert all(finish in ("stop", "length") for _, finish in results)
+        return list(pool.map(one, range(16), timeout=240))
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads RSS from /proc")
+def test_sixteen_concurrent_streams_all_complete_without_memory_growth(live: LiveServer) -> None:
+    warm = stream_load(live, 1)  # warm-up: allocator pools, thread stacks, the answers' first blocks
+    rss, held = rss_bytes(), held_bytes(live)
+    steady = stream_load(live, 2)
+    grown = rss_bytes() - rss - max(0, held_bytes(live) - held)  # beyond what the tiers now hold
+    for results in (warm, steady):
+        assert len(results) == 16
+        assert all(text and finish in ("stop", "length") for text, finish in results)
+    assert grown < 50 << 20, f"RSS grew {grown >> 20} MiB beyond the tiers over the second run"
     assert httpx.get(live.url + "/healthz").json()["queue_depth"] == 0
+
+
+def wait_for(check: Callable[[], bool], seconds: float) -> None:
+    """Poll until ``check()`` holds; fail the test after ``seconds``."""
+    started = time.monotonic()
+    while not check():
+        assert time.monotonic() - started < seconds, "timed out waiting"
+        time.sleep(0.02)
+
+
+LONG_ANSWER = chat_body(
+    messages=[{"role": "user", "content": "Write a very long story about a gardener, in many chapters."}],
+    max_tokens=2000,
+    temperature=0,
+)
+AUTH = {"Authorization": "Bearer sk-acme-0123456789"}
+
+
+def test_a_streaming_client_that_disconnects_cancels_its_request(live: LiveServer) -> None:
+    assert live.engine is not None
+    stats = live.engine.stats
+    before, completed = stats.cancelled, stats.completed
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", live.url + "/v1/chat/completions", json=LONG_ANSWER | {"stream": True}, headers=AUTH) as r,
+    ):
+        assert r.status_code == 200
+        events = (line for line in r.iter_lines() if line.startswith("data: {"))
+        for _ in range(4):  # the role chunk and a few tokens; then the client hangs up mid-stream
+            next(events)
+    wait_for(lambda: stats.cancelled == before + 1, 5)  # the worker stopped and moved on, in seconds
+    assert stats.completed == completed  # the 2000-token answer was not finished for nobody
+    assert live.engine.queue_depth() == 0
+    assert ask(live, "Is anyone there?").choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_waiting_client_that_disconnects_cancels_its_request(live: LiveServer) -> None:
+    assert live.engine is not None
+    stats = live.engine.stats
+    before, completed = stats.cancelled, stats.completed
+    with httpx.Client(timeout=httpx.Timeout(60, read=1.0)) as http, pytest.raises(httpx.ReadTimeout):
+        http.post(live.url + "/v1/chat/completions", json=LONG_ANSWER, headers=AUTH)  # gives up after 1 s
+    wait_for(lambda: stats.cancelled == before + 1, 5)  # not after the 2000 tokens (about a minute)
+    assert stats.completed == completed
+    assert ask(live, "Is anyone there?").choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_client_that_leaves_while_queued_costs_no_prefill(live: LiveServer) -> None:
+    assert live.engine is not None
+    stats = live.engine.stats
+    before, queued = stats.cancelled, stats.cancelled_queued
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", live.url + "/v1/chat/completions", json=LONG_ANSWER | {"stream": True}, headers=AUTH) as r,
+    ):
+        lines = r.iter_lines()  # NOTE: held, since closing this iterator would close the connection
+        next(line for line in lines if line.startswith("data: {"))  # the worker is busy with this one
+        with httpx.Client(timeout=httpx.Timeout(60, read=1.0)) as other, pytest.raises(httpx.ReadTimeout):
+            other.post(live.url + "/v1/chat/completions", json=chat_body(), headers=AUTH)  # queued, then gone
+        time.sleep(0.3)  # the server sees the second client go while the worker still serves the first
+        assert stats.cancelled == before
+    wait_for(lambda: stats.cancelled == before + 2, 5)
+    assert stats.cancelled_queued == queued + 1  # the second was dropped from the queue unprefilled
+    assert live.engine.queue_depth() == 0
+
+
+def test_a_trusted_gateway_header_names_the_tenant(tmp_path: Path) -> None:
+    lm = model()
+    cache = tiered_cache(lm, tmp_path, memory_bytes=64 << 20)
+    auth = AuthSettings(api_keys={"sk-gateway-0123456789": "gateway"}, admin_key=ADMIN, tenant_header="X-Tenant")
+    eng = engine(lm, cache)
+    server = LiveServer(create_app(eng, Settings(auth=auth), cache), eng).start()
+    body = chat_body(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hours?"}])
+
+    def cached(tenant: str | None) -> int:
+        headers = {"Authorization": "Bearer sk-gateway-0123456789"} | ({"X-Tenant": tenant} if tenant else {})
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+        return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    try:
+        assert cached("initech") == 0
+        assert cached("initech") > 0  # the header's tenant reuses its own blocks ...
+        assert cached("umbrella") == 0  # ... and another header tenant's are isolated from it
+        assert cached(None) == 0  # no header: the key's tenant
+        headers = {"Authorization": f"Bearer {ADMIN}"}
+        tenants = httpx.get(server.url + "/admin/stats", headers=headers).json()["cache"]["per_tenant"]
+        assert {"initech", "umbrella", "gateway"} <= set(tenants)
+        # The header does not replace the key: without a valid one the request is refused.
+        refused = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"X-Tenant": "initech"})
+        assert refused.status_code == 401
+    finally:
+        server.stop()
+        eng.close()
+        cache.close()
 
 
 def test_local_mode_and_queue_full(tmp_path: Path) -> None:

@@ -122,6 +122,7 @@ class EngineStats:
 
     completed: int = 0  # finished with "stop" or "length"
     cancelled: int = 0  # the caller cancelled (client gone), queued or mid-answer
+    cancelled_queued: int = 0  # of those, the ones cancelled before any work (gone while queued)
     timed_out: int = 0
     failed: int = 0  # refused by the worker or an internal error
 
@@ -188,6 +189,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.stats = EngineStats()
+        self._pending = 0  # submitted and not yet finished (stored included)
+        self._settled = threading.Condition()
 
     # ------------------------------------------------------------------ front door
 
@@ -234,9 +237,11 @@ class Engine:
         self.start()
         timeout = self.timeout_s if request.timeout_s is None else request.timeout_s
         handle = Handle(next(self._ids), request, sink, self._clock() + timeout, timeout)
+        self._count(+1)
         try:
             self._queue.put_nowait(handle)
         except queue.Full:
+            self._count(-1)
             waiting = self._queue.qsize() + 1
             raise QueueFull(
                 f"the server is busy ({waiting} requests waiting); retry later", max(1, round(waiting * self._busy_s))
@@ -253,6 +258,19 @@ class Engine:
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted request has finished, its KV stored too (which happens
+        after its answer went out); False on timeout. For tests and admin scripts that need
+        the cache settled."""
+        with self._settled:
+            return self._settled.wait_for(lambda: self._pending == 0, timeout)
+
+    def _count(self, delta: int) -> None:
+        with self._settled:
+            self._pending += delta
+            if self._pending == 0:
+                self._settled.notify_all()
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="prefixcache-engine", daemon=True)
@@ -268,6 +286,7 @@ class Engine:
                 break
             if pending is not None:
                 pending.sink(ErrorEvent(EngineClosed("the engine is shutting down")))
+                self._count(-1)
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout)
@@ -295,6 +314,7 @@ class Engine:
                 error = EngineError(f"internal error: {type(exc).__name__}")
                 error.status, error.type = 500, "server_error"
                 handle.sink(ErrorEvent(error))
+            self._count(-1)
             self._busy_s = 0.8 * self._busy_s + 0.2 * (self._clock() - started)
 
     def context(self, tenant: str) -> CacheContext:
@@ -307,6 +327,7 @@ class Engine:
         queued = start - (handle.deadline - handle.timeout_s)
         if handle.cancelled:  # gone while queued: no work, but still an end the caller can wait for
             self.stats.cancelled += 1
+            self.stats.cancelled_queued += 1
             handle.sink(DoneEvent("cancelled", "", (), Usage(len(request.tokens), 0, 0, {}, queued, 0.0)))
             return
         if start > handle.deadline:

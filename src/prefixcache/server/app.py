@@ -230,41 +230,44 @@ class Server:
         arrived = time.monotonic()
         handle, events = await self._start(tokens, tenant, params)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        # NOTE: the watcher cancels the request the moment the client leaves, queued or
+        # mid-answer; the engine then ends it with a "cancelled" DoneEvent. A streaming
+        # response takes over watching once it starts (Starlette listens for the disconnect).
+        watcher = asyncio.create_task(self._watch(request, handle))
         try:
             first = await events.get()
+            if isinstance(first, ErrorEvent):
+                raise APIError.of(first.error)
+            ttft = time.monotonic() - arrived
+            done = None if body.stream else await self._wait(handle, events, first)
         except asyncio.CancelledError:
             handle.cancel()
             raise
-        if isinstance(first, ErrorEvent):
-            raise APIError.of(first.error)
-        ttft = time.monotonic() - arrived
-        if body.stream:
+        finally:
+            watcher.cancel()
+        if done is None:
+            if isinstance(first, DoneEvent) and first.finish_reason == "cancelled":
+                return Response(status_code=499)  # the client left while queued: dropped unprefilled
             chunks = self._stream(request, handle, events, first, rid, chat, body.include_usage, tenant, arrived, ttft)
             return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        done = await self._wait(request, handle, events, first)
-        if done is None:
-            return Response(status_code=499)
+        if done.finish_reason == "cancelled":
+            return Response(status_code=499)  # nobody is listening any more
         self._record(tenant, chat, done, arrived, ttft)
         return JSONResponse(self._completion(rid, chat, done))
 
-    async def _wait(
-        self, request: Request, handle: Handle, events: asyncio.Queue[Event], event: Event
-    ) -> DoneEvent | None:
-        """The final event; cancels the request when the client goes away meanwhile."""
-        try:
-            while not isinstance(event, DoneEvent):
-                if isinstance(event, ErrorEvent):
-                    raise APIError.of(event.error)
-                try:
-                    event = await asyncio.wait_for(events.get(), timeout=1.0)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        handle.cancel()
-                        return None
-                    event = TokenEvent(-1, "")
-        except asyncio.CancelledError:
-            handle.cancel()
-            raise
+    async def _watch(self, request: Request, handle: Handle) -> None:
+        """Cancel ``handle`` when the client disconnects (the body is read, so the next
+        message the server has for this request is the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        handle.cancel()
+
+    async def _wait(self, handle: Handle, events: asyncio.Queue[Event], event: Event) -> DoneEvent:
+        """The final event (a "cancelled" one when the client went away)."""
+        while not isinstance(event, DoneEvent):
+            if isinstance(event, ErrorEvent):
+                raise APIError.of(event.error)
+            event = await events.get()
         return event
 
     async def _stream(
