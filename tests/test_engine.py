@@ -126,8 +126,10 @@ def test_cached_greedy_equals_uncached_through_memory_and_disk(lm: LoadedModel, 
     assert b.tokens == plain[1].tokens and b.text == plain[1].text
     assert sum(b.usage.tier_tokens.values()) == b.usage.cached_tokens
     assert other.usage.cached_tokens == 0 and other.tokens == plain[1].tokens  # namespace isolation
-    # The whole first turn (prompt + answer, less the last token) was stored after it finished.
+    # The whole first turn (prompt + answer, less the last token) was stored after it finished;
+    # loaded into the buffer b's hit used before, it still gives the uncached answer.
     assert again.usage.cached_tokens >= len(first) + len(a.tokens) - 1 - 16
+    assert again.tokens == greedy(lm, first + list(a.tokens), None).tokens
     cache.close()
 
 
