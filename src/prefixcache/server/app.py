@@ -378,9 +378,9 @@ def _lookup(keys: Any, key: str) -> str | None:
 
 
 def _tier_levels(cache: Any | None) -> dict[str, str]:
-    """Tier name -> level (``L0`` fastest), in the order the cache's config lists its tiers."""
+    """Tier name -> level (``L0`` device, ``L1`` host RAM, ``L2`` disk and Redis)."""
     tiers = getattr(getattr(cache, "config", None), "tiers", None) or ()
-    return {tier.label: tier_level(i) for i, tier in enumerate(tiers)}
+    return {tier.label: tier_level(tier.kind) for tier in tiers}
 
 
 def _segments(levels: Mapping[str, int], prompt_tokens: int, cached_tokens: int) -> list[list[Any]]:
