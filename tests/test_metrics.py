@@ -311,3 +311,14 @@ def test_collector_exports_a_real_tier() -> None:
     assert registry.get_sample_value("prefixcache_tier_written_bytes_total", labels) == tier["bytes_written"] > 0
     assert registry.get_sample_value("prefixcache_tier_load_seconds_count", labels) == 1
     assert registry.get_sample_value("prefixcache_tier_load_seconds_bucket", {**labels, "le": "+Inf"}) == 1
+
+
+def test_prefill_rate_skips_warm_up_and_short_prompts_and_smooths() -> None:
+    from prefixcache.metrics import PrefillRate
+
+    rate = PrefillRate(min_tokens=100, alpha=0.5)
+    assert rate.observe(9.0, 1000) is None  # the first one warms the model up
+    assert rate.observe(0.5, 50) is None  # too short: fixed costs would dominate
+    assert rate.observe(2.0, 1000) == 0.002
+    assert rate.observe(4.0, 1000) == 0.003  # halfway to 0.004
+    assert rate.observe(float("nan"), 1000) == 0.003

@@ -190,6 +190,33 @@ class TenantLabels:
 # ============================================================================ serving
 
 
+class PrefillRate:
+    """The running model's prefill seconds per token, measured on its own uncached
+    prefills (what ``prefill_seconds_saved`` multiplies the hit tokens by).
+
+    NOTE: the first qualifying prefill is skipped (it pays the model's warm-up), short
+    ones too (below ``min_tokens`` fixed costs dominate and overstate the rate), and the
+    rest are smoothed (an exponential moving average) so that one slow request on a busy
+    machine moves the figure little."""
+
+    def __init__(self, min_tokens: int = 128, alpha: float = 0.2) -> None:
+        self.min_tokens = min_tokens
+        self.alpha = alpha
+        self.seen = 0
+        self.value: float | None = None
+
+    def observe(self, seconds: float, tokens: int) -> float | None:
+        """Take one uncached prefill; the estimate when there is one."""
+        if tokens < self.min_tokens or not (math.isfinite(seconds) and seconds > 0):
+            return self.value
+        self.seen += 1
+        if self.seen == 1:
+            return None
+        rate = seconds / tokens
+        self.value = rate if self.value is None else self.value + self.alpha * (rate - self.value)
+        return self.value
+
+
 @dataclass
 class Totals:
     """Plain running sums per (tenant label, model, endpoint), for the dashboard page."""

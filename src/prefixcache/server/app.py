@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -34,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prefixcache.dashboard import dashboard_data
 from prefixcache.engine import DoneEvent, Engine, EngineError, ErrorEvent, Event, Handle, SamplingParams, TokenEvent
 from prefixcache.engine import Request as EngineRequest
-from prefixcache.metrics import CacheCollector, ServingMetrics, tier_level
+from prefixcache.metrics import CacheCollector, PrefillRate, ServingMetrics, tier_level
 from prefixcache.server.schemas import ChatRequest, CompletionRequest, EpochRequest, PurgeRequest, _Request
 from prefixcache.server.settings import Settings
 
@@ -131,6 +132,7 @@ class Server:
         self.model_id = engine.model_id
         self.created = int(time.time())
         self.metrics = ServingMetrics(registry)
+        self.prefill_rate = PrefillRate()
         self.tier_levels = _tier_levels(cache)
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
 
@@ -350,8 +352,9 @@ class Server:
             )
         try:
             computed = usage.prompt_tokens - usage.cached_tokens
-            if usage.cached_tokens == 0 and computed >= 64:
-                self.metrics.set_prefill_seconds_per_token(usage.prefill_s / computed)
+            rate = self.prefill_rate.observe(usage.prefill_s, computed) if usage.cached_tokens == 0 else None
+            if rate is not None:
+                self.metrics.set_prefill_seconds_per_token(rate)
             self.metrics.record_request(
                 tenant,
                 self.model_id,
@@ -499,7 +502,13 @@ def _routes(app: FastAPI, server: Server) -> None:
     @app.get("/admin/stats", dependencies=[Depends(server.admin)])
     async def stats() -> dict[str, Any]:
         cache_stats = server.cache.stats() if server.cache is not None else None
-        return {"model": server.model_id, "queue_depth": engine.queue_depth(), "cache": cache_stats}
+        return {
+            "model": server.model_id,
+            "queue_depth": engine.queue_depth(),
+            "engine": dataclasses.asdict(engine.stats),
+            "prefill_seconds_per_token": server.prefill_rate.value,
+            "cache": cache_stats,
+        }
 
 
 def _page() -> str:
