@@ -262,7 +262,8 @@ def test_collector_exports_every_tier_with_its_level() -> None:
     assert get("prefixcache_tier_written_bytes_total", l2) == 8192
     assert get("prefixcache_tier_promotions_total", l2) == 1
     assert get("prefixcache_tier_demotions_total", l2) == 3
-    assert get("prefixcache_tier_evictions_total", l2) == 5
+    assert get("prefixcache_tier_evictions_total", {**l2, "reason": "capacity"}) == 5
+    assert get("prefixcache_tier_evictions_total", {**l2, "reason": "stale"}) == 0
     assert get("prefixcache_tier_blocks", l2) == 100
     assert get("prefixcache_tier_errors_total", {**l2, "error": "timeout"}) == 3
     assert get("prefixcache_tier_errors_total", {**l2, "error": "connection"}) == 1
@@ -286,8 +287,6 @@ def test_metric_names_lists_exactly_what_is_exported() -> None:
 
 def test_collector_exports_a_real_tier() -> None:
     """A real memory tier holding KV: what it stored and served is on the scrape."""
-    if "tiers" not in CacheConfig.__dataclass_fields__:
-        pytest.skip("the tiered cache (CacheConfig.tiers) has not landed in this checkout")
     import numpy as np
 
     from prefixcache.config import KVLayout, TierConfig
@@ -310,6 +309,11 @@ def test_collector_exports_a_real_tier() -> None:
     assert registry.get_sample_value("prefixcache_tier_used_bytes", labels) == tier["used_bytes"] > 0
     assert registry.get_sample_value("prefixcache_tier_written_bytes_total", labels) == tier["bytes_written"] > 0
     assert registry.get_sample_value("prefixcache_tier_load_seconds_count", labels) == 1
+    cache.bump_epoch("m")
+    cache.reclaim()  # the stale blocks leave the tier: counted per tier with their reason
+    stale = registry.get_sample_value("prefixcache_tier_evictions_total", {**labels, "reason": "stale"})
+    assert stale == 4 and registry.get_sample_value("prefixcache_tier_blocks", labels) == 0
+    assert registry.get_sample_value("prefixcache_tier_evictions_total", {**labels, "reason": "capacity"}) == 0
     assert registry.get_sample_value("prefixcache_tier_load_seconds_bucket", {**labels, "le": "+Inf"}) == 1
 
 

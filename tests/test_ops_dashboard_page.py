@@ -58,7 +58,7 @@ def test_dashboard_data_adds_up() -> None:
         ("other", 200),
     ]
     assert data["cache"]["used_tokens"] == cache.stats()["used_tokens"]
-    assert set(data["cache"]["evictions"]) == {"capacity", "stale", "purge", "ttl", "replaced"}
+    assert set(data["cache"]["evictions"]) == {"capacity", "stale", "purge", "ttl", "replaced", "lost"}
     assert data["tiers"] == []
     assert [r["tenant"] for r in data["recent"]] == ["acme", "initech", "globex", "acme"]
     json.dumps(data, allow_nan=False)  # the page gets strict JSON

@@ -155,9 +155,12 @@ def test_thresholds_follow_the_alert_rules() -> None:
     text = 'prefixcache_tier_{}{{tier="hbm",kind="memory",level="L0"}} {}\n'
     gauges = text.format("capacity_bytes", 100) + text.format("used_bytes", 99)
 
+    evicted = 'prefixcache_tier_evictions_total{{tier="hbm",kind="memory",level="L0",reason="{}"}} {}\n'
+
     def window(evictions: float) -> Window:
-        before = Scrape.parse(gauges + text.format("evictions_total", 0))
-        return Window(Scrape.parse(gauges + text.format("evictions_total", evictions)), before, 10)
+        before = Scrape.parse(gauges + evicted.format("capacity", 0) + evicted.format("stale", 0))
+        after = gauges + evicted.format("capacity", evictions) + evicted.format("stale", 10**6)  # stale: no pressure
+        return Window(Scrape.parse(after), before, 10)
 
     assert [f.problem for f in diagnose(window(70_000))] == [
         "HBM (L0) pressure: L0 tier hbm (memory) is full and evicting"

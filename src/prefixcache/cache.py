@@ -830,7 +830,7 @@ class PrefixCache:
         assert pool is not None and block.pins == 0 and not block.children
         self._tree.detach(block)
         if self._tiers is not None:
-            self._tiers.forget(block)
+            self._tiers.forget(block, reason)
         if block.run is not None:
             block.run.truncate(block.run_index)
         if in_policy and not block.doomed:

@@ -155,7 +155,7 @@ def tiers(w: Window) -> list[Tier]:
                 match,
                 w.gauge("prefixcache_tier_used_bytes", **match),
                 w.gauge("prefixcache_tier_capacity_bytes", **match),
-                w.delta("prefixcache_tier_evictions_total", **match),
+                w.delta("prefixcache_tier_evictions_total", reason="capacity", **match),
                 w.delta("prefixcache_tier_hits_total", **match) + w.delta("prefixcache_tier_misses_total", **match),
             )
         )

@@ -70,6 +70,16 @@ REMOVAL_REASONS = {
     "purged": "purge",  # an operator purged its tenant or prefix
     "expired": "ttl",  # unused for longer than ttl_seconds
     "replaced": "replaced",  # a partial tail block superseded by a longer block
+    "lost": "lost",  # a tier lost its bytes or returned bad ones
+}
+# A tier's ``removals`` are keyed by RemovalReason; the same reasons, as metrics name them.
+TIER_REMOVAL_REASONS = {
+    "evicted": "capacity",
+    "stale": "stale",
+    "purged": "purge",
+    "expired": "ttl",
+    "replaced": "replaced",
+    "lost": "lost",
 }
 
 SERVING_LABELS = ("tenant", "model", "endpoint")
@@ -460,8 +470,12 @@ def _tier_families(tiers: list[Mapping[str, Any]]) -> Iterable[Metric]:
         "bytes_written": counter("prefixcache_tier_written_bytes", "Bytes written to the tier."),
         "promotions": counter("prefixcache_tier_promotions", "Blocks copied up into the tier from a slower one."),
         "demotions": counter("prefixcache_tier_demotions", "Blocks moved down out of the tier to a slower one."),
-        "evictions": counter("prefixcache_tier_evictions", "Blocks evicted from the tier under capacity pressure."),
     }
+    evictions = CounterMetricFamily(
+        "prefixcache_tier_evictions",
+        "Blocks that left the tier, by reason: capacity (its own policy, or the cache's), stale, purge, ttl, ...",
+        labels=[*labels, "reason"],
+    )
     errors = CounterMetricFamily(
         "prefixcache_tier_errors", "Failed tier operations, by kind of error.", labels=[*labels, "error"]
     )
@@ -474,6 +488,12 @@ def _tier_families(tiers: list[Mapping[str, Any]]) -> Iterable[Metric]:
             family.add_metric(values, tier[key])
         for key, cfamily in counters.items():
             cfamily.add_metric(values, tier[key])
+        by_reason = dict.fromkeys(TIER_REMOVAL_REASONS.values(), 0)
+        by_reason["capacity"] = tier["evictions"]
+        for reason, count in tier.get("removals", {}).items():
+            by_reason[TIER_REMOVAL_REASONS.get(reason, reason)] += count
+        for reason, count in by_reason.items():
+            evictions.add_metric([*values, reason], count)
         for kind, count in sorted(tier.get("errors", {}).items()):
             errors.add_metric([*values, str(kind)], count)
         load = tier.get("load_seconds")
@@ -484,6 +504,7 @@ def _tier_families(tiers: list[Mapping[str, Any]]) -> Iterable[Metric]:
             latency.add_metric(values, buckets, load["sum"])
     yield from gauges.values()
     yield from counters.values()
+    yield evictions
     yield errors
     yield latency
 

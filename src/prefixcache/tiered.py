@@ -137,7 +137,8 @@ class Tier:
         self.misses = 0
         self.promotions = 0
         self.demotions = 0
-        self.evictions = 0
+        self.evictions = 0  # blocks this tier's policy sent away to make room
+        self.removals: Counter[str] = Counter()  # blocks that left the cache while here, by RemovalReason
         self.errors: Counter[str] = Counter()
         self.latency = LatencyHistogram()
 
@@ -175,6 +176,7 @@ class Tier:
             "promotions": self.promotions,
             "demotions": self.demotions,
             "evictions": self.evictions,
+            "removals": dict(self.removals),
             "errors": dict(errors),
             "load_seconds": self.latency.snapshot(),
         }
@@ -477,8 +479,8 @@ class TieredStorage:
                 return tier.index, found
         return -1, 0
 
-    def forget(self, block: Block) -> None:
-        """``block`` leaves the tree: delete its frames everywhere."""
+    def forget(self, block: Block, reason: str = "") -> None:
+        """``block`` leaves the tree (for ``reason``, a RemovalReason): delete its frames everywhere."""
         if not block.tiers:
             return
         if self.resident.get(block.key) is block:
@@ -486,6 +488,8 @@ class TieredStorage:
                 if block.tiers & tier.bit:
                     self._delete(tier, block.key)
                     tier.policy.remove(block.key)
+                    if reason:
+                        tier.removals[reason] += 1
         self._set_mask(block, 0)
 
     # ================================================================ load
