@@ -151,6 +151,32 @@ def test_user_defined_model_and_gpu(workload: Path, capsys: pytest.CaptureFixtur
 # ---------------------------------------------------------------------------- help
 
 
+def test_metrics_of_each_configuration_read_like_a_server_and_diagnose_them(workload: Path, tmp_path: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out_dir = tmp_path / "metrics"
+    code, out, _ = run_cli(["replay", str(workload), "--policy", "lru,s3fifo", "--capacity-tokens", "2e4",
+                            "--no-optimal", "--json", "--metrics", str(out_dir)])  # fmt: skip
+    assert code == 0
+    results = {r["policy"]: r for r in strict_json(out)["results"]}
+    files = sorted(out_dir.glob("*.prom"))
+    assert [f.name.split("_")[0] for f in files] == ["lru", "s3fifo"]
+    for path in files:
+        samples = [s for f in text_string_to_metric_families(path.read_text()) for s in f.samples]
+        hits: dict[str, float] = {}
+        for sample in samples:
+            if sample.name == "prefixcache_hit_tokens_total":
+                hits[sample.labels["tenant"]] = hits.get(sample.labels["tenant"], 0.0) + sample.value
+        result = results[path.name.split("_")[0]]
+        assert sum(hits.values()) == sum(t["hit_tokens"] for t in result["per_tenant"].values()) > 0
+        evicted = [
+            s.value for s in samples if s.name == "prefixcache_evictions_total" and s.labels["reason"] == "capacity"
+        ]
+        assert evicted == [result["evictions"]]
+        code, report, _ = run_cli(["diagnose", str(path)])
+        assert code in (0, 1) and "token hit rate" in report
+
+
 def test_replay_help_is_complete(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["replay", "--help"])
@@ -159,7 +185,7 @@ def test_replay_help_is_complete(capsys: pytest.CaptureFixture[str]) -> None:
     options = [
         *("--format", "--policy", "--capacity-tokens", "--block-size", "--isolation", "--mode", "--partial-blocks"),
         *("--ttl", "--warmup", "--include-output", "--no-optimal", "--model", "--gpu", "--utilization"),
-        *("--tokenizer", "--json", "--html", "--no-progress", "--promote", "--promote-min-tokens"),
+        *("--tokenizer", "--json", "--html", "--no-progress", "--promote", "--promote-min-tokens", "--metrics"),
     ]
     for option in options:
         assert option in text, option

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -152,6 +153,13 @@ def add_replay_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--html", type=Path, help="also write an HTML report with plots to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--metrics",
+        type=Path,
+        metavar="DIR",
+        help="write each tree-mode configuration's Prometheus metrics (what a server would expose) to DIR/*.prom;"
+        " `prefixcache diagnose FILE` reads them",
+    )
 
 
 def add_workload_parser(sub: Any) -> None:
@@ -244,6 +252,7 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             cost=cost,
             progress=lambda total, label: report.progress(total, label, show),
             summary=summary,
+            metrics=_metrics_writer(args.metrics) if args.metrics is not None else None,
         )
     except ValueError as exc:  # a malformed trace names its file, line and field
         print(f"prefixcache replay: {exc}", file=sys.stderr)
@@ -257,6 +266,16 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         if not args.json:
             print(f"HTML report: {args.html}")
     return 0
+
+
+def _metrics_writer(directory: Path) -> Callable[[ReplayConfig, bytes], None]:
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def write(cfg: ReplayConfig, text: bytes) -> None:
+        name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", cfg.label).strip("_")
+        (directory / f"{name}.prom").write_bytes(text)
+
+    return write
 
 
 def run_workload(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

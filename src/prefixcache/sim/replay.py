@@ -30,10 +30,12 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import xxhash
+from prometheus_client import CollectorRegistry, generate_latest
 
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, PromotionConfig
 from prefixcache.hashing import CacheContext, token_bytes
+from prefixcache.metrics import CacheCollector, ServingMetrics
 from prefixcache.policies import EvictionPolicy, make_policy
 from prefixcache.sim.costmodel import CostAccumulator, CostModel
 from prefixcache.sim.results import ReplayConfig, ReplayResult, TenantResult, TimePoint
@@ -239,9 +241,18 @@ def _replay_tree(
     counter: _Counter,
     include_output: bool,
     bar: ProgressBar,
+    registry: CollectorRegistry | None = None,
 ) -> None:
+    """``registry``, when given, gets the server's metrics of this replay: the cache's
+    (``CacheCollector``) and, per counted request, the serving counters by tenant x model
+    x endpoint, so that a simulated configuration can be read like a live server (and
+    fed to ``prefixcache diagnose``)."""
     now = [0.0]
     cache = PrefixCache(_cache_config(cfg, counter.summary), clock=lambda: now[0])
+    serving = None
+    if registry is not None:
+        serving = ServingMetrics(registry)
+        registry.register(CacheCollector(cache))
     stats = cache._stats  # NOTE: read the live counters; stats() builds a dict per call
     dense: dict[int, int] = {}
     hashed = counter.summary.native_block_size is not None
@@ -267,6 +278,12 @@ def _replay_tree(
             hit = hit_tokens(req, cached, bs) if hashed else cached  # hashed: cached counts native blocks
             blocks = len(prompt) if hashed else -(-len(prompt) // bs)
             counter.add(req, hit, blocks, evictions_before)
+            if serving is not None:
+                n = req.input_length if hashed else len(prompt)
+                hit = min(hit, n)
+                serving.record_request(
+                    req.tenant, req.model, req.endpoint or "replay", n, hit, {"pool": hit} if hit else {}, 0, 0, 0
+                )
         bar.advance(1)
     counter.result.evictions = stats.evictions
     counter.finish(stats.evictions)
@@ -396,10 +413,12 @@ def replay(
     cost: CostModel | None = None,
     progress: ProgressFactory | None = None,
     summary: TraceSummary | None = None,
+    metrics: Callable[[ReplayConfig, bytes], None] | None = None,
 ) -> list[ReplayResult]:
     """Replay the trace ``source()`` streams once per configuration; returns one result
     per (effective) configuration, in order. ``progress(total, label)`` may supply a
-    context manager yielding a bar with ``advance(n)``, entered once per replay."""
+    context manager yielding a bar with ``advance(n)``, entered once per replay.
+    ``metrics(config, text)`` receives each tree-mode replay's Prometheus exposition."""
     summary = summary if summary is not None else summarize(source)
     skip = warmup_requests(summary, warmup)
     results = []
@@ -412,8 +431,11 @@ def replay(
             if cfg.mode == "flat":
                 _replay_flat(source, cfg, counter, bar)
             elif cfg.mode == "tree":
+                registry = CollectorRegistry() if metrics is not None else None
                 with _no_cyclic_gc():
-                    _replay_tree(source, cfg, counter, include_output, bar)
+                    _replay_tree(source, cfg, counter, include_output, bar, registry)
+                if metrics is not None and registry is not None:
+                    metrics(cfg, generate_latest(registry))
             else:
                 raise ValueError(f"unknown replay mode {cfg.mode!r}; valid: flat, tree")
         result.seconds = time.perf_counter() - start
