@@ -467,8 +467,11 @@ def _routes(app: FastAPI, server: Server) -> None:
     async def healthz() -> dict[str, Any]:
         return {"status": "ok", "model": server.model_id, "queue_depth": engine.queue_depth()}
 
+    # NOTE: the routes that read or change the cache are plain functions, which FastAPI runs
+    # in its thread pool: the cache's lock may be held by the worker through a load or a
+    # store (tens of ms), and waiting for it must not stall every stream on the event loop.
     @app.get("/metrics", dependencies=[Depends(server.operator)])
-    async def metrics() -> Response:
+    def metrics() -> Response:
         return Response(generate_latest(server.registry), media_type=CONTENT_TYPE_LATEST)
 
     page = _page()
@@ -478,17 +481,17 @@ def _routes(app: FastAPI, server: Server) -> None:
         return HTMLResponse(page, headers=PAGE_HEADERS)
 
     @app.get("/dashboard/data", dependencies=[Depends(server.operator)])
-    async def dashboard_json() -> dict[str, Any]:
+    def dashboard_json() -> dict[str, Any]:
         cache_stats = server.cache.stats() if server.cache is not None else {}
         return dashboard_data(cache_stats, server.metrics, list(server.recent), limit=RECENT_REQUESTS)
 
     @app.post("/admin/epoch", dependencies=[Depends(server.admin)])
-    async def bump_epoch(body: EpochRequest) -> dict[str, Any]:
+    def bump_epoch(body: EpochRequest) -> dict[str, Any]:
         cache = _need_cache(server)
         return {"model": body.model, "epoch": cache.bump_epoch(body.model)}
 
     @app.post("/admin/purge", dependencies=[Depends(server.admin)])
-    async def purge(body: PurgeRequest) -> dict[str, Any]:
+    def purge(body: PurgeRequest) -> dict[str, Any]:
         cache = _need_cache(server)
         if body.prompt is None and body.messages is None:
             return {"tenant": body.tenant, "removed_blocks": cache.purge(body.tenant)}
@@ -500,7 +503,7 @@ def _routes(app: FastAPI, server: Server) -> None:
         return {"tenant": body.tenant, "prefix_tokens": len(tokens), "removed_blocks": removed}
 
     @app.get("/admin/stats", dependencies=[Depends(server.admin)])
-    async def stats() -> dict[str, Any]:
+    def stats() -> dict[str, Any]:
         cache_stats = server.cache.stats() if server.cache is not None else None
         return {
             "model": server.model_id,
