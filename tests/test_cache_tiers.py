@@ -21,7 +21,9 @@ from prefixcache.config import CacheConfig, KVLayout, PromotionConfig, TierConfi
 from prefixcache.hashing import CacheContext
 from prefixcache.tiered import LatencyHistogram
 from redis_server import REDIS_SERVER, RedisServer, StallingProxy, free_port
+from support import random_kv
 from tier_worker import BLOCK, CTX, cache_with, frame_bytes, kv_for, prompt, store
+from tier_worker import layout as tiny_layout
 
 HERE = Path(__file__).resolve().parent
 BIG = 1 << 30
@@ -107,6 +109,14 @@ def test_round_trip_through_every_tier_and_dtype_is_bit_exact(tmp_path: Path, ki
             assert store(cache, tokens, dtype) == len(tokens)
             cached, loaded, per_tier = fetch(cache, tokens, dtype)
             assert cached == loaded == len(tokens) and per_tier[kind] == len(tokens)
+            # random bytes as KV (NaN payloads, -0.0, subnormals): equal bit for bit
+            other = prompt(2, 3)
+            kv = random_kv(dtype, 7, tiny_layout(dtype).shape(len(other)))
+            assert cache.insert(other, CTX, kv=kv) == len(other) - BLOCK  # the first block is shared
+            with cache.match(other, CTX) as m:
+                got = cache.load(m)
+            assert got.tokens == len(other)
+            assert got.kv[:, :, :, BLOCK:].tobytes() == np.ascontiguousarray(kv[:, :, :, BLOCK:]).tobytes()
             check_tiers(cache)
     finally:
         if srv is not None:
