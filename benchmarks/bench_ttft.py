@@ -1,9 +1,10 @@
 """Time to first token on SmolLM2-135M (CPU) with 0, 50, 90 and 100 % of the prompt cached.
 
-Each prompt is new random tokens; the cached share is inserted first (its KV from a
-real prefill) into the memory tier of one long-lived engine's cache, then the engine
-serves the whole prompt with ``max_tokens=1``. TTFT is the engine's own prefill time (match + load + suffix prefill
-+ first logits).
+Each prompt is new random tokens. The engine (one long-lived engine and cache, as a
+server has) first answers a request of the cached share, and stores its KV in the
+memory tier as it does after every answer; then it serves the whole prompt with
+``max_tokens=1``. TTFT is the engine's own prefill time (match + load + suffix prefill
++ first logits). The last-token step times run in a child process of their own.
 
 The issue's two targets, checked from the same run:
 
@@ -19,8 +20,11 @@ Run: ``.venv/bin/python benchmarks/bench_ttft.py [--sizes 512 1024 2048] [--repe
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -29,7 +33,6 @@ from pathlib import Path
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, KVLayout, TierConfig
 from prefixcache.engine import Engine, LoadedModel, Request, SamplingParams, load_model
-from prefixcache.engine.kv import cut_cache
 from prefixcache.engine.runner import Sequence
 
 SIZES = (512, 1024, 2048)
@@ -40,11 +43,15 @@ OVERHEAD_TARGET = 0.10  # (TTFT at 100 % - last-token prefill) / uncached TTFT
 
 
 def ttft(engine: Engine, tokens: list[int], cached: int) -> float:
-    """The engine's TTFT for ``tokens`` with their first ``cached`` tokens inserted just before."""
+    """The engine's TTFT for ``tokens`` after a request of their first ``cached`` tokens
+    (which the engine stores once it has answered, as a server does).
+
+    NOTE: all model work of a measurement runs on the engine's worker thread. torch on a
+    second thread in the same process (e.g. prefilling the cached share here) made the
+    worker's next prefills ~20 % slower in our runs, an artefact no server has."""
     if cached:
-        seq = Sequence(engine.loaded)
-        seq.prefill(tokens[:cached])
-        engine.cache.insert(tokens[:cached], engine.context("t"), kv=cut_cache(seq.cache, cached))
+        engine.generate(Request(tokens[:cached], "t", SamplingParams(1, 0.0))).result(300)
+        assert engine.wait_idle(300)
     return float(engine.generate(Request(tokens, "t", SamplingParams(1, 0.0))).result(300).usage.prefill_s)
 
 
@@ -67,14 +74,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument("--alone-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     lm = load_model(models_dir=Path(__file__).resolve().parent.parent / ".prefixcache" / "models", device="cpu")
+    if args.alone_only:  # the last-token step times, in a process of their own (see ttft's NOTE)
+        rng0 = random.Random(1)
+        steps = {
+            size: median_of(
+                args.repeats, lambda size=size: last_token_alone(lm, [rng0.randrange(100, 49_000) for _ in range(size)])
+            )
+            for size in args.sizes
+        }
+        print(json.dumps(steps))
+        return
     layout = KVLayout(layers=lm.kv.layers, kv_heads=lm.kv.kv_heads, head_dim=lm.kv.head_dim, dtype=lm.kv.dtype)
     rng = random.Random(0)
     print(f"TTFT on {lm.source} (cpu, {lm.kv.dtype}), median of {args.repeats}")
     print(f"{'prompt':>7} {'cached':>7} {'TTFT ms':>9} {'speedup':>8}")
     rows: dict[int, dict[float, float]] = {}
-    alone: dict[int, float] = {}
 
     def prompt(size: int) -> list[int]:
         return [rng.randrange(100, 49_000) for _ in range(size)]
@@ -88,9 +105,6 @@ def main() -> None:
     def cached_ttft(size: int, cached: int) -> float:
         return ttft(engine, prompt(size), cached)
 
-    def alone_ttft(size: int) -> float:
-        return last_token_alone(lm, prompt(size))
-
     for size in args.sizes:
         rows[size] = {}
         for share in SHARES:
@@ -98,9 +112,19 @@ def main() -> None:
             rows[size][share] = median_of(args.repeats, partial(cached_ttft, size, cached))
             base = rows[size][0.0]
             print(f"{size:>7} {share:>7.0%} {rows[size][share] * 1000:>9.1f} {base / rows[size][share]:>7.1f}x")
-        alone[size] = median_of(args.repeats, partial(alone_ttft, size))
     engine.close()
     cache.close()
+    command = [
+        sys.executable,
+        __file__,
+        "--alone-only",
+        "--repeats",
+        str(args.repeats),
+        "--sizes",
+        *map(str, args.sizes),
+    ]
+    steps = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    alone = {int(size): seconds for size, seconds in steps.items()}
 
     print("\nOverhead of a full hit: (TTFT at 100 % - last token prefilled alone) / uncached TTFT")
     print(f"{'prompt':>7} {'100 % ms':>9} {'alone ms':>9} {'overhead ms':>12} {'of uncached':>12}")
