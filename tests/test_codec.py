@@ -17,6 +17,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import support
 from prefixcache import codec
 from prefixcache.codec import (
     CorruptFrame,
@@ -32,12 +33,12 @@ from prefixcache.codec import (
     encoded_size,
     peek_header,
 )
+from support import WIRE
 
 KEY = bytes(range(16))
 TOKENS = struct.pack("<4I", 7, 8, 9, 10)
 SMALL = (1, 2, 1, 2, 2)  # a 128-byte frame: every cut and every bit is cheap to try
 SMOLLM2 = (30, 2, 3, 16, 64)  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, 16-token blocks
-WIRE: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 
 # Byte offsets of the fixed header fields (see the layout in codec's docstring).
 OFF_VERSION, OFF_HLEN, OFF_DTYPE, OFF_NDIM, OFF_FLAGS, OFF_KEYLEN, OFF_SHAPE = 4, 6, 8, 9, 10, 12, 14
@@ -52,8 +53,7 @@ def kv_of(raw: bytes, shape: tuple[int, ...], dtype: str) -> np.ndarray:
 
 
 def random_kv(shape: tuple[int, ...] = SMALL, dtype: str = "float16", seed: int = 0) -> np.ndarray:
-    nbytes = math.prod(shape) * WIRE[dtype].itemsize
-    return kv_of(np.random.default_rng(seed).bytes(nbytes), shape, dtype)
+    return support.random_kv(dtype, seed, shape)
 
 
 def small_frame(dtype: str = "float16") -> bytes:

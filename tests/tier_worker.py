@@ -16,14 +16,16 @@ import sys
 
 import numpy as np
 
+from prefixcache import codec
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, KVLayout, TierConfig
 from prefixcache.hashing import CacheContext
+from prefixcache.tiers.memory import MemoryStore
+from support import WIRE
 
 BLOCK = 4
 SEED = "tiers-test"
 CTX = CacheContext(tenant="acme", model="m")
-_WIRE = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 
 
 def layout(dtype: str = "float16") -> KVLayout:
@@ -45,7 +47,7 @@ def kv_for(tokens: list[int], dtype: str = "float16") -> np.ndarray:
     bits = (t * 131 + pos * 17 + coords) % 1999
     if dtype == "bfloat16":
         return (bits + 0x3F00).astype(np.uint16)  # finite bfloat16 bit patterns
-    return (bits.astype(np.float64) / 8).astype(_WIRE[dtype])
+    return (bits.astype(np.float64) / 8).astype(WIRE[dtype])
 
 
 def prompt(i: int, n_blocks: int = 6) -> list[int]:
@@ -54,10 +56,8 @@ def prompt(i: int, n_blocks: int = 6) -> list[int]:
 
 
 def frame_bytes(dtype: str = "float16") -> int:
-    from prefixcache import codec
-
-    size = codec.encoded_size(layout(dtype).shape(BLOCK), dtype, 16)
-    return -(-size // 16) * 16
+    """One memory-tier slot: a full block's frame, rounded as the store rounds it."""
+    return MemoryStore.slot_for(codec.encoded_size(layout(dtype).shape(BLOCK), dtype, 16))
 
 
 def cache_with(*tiers: TierConfig, dtype: str = "float16", **kwargs: object) -> PrefixCache:

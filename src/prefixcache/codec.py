@@ -73,6 +73,7 @@ __all__ = [
     "MAX_KEY_LEN",
     "NDIM",
     "VERSION",
+    "WIRE_DTYPES",
     "CorruptFrame",
     "DtypeMismatch",
     "FrameError",
@@ -108,11 +109,12 @@ MAX_KEY_LEN: Final = 0xFFFF // HEADER_ALIGN * HEADER_ALIGN - (
 # dtype label -> (code in the header, little-endian numpy dtype of the payload's items)
 _CODES: Final = {"float32": 1, "float16": 2, "bfloat16": 3}
 _LABELS: Final = {code: label for label, code in _CODES.items()}
-_WIRE: Final[dict[str, np.dtype]] = {
+WIRE_DTYPES: Final[dict[str, np.dtype]] = {
     "float32": np.dtype("<f4"),
     "float16": np.dtype("<f2"),
-    "bfloat16": np.dtype("<u2"),
+    "bfloat16": np.dtype("<u2"),  # raw bfloat16 bits
 }
+_WIRE = WIRE_DTYPES
 _FLOAT_LABELS: Final[dict[np.dtype, str]] = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16"}
 DTYPES: Final = tuple(_CODES)
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from prefixcache.codec import WIRE_DTYPES
 from prefixcache.hashing import get_hash
 from prefixcache.policies import POLICIES
 
@@ -17,7 +18,7 @@ ISOLATION_MODES = ("shared", "namespace", "partitioned")
 DEFAULT_CAPACITY_TOKENS = 1 << 20
 TIER_KINDS = ("device", "memory", "disk", "redis")
 WRITE_MODES = ("back", "through")
-KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_DTYPES = {label: dtype.itemsize for label, dtype in WIRE_DTYPES.items()}  # bytes per value
 
 
 def check_int(name: str, value: object, minimum: int) -> None:

@@ -47,7 +47,6 @@ __all__ = ["LATENCY_BUCKETS", "LatencyHistogram", "LoadedKV", "Tier", "TieredSto
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _PARALLEL_COPY_BYTES = 4 << 20  # below this a load's copy stays on the calling thread
-_WIRE: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 
 
 class LatencyHistogram:
@@ -111,10 +110,10 @@ def as_kv_array(kv: Any, layout: KVLayout, n_tokens: int) -> np.ndarray:
     want = layout.shape(n_tokens)
     if kv.ndim != 5 or kv.shape[:3] != want[:3] or kv.shape[4] != want[4] or kv.shape[3] < n_tokens:
         raise ValueError(f"kv has shape {kv.shape}; need [layers, 2, kv_heads, >= tokens, head_dim] = {want}")
-    wire = _WIRE[layout.dtype]
+    wire = codec.WIRE_DTYPES[layout.dtype]
     if kv.dtype.name == "bfloat16" and layout.dtype == "bfloat16":  # ml_dtypes
         return kv.view(np.uint16)
-    if kv.dtype.newbyteorder("<") != wire and kv.dtype != wire:
+    if kv.dtype.newbyteorder("<") != wire:
         raise ValueError(f"kv dtype {kv.dtype} does not match the layout's {layout.dtype}")
     return kv
 
@@ -182,10 +181,9 @@ class Tier:
         }
 
 
-def open_store(config: TierConfig, layout: KVLayout, block_size: int, key_len: int, seed: str) -> TierStore:
-    """The store a tier's configuration names."""
-    frame = codec.encoded_size(layout.shape(block_size), layout.dtype, key_len)
-    slot = -(-frame // codec.HEADER_ALIGN) * codec.HEADER_ALIGN
+def open_store(config: TierConfig, frame_bytes: int, seed: str) -> TierStore:
+    """The store a tier's configuration names, for frames of up to ``frame_bytes``."""
+    slot = MemoryStore.slot_for(frame_bytes)
     if config.kind == "memory":
         return MemoryStore(config.capacity_bytes, slot)
     if config.kind == "device":
@@ -230,14 +228,13 @@ class TieredStorage:
     ) -> None:
         assert config.kv_layout is not None
         self.layout = config.kv_layout
-        self.block_size = config.block_size
         self.tiers: list[Tier] = []
         self.resident: dict[bytes, Block] = {}  # key -> the block whose frames the stores hold
         self._on_empty, self._on_lost, self._reclaim = on_empty, on_lost, reclaim
         frame = codec.encoded_size(self.layout.shape(config.block_size), self.layout.dtype, key_len)
         try:
             for i, tc in enumerate(config.tiers):
-                store = open_store(tc, self.layout, config.block_size, key_len, config.seed)
+                store = open_store(tc, frame, config.seed)
                 policy = make_policy(tc.policy or config.policy, tc.capacity_bytes // self.layout.bytes_per_token)
                 self.tiers.append(Tier(i, tc, store, policy, frame))
         except BaseException:
@@ -466,7 +463,7 @@ class TieredStorage:
     def probe(self, keys: Sequence[bytes], parent: Block) -> tuple[int, int]:
         """(tier, n): the first probing tier that holds the ``n >= 1`` leading ``keys``
         and may hold children of ``parent``; (-1, 0) when none does."""
-        limit = self.entry_tier(parent) if parent.parent is not None else 0
+        limit = self.entry_tier(parent)
         for tier in self.tiers:
             if tier.index < limit or not tier.probes:
                 continue
@@ -517,7 +514,7 @@ class TieredStorage:
         return LoadedKV(tokens, kv, tier_tokens, requested)
 
     def _destination(self, tokens: int, buffer: np.ndarray | None) -> np.ndarray:
-        shape, dtype = self.layout.shape(tokens), _WIRE[self.layout.dtype]
+        shape, dtype = self.layout.shape(tokens), codec.WIRE_DTYPES[self.layout.dtype]
         if buffer is None:
             return np.empty(shape, dtype=dtype)
         need = tokens * self.layout.bytes_per_token

@@ -96,9 +96,14 @@ class MemoryStore(TierStore):
         """A store of ``blocks`` slots, each exactly one frame of this block shape (rounded up to 16)."""
         if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
             raise ValueError(f"blocks must be an integer >= 0, got {blocks!r}")
-        frame = codec.encoded_size(shape, dtype, key_len)
-        slot = -(-frame // codec.HEADER_ALIGN) * codec.HEADER_ALIGN
+        slot = cls.slot_for(codec.encoded_size(shape, dtype, key_len))
         return cls(blocks * slot, slot)
+
+    @staticmethod
+    def slot_for(frame_bytes: int) -> int:
+        """The slot that holds a frame of ``frame_bytes``: rounded up to 16, so that every
+        payload in the slab stays 16-aligned."""
+        return -(-frame_bytes // codec.HEADER_ALIGN) * codec.HEADER_ALIGN
 
     @property
     def used_bytes(self) -> int:
