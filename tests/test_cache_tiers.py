@@ -547,3 +547,27 @@ def test_torch_tensors_are_accepted_as_kv() -> None:
         kv = torch.from_numpy(kv_for(prompt(1), "bfloat16").view(np.int16)).view(torch.bfloat16)
         assert cache.insert(prompt(1), CTX, kv=kv) == 24
         assert fetch(cache, prompt(1), "bfloat16")[1] == 24
+
+
+def test_a_match_that_probes_a_tier_searches_the_tree_once(tmp_path: Path) -> None:
+    """A reopened disk makes every match probe it; the tree search before the probe is
+    the match's own, so a hash collision it catches is counted once."""
+    from test_index import LengthHash  # every two prefixes of equal length collide
+
+    def weak(write: str) -> PrefixCache:
+        config = CacheConfig(
+            block_size=BLOCK, seed="weak", kv_layout=tiny_layout(), tiers=(mem(64, write=write), disk(tmp_path))
+        )
+        return PrefixCache(config, hash_factory=LengthHash)
+
+    p, q = [1, 2, 3, 4, 5, 5, 5, 5, 6, 6, 6, 6], [1, 2, 3, 4, 7, 7, 7, 7, 8, 8, 8, 8]
+    with weak("through") as first:
+        other = CacheContext(tenant="someone-else", model="m")  # a root of another length: no key shared
+        first.insert([9, 9, 9, 9], other, kv=kv_for([9, 9, 9, 9]))  # one block, left on disk
+    with weak("back") as cache:  # P stays in memory: the probe finds nothing
+        assert cache._tiers is not None and any(t.probes for t in cache._tiers.tiers)
+        cache.insert(p, CTX, kv=kv_for(p))
+        assert any(t.probes for t in cache._tiers.tiers)  # the orphan is still there to probe for
+        with cache.match(q, CTX) as m:  # P's keys collide with Q's: caught, Q gets the shared block
+            assert m.cached_tokens == BLOCK
+        assert cache.stats()["collisions"] == 1

@@ -235,9 +235,9 @@ class PrefixCache:
         """The longest cached prefix of ``tokens`` that ``ctx`` may reuse, pinned."""
         with self._lock:
             lookup = self._lookup(tokens, ctx, segments)
-            if self._tiers is not None:
-                self._adopt(lookup, ctx)
-            pinned, n_blocks, partial_len, _ = self._match(lookup, ctx, self._alive())
+            alive = self._alive()
+            found = self._adopt(lookup, ctx, alive) if self._tiers is not None else None
+            pinned, n_blocks, partial_len, _ = self._match(lookup, ctx, alive, found)
             self._drop_if_empty(lookup.roots[0])
             match = Match(self, pinned, n_blocks, partial_len, ctx.tenant)
             if self._tiers is not None and pinned is not None:
@@ -442,28 +442,31 @@ class PrefixCache:
             raise RuntimeError(f"{what}: this cache is metadata-only (no tiers hold KV bytes)")
         return self._tiers
 
-    def _adopt(self, lookup: Lookup, ctx: CacheContext) -> None:
+    def _adopt(
+        self, lookup: Lookup, ctx: CacheContext, alive: Callable[[Block], bool]
+    ) -> tuple[Block | None, list[RunSpan]] | None:
         """Take into the tree the blocks of this request that a probing tier (Redis, or a
         disk reopened after a restart) holds beyond what the tree knows: keys are the same
         in every process (invariant 2), and the bytes are checked against the tokens when
-        loaded (invariant 3)."""
+        loaded (invariant 3). Returns the tree search it made when it adopted nothing (the
+        match reuses it), None when the tree must be searched again."""
         tiers = self._tiers
         assert tiers is not None
         if not any(t.probes for t in tiers.tiers):
-            return
+            return None
         bs = self.config.block_size
         n_full = len(lookup.data) // 4 // bs
-        deepest, _ = self._find(lookup, self._alive())
-        own = lookup.roots[0]
+        found = self._find(lookup, alive)
+        deepest, own = found[0], lookup.roots[0]
         if deepest is not None and deepest.root is not own:
-            return  # matched in the public pool: probing the own chain below it has no parent here
+            return found  # matched in the public pool: probing the own chain below it has no parent here
         parent = deepest if deepest is not None else own
         ends = list(range(parent.end + bs, n_full * bs + 1, bs))
-        if not ends:
-            return
-        tier, found = tiers.probe(lookup.chains[0].many(ends), parent)
-        if found:
-            self._store(lookup, 0, parent, ends[:found], ctx, self._tenancy.mode == "shared", adopt=tier)
+        tier, n = tiers.probe(lookup.chains[0].many(ends), parent) if ends else (-1, 0)
+        if not n:
+            return found
+        created = self._store(lookup, 0, parent, ends[:n], ctx, self._tenancy.mode == "shared", adopt=tier)
+        return None if created else found
 
     def _tier_tokens(self, path: list[Block], partial_tokens: int) -> dict[str, int]:
         tiers = self._tiers
@@ -563,10 +566,15 @@ class PrefixCache:
                 ttl.move_to_end(block.key)
 
     def _match(
-        self, lookup: Lookup, ctx: CacheContext, alive: Callable[[Block], bool]
+        self,
+        lookup: Lookup,
+        ctx: CacheContext,
+        alive: Callable[[Block], bool],
+        found: tuple[Block | None, list[RunSpan]] | None = None,
     ) -> tuple[Block | None, int, int, Block | None]:
-        """Find, pin, touch and count: (pinned block, full blocks, partial tokens, deepest)."""
-        deepest, spans = self._find(lookup, alive)
+        """Find (unless ``found`` is this lookup's search already made), pin, touch and
+        count: (pinned block, full blocks, partial tokens, deepest)."""
+        deepest, spans = found if found is not None else self._find(lookup, alive)
         bs = self.config.block_size
         n_tokens = len(lookup.data) // 4
         n_blocks = deepest.end // bs if deepest is not None else 0
