@@ -48,6 +48,9 @@ def test_for_blocks_sizes_slots_from_the_codec() -> None:
     assert store.slots == 5 and store.capacity_bytes == 5 * store.slot_bytes
     with pytest.raises(ValueError, match="blocks"):
         MemoryStore.for_blocks(-1, SHAPE, "float16")
+    assert store.room_for(frame) == 5 and store.room_for(store.slot_bytes + 1) == 0  # a slot per frame
+    store.put(key_of(0), frame_of(0))
+    assert store.room_for(1) == 4
 
 
 def test_reads_are_zero_copy_read_only_views_of_the_slab() -> None:

@@ -142,10 +142,7 @@ class Tier:
         self.latency = LatencyHistogram()
 
     def free_blocks(self) -> int:
-        store = self.store
-        if isinstance(store, MemoryStore):
-            return store.free_slots
-        return max(store.capacity_bytes - store.used_bytes, 0) // self.frame_bytes
+        return self.store.room_for(self.frame_bytes)
 
     @property
     def trusts_payloads(self) -> bool:

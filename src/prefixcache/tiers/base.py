@@ -85,6 +85,10 @@ class TierStore(ABC):
     @abstractmethod
     def __len__(self) -> int: ...
 
+    def room_for(self, frame_bytes: int) -> int:
+        """How many more frames of ``frame_bytes`` fit now (the cache makes room until it is enough)."""
+        return max(self.capacity_bytes - self.used_bytes, 0) // frame_bytes
+
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many of the leading ``keys`` are held: a chain of prefix keys is held up to
         some depth (prefix-closed), so a binary search of membership finds it."""

@@ -114,6 +114,10 @@ class MemoryStore(TierStore):
     def free_slots(self) -> int:
         return len(self._free)
 
+    def room_for(self, frame_bytes: int) -> int:
+        """Free slots: one frame each, whatever its length (none fits when it is too long)."""
+        return len(self._free) if frame_bytes <= self.slot_bytes else 0
+
     def put(self, key: bytes, frame: Frame) -> None:
         """Copy ``frame`` into a slot: the key's own slot when it is replaced, else a free one.
 
