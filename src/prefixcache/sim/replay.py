@@ -24,9 +24,10 @@ import heapq
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
+from types import ModuleType
 from typing import Protocol
 
 import xxhash
@@ -235,58 +236,202 @@ def _no_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _replay_tree(
-    source: TraceSource,
-    cfg: ReplayConfig,
-    counter: _Counter,
-    include_output: bool,
-    bar: ProgressBar,
-    registry: CollectorRegistry | None = None,
-) -> None:
-    """``registry``, when given, gets the server's metrics of this replay: the cache's
-    (``CacheCollector``) and, per counted request, the serving counters by tenant x model
-    x endpoint, so that a simulated configuration can be read like a live server (and
-    fed to ``prefixcache diagnose``)."""
-    now = [0.0]
-    cache = PrefixCache(_cache_config(cfg, counter.summary), clock=lambda: now[0])
-    serving = None
-    if registry is not None:
-        serving = ServingMetrics(registry)
-        registry.register(CacheCollector(cache))
-    stats = cache._stats  # NOTE: read the live counters; stats() builds a dict per call
-    dense: dict[int, int] = {}
-    hashed = counter.summary.native_block_size is not None
-    bs = cfg.block_size
-    contexts: dict[tuple[str, str], CacheContext] = {}
-    for req in source():
-        now[0] = req.timestamp
-        ctx = contexts.get((req.tenant, req.model))
+class Stepper(Protocol):
+    """One tree-mode engine: replays one request at a time and keeps the eviction count.
+
+    ``step`` returns the request's cached prefix in the cache's units: tokens for a token
+    trace, native blocks for a pre-hashed one."""
+
+    engine: str
+
+    @property
+    def evictions(self) -> int: ...
+
+    def step(self, req: Request) -> int: ...
+
+
+class CacheStepper:
+    """The reference engine: the real ``PrefixCache``, as it serves requests.
+
+    ``registry``, when given, gets the cache's metrics (``CacheCollector``)."""
+
+    engine = "python"
+
+    def __init__(
+        self, cfg: ReplayConfig, summary: TraceSummary, include_output: bool, registry: CollectorRegistry | None = None
+    ) -> None:
+        self._now = 0.0
+        self.cache = PrefixCache(_cache_config(cfg, summary), clock=lambda: self._now)
+        if registry is not None:
+            registry.register(CacheCollector(self.cache))
+        self._stats = self.cache._stats  # NOTE: read the live counters; stats() builds a dict per call
+        self._dense: dict[int, int] = {}
+        self._output = include_output and summary.native_block_size is None
+        self._contexts: dict[tuple[str, str], CacheContext] = {}
+
+    @property
+    def evictions(self) -> int:
+        return self._stats.evictions
+
+    def step(self, req: Request) -> int:
+        self._now = req.timestamp
+        ctx = self._contexts.get((req.tenant, req.model))
         if ctx is None:
-            ctx = contexts[(req.tenant, req.model)] = CacheContext(tenant=req.tenant, model=req.model)
+            ctx = self._contexts[(req.tenant, req.model)] = CacheContext(tenant=req.tenant, model=req.model)
+        cache, dense = self.cache, self._dense
         # NOTE: block ids become the cache's pseudo-tokens (uint32): map them to dense ints.
         prompt = [dense.setdefault(i, len(dense)) for i in req.hash_ids] if req.hash_ids is not None else req.tokens
         assert prompt is not None
-        counted = counter.counts()
-        evictions_before = stats.evictions
-        if include_output and not hashed and req.output_tokens:
+        if self._output and req.output_tokens:
             with cache.match(prompt, ctx) as m:
-                cached = m.cached_tokens
                 cache.insert([*prompt, *req.output_tokens], ctx)
-        else:
-            cached, _ = cache.access(prompt, ctx)
+                return m.cached_tokens
+        return cache.access(prompt, ctx)[0]
+
+
+_kernel: ModuleType | None
+try:
+    from prefixcache.sim import _kernel
+except ImportError as exc:  # NOTE: an optional extension; without a compiler the reference engine runs
+    _kernel = None
+    _KERNEL_MISSING = f"the compiled replay kernel is not built ({exc})"
+else:
+    _KERNEL_MISSING = ""
+
+ENGINES = ("auto", "native", "python")
+
+
+def native_unsupported(cfg: ReplayConfig, metrics: bool = False) -> str:
+    """Why the compiled kernel cannot replay ``cfg`` ("" when it can)."""
+    if _KERNEL_MISSING:
+        return _KERNEL_MISSING
+    assert _kernel is not None
+    reasons = []
+    if cfg.policy not in _kernel.POLICIES:
+        reasons.append(f"policy {cfg.policy!r} (it has {', '.join(_kernel.POLICIES)})")
+    if cfg.partial_blocks:
+        reasons.append("partial blocks")
+    if cfg.ttl_seconds is not None:
+        reasons.append("a TTL")
+    if cfg.promote_min_tenants and cfg.isolation != "shared":
+        reasons.append("hot-prefix promotion")
+    if metrics:
+        reasons.append("server metrics (--metrics)")
+    return "the compiled kernel does not model " + ", ".join(reasons) if reasons else ""
+
+
+class KernelStepper:
+    """The compiled engine (``_kernel.c``): the cache's metadata path -- block tree, pins,
+    pools and quotas, policies -- for the configurations without TTL, promotion or
+    partial blocks, step for step the same as ``CacheStepper`` (tests/test_sim_kernel.py).
+
+    NOTE: blocks are keyed by (parent, block id), so the tree needs per-block ids, not
+    chained keys: a pre-hashed trace's ids, or a 64-bit digest of each block's tokens.
+    The kernel verifies parent and id on every hit, as the cache verifies tokens; two
+    different token blocks under one parent with one 64-bit digest would alias (odds
+    about n^2 / 2^65 over a replay's n sibling pairs)."""
+
+    engine = "native"
+
+    def __init__(self, cfg: ReplayConfig, summary: TraceSummary, include_output: bool) -> None:
+        why = native_unsupported(cfg)
+        if why:
+            raise ValueError(why)
+        assert _kernel is not None
+        config = _cache_config(cfg, summary)  # the same validation and units as the cache
+        partitioned = cfg.isolation == "partitioned"
+        self._tree = _kernel.Tree(cfg.policy, config.capacity, config.block_size, partitioned)
+        self._unit = config.block_size
+        self._shared = cfg.isolation == "shared"
+        self._output = include_output and summary.native_block_size is None
+        self._roots: dict[tuple[str, str], int] = {}
+        self._tenants: dict[str, int] = {}
+        self._dense: dict[int, int] = {}
+
+    @property
+    def evictions(self) -> int:
+        return int(self._tree.evictions)
+
+    def step(self, req: Request) -> int:
+        tree = self._tree
+        name = (req.model, "" if self._shared else req.tenant)
+        root = self._roots.get(name)
+        if root is None:
+            root = self._roots[name] = tree.root(xxhash.xxh3_64_intdigest(repr(name).encode()))
+        tenant = self._tenants.setdefault(req.tenant, len(self._tenants))
+        if req.hash_ids is not None:
+            dense = self._dense
+            return int(tree.access(root, tenant, [dense.setdefault(i, len(dense)) for i in req.hash_ids]))
+        assert req.tokens is not None
+        unit = self._unit
+        if self._output and req.output_tokens:
+            ids = _block_digests([*req.tokens, *req.output_tokens], unit)
+            return int(tree.access(root, tenant, ids, len(req.tokens) // unit)) * unit
+        return int(tree.access(root, tenant, _block_digests(req.tokens, unit))) * unit
+
+
+def _block_digests(tokens: Sequence[int], block_size: int) -> list[int]:
+    """A 64-bit digest of each full block's tokens."""
+    data = token_bytes(tokens)
+    step = 4 * block_size
+    digest = xxhash.xxh3_64_intdigest
+    return [digest(data[i : i + step]) for i in range(0, len(data) - step + 1, step)]
+
+
+def make_stepper(
+    cfg: ReplayConfig,
+    summary: TraceSummary,
+    include_output: bool,
+    engine: str = "auto",
+    registry: CollectorRegistry | None = None,
+) -> Stepper:
+    """The engine that replays ``cfg``: ``native`` (the compiled kernel; an error when it
+    cannot model the configuration), ``python`` (the real ``PrefixCache``) or ``auto``
+    (native where it can, else python)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown replay engine {engine!r}; valid: {', '.join(ENGINES)}")
+    why = native_unsupported(cfg, registry is not None)
+    if engine == "native" and why:
+        raise ValueError(f"--engine native cannot replay {cfg.label}: {why}; use --engine python or auto")
+    if engine == "python" or why:
+        return CacheStepper(cfg, summary, include_output, registry)
+    return KernelStepper(cfg, summary, include_output)
+
+
+def _replay_tree(
+    source: TraceSource,
+    stepper: Stepper,
+    counter: _Counter,
+    block_size: int,
+    bar: ProgressBar,
+    serving: ServingMetrics | None = None,
+) -> None:
+    """``serving``, when given, gets the server's counters per counted request, by tenant
+    x model x endpoint, so that a simulated configuration can be read like a live server
+    (and fed to ``prefixcache diagnose``)."""
+    hashed = counter.summary.native_block_size is not None
+    step, bs = stepper.step, block_size
+    for req in source():
+        counted = counter.counts()
+        evictions_before = stepper.evictions
+        cached = step(req)
         if counted:
-            hit = hit_tokens(req, cached, bs) if hashed else cached  # hashed: cached counts native blocks
-            blocks = len(prompt) if hashed else -(-len(prompt) // bs)
+            if hashed:
+                assert req.hash_ids is not None
+                hit, blocks = hit_tokens(req, cached, bs), len(req.hash_ids)  # cached counts native blocks
+            else:
+                assert req.tokens is not None
+                hit, blocks = cached, -(-len(req.tokens) // bs)
             counter.add(req, hit, blocks, evictions_before)
             if serving is not None:
-                n = req.input_length if hashed else len(prompt)
+                n = req.input_length if hashed else len(req.tokens or ())
                 hit = min(hit, n)
                 serving.record_request(
                     req.tenant, req.model, req.endpoint or "replay", n, hit, {"pool": hit} if hit else {}, 0, 0, 0
                 )
         bar.advance(1)
-    counter.result.evictions = stats.evictions
-    counter.finish(stats.evictions)
+    counter.result.evictions = stepper.evictions
+    counter.finish(stepper.evictions)
 
 
 # ---------------------------------------------------------------------------- flat mode
@@ -414,11 +559,13 @@ def replay(
     progress: ProgressFactory | None = None,
     summary: TraceSummary | None = None,
     metrics: Callable[[ReplayConfig, bytes], None] | None = None,
+    engine: str = "auto",
 ) -> list[ReplayResult]:
     """Replay the trace ``source()`` streams once per configuration; returns one result
     per (effective) configuration, in order. ``progress(total, label)`` may supply a
     context manager yielding a bar with ``advance(n)``, entered once per replay.
-    ``metrics(config, text)`` receives each tree-mode replay's Prometheus exposition."""
+    ``metrics(config, text)`` receives each tree-mode replay's Prometheus exposition.
+    ``engine`` picks tree mode's engine (``make_stepper``); each result names the one that ran."""
     summary = summary if summary is not None else summarize(source)
     skip = warmup_requests(summary, warmup)
     results = []
@@ -432,8 +579,11 @@ def replay(
                 _replay_flat(source, cfg, counter, bar)
             elif cfg.mode == "tree":
                 registry = CollectorRegistry() if metrics is not None else None
+                stepper = make_stepper(cfg, summary, include_output, engine, registry)
+                result.engine = stepper.engine
+                serving = ServingMetrics(registry) if registry is not None else None
                 with _no_cyclic_gc():
-                    _replay_tree(source, cfg, counter, include_output, bar, registry)
+                    _replay_tree(source, stepper, counter, cfg.block_size, bar, serving)
                 if metrics is not None and registry is not None:
                     metrics(cfg, generate_latest(registry))
             else:

@@ -74,6 +74,7 @@ class ReplayResult:
     block_hits: int | None = None  # flat mode: block lookups that hit, prefix or not (libCacheSim's view)
     optimal_hit_tokens: int | None = None  # Belady with bypass, same capacity; None if not computed
     seconds: float = 0.0  # wall time of this replay
+    engine: str = "python"  # tree mode: "native" (the compiled kernel) or "python" (the PrefixCache)
     tenants: dict[str, TenantResult] = field(default_factory=dict)
     timeline: list[TimePoint] = field(default_factory=list)
     # Filled by the cost model (sim/costmodel.py) when a profile is given.
@@ -130,6 +131,7 @@ class ReplayResult:
             "blocks_looked_up": self.blocks_looked_up,
             "block_hit_rate": self.block_hit_rate,
             "seconds": self.seconds,
+            "engine": self.engine,
             "prefill_flops_total": self.prefill_flops_total,
             "prefill_flops_saved": self.prefill_flops_saved,
             "prefill_compute_avoided": self.prefill_compute_avoided,

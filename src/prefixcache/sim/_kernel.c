@@ -1,0 +1,1070 @@
+/* The replay kernel: PrefixCache's metadata path in C, for the trace simulator.
+ *
+ * What a replay of a capacity sweep does per request -- walk the block tree, pin the
+ * deepest hit, touch the path in the policy, make room, store the missing blocks,
+ * release -- is a few hundred nanoseconds of work per block that Python spends
+ * microseconds on. This file does exactly what ``PrefixCache.access`` does for the
+ * configurations it models (policies lru, fifo, s3fifo, sieve, lfu; isolation shared,
+ * namespace, partitioned; no TTL, promotion or partial blocks), decision for
+ * decision: the same victims in the same order, the same blocked-entry rules
+ * (policies/base.py), the same quotas. tests/test_sim_kernel.py replays both engines
+ * side by side and compares every request. Read cache.py and policies/ first: each
+ * function here names the Python it mirrors.
+ *
+ * Layout:
+ *
+ *     nodes[]            one slot per block or context root, recycled through a free list
+ *       key              64-bit chained key: chain(parent key, id); the path's identity
+ *       parent, id       what a hit verifies (a key is never trusted alone)
+ *       prev/next        the node's place in its pool's policy queue
+ *     index: Map         key -> node slot (open addressing, backward-shift deletion)
+ *     pools[]            quota, usage and one policy instance each (queues + S3-FIFO ghost)
+ *
+ * All blocks of one tree have one size, ``unit`` tokens (the block size; 1 for a
+ * pre-hashed trace, whose capacity counts native blocks), as without partial blocks.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { P_LRU, P_FIFO, P_S3FIFO, P_SIEVE, P_LFU, N_POLICIES };
+static const char *POLICY_NAMES[N_POLICIES] = {"lru", "fifo", "s3fifo", "sieve", "lfu"};
+
+#define NONE (-1)
+#define FREQ_CAP 3            /* S3FIFOPolicy.FREQ_CAP */
+#define MOVE_THRESHOLD 2      /* S3FIFOPolicy move_to_main_threshold */
+
+/* ------------------------------------------------------------------ hashing */
+
+static inline uint64_t mix64(uint64_t x) { /* splitmix64's finalizer */
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+static inline uint64_t chain(uint64_t parent_key, uint64_t id) {
+    uint64_t k = mix64(parent_key ^ mix64(id + 0x9e3779b97f4a7c15ULL));
+    return k ? k : 1; /* 0 marks an empty map slot */
+}
+
+/* ------------------------------------------------------------------ map: u64 -> i64 */
+
+typedef struct {
+    uint64_t *keys; /* 0: empty */
+    int64_t *vals;
+    size_t mask, count;
+} Map;
+
+static int map_init(Map *m, size_t cap) {
+    m->keys = PyMem_Calloc(cap, sizeof(uint64_t));
+    m->vals = PyMem_Malloc(cap * sizeof(int64_t));
+    m->mask = cap - 1;
+    m->count = 0;
+    if (!m->keys || !m->vals) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void map_free(Map *m) {
+    PyMem_Free(m->keys);
+    PyMem_Free(m->vals);
+    m->keys = NULL;
+    m->vals = NULL;
+}
+
+static inline int64_t map_get(const Map *m, uint64_t k) {
+    size_t i = (size_t)k & m->mask;
+    for (;;) {
+        uint64_t s = m->keys[i];
+        if (s == k) return m->vals[i];
+        if (s == 0) return NONE;
+        i = (i + 1) & m->mask;
+    }
+}
+
+static int map_grow(Map *m);
+
+/* Insert or overwrite. */
+static int map_put(Map *m, uint64_t k, int64_t v) {
+    if ((m->count + 1) * 2 > m->mask + 1 && map_grow(m) < 0) return -1;
+    size_t i = (size_t)k & m->mask;
+    for (;;) {
+        uint64_t s = m->keys[i];
+        if (s == k) {
+            m->vals[i] = v;
+            return 0;
+        }
+        if (s == 0) {
+            m->keys[i] = k;
+            m->vals[i] = v;
+            m->count++;
+            return 0;
+        }
+        i = (i + 1) & m->mask;
+    }
+}
+
+static int map_grow(Map *m) {
+    Map old = *m;
+    if (map_init(m, (old.mask + 1) * 2) < 0) {
+        *m = old;
+        return -1;
+    }
+    for (size_t i = 0; i <= old.mask; i++)
+        if (old.keys[i]) map_put(m, old.keys[i], old.vals[i]);
+    map_free(&old);
+    return 0;
+}
+
+/* Delete with backward shift (no tombstones: probe chains stay short under churn). */
+static void map_del(Map *m, uint64_t k) {
+    size_t i = (size_t)k & m->mask;
+    for (;;) {
+        uint64_t s = m->keys[i];
+        if (s == 0) return;
+        if (s == k) break;
+        i = (i + 1) & m->mask;
+    }
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & m->mask;
+        uint64_t s = m->keys[j];
+        if (s == 0) break;
+        size_t home = (size_t)s & m->mask;
+        /* move s back into the hole at i unless its home lies cyclically in (i, j] */
+        if (i <= j ? (home <= i || home > j) : (home <= i && home > j)) {
+            m->keys[i] = s;
+            m->vals[i] = m->vals[j];
+            i = j;
+        }
+    }
+    m->keys[i] = 0;
+    m->count--;
+}
+
+/* ------------------------------------------------------------------ nodes and queues */
+
+typedef struct {
+    uint64_t key, id;
+    int32_t parent, nkids, pins, pool;
+    int32_t prev, next; /* queue links; next also links the free list */
+    int32_t freq;       /* S3-FIFO and LFU frequency, SIEVE visited bit */
+    int32_t queue;      /* S3-FIFO: 0 small, 1 main */
+} Node;
+
+typedef struct {
+    int32_t head, tail; /* oldest, newest */
+    int64_t len;
+} Queue;
+
+typedef struct {
+    uint64_t key;
+    int64_t size; /* 0: left the ghost */
+} GhostEntry;
+
+/* S3-FIFO's ghost: keys in FIFO order, with the position of each in ``where``. */
+typedef struct {
+    GhostEntry *buf;
+    int64_t start, end, cap; /* live window buf[start:end]; absolute position = base + offset */
+    int64_t base;
+    int64_t used;
+    Map where; /* key -> absolute position */
+} Ghost;
+
+typedef struct {
+    int64_t quota, used, blocks, evictions;
+    int64_t capacity; /* the policy's: max(quota, 1) */
+    Queue q[2];       /* lru/fifo/sieve: q[0]; s3fifo: q[0] small, q[1] main */
+    int64_t qused[2];
+    int64_t small_cap, main_cap, ghost_cap;
+    int has_evicted;
+    int32_t hand; /* SIEVE */
+    Ghost ghost;
+    /* LFU: one queue per frequency present, found through ``buckets`` (freq -> slot) */
+    Map buckets;
+    Queue *bq;
+    int32_t n_bq, cap_bq, free_bq; /* free slots chain through head */
+    int64_t min_freq;              /* 0: unknown */
+} Pool;
+
+typedef struct {
+    PyObject_HEAD
+    int policy;
+    int partitioned;
+    int64_t capacity, unit, used;
+    int64_t evictions, collisions;
+    int64_t blocks; /* resident blocks (roots excluded) */
+    Node *nodes;
+    int32_t n_nodes, cap_nodes, free_head;
+    Map index;
+    Pool *pools;
+    int32_t n_pools, cap_pools;
+    int32_t *tenant_pool; /* tenant -> pool (partitioned), NONE until it stores */
+    int32_t n_tenants;
+    int32_t *path;
+    Py_ssize_t cap_path;
+} Tree;
+
+static inline void q_push(Node *nodes, Queue *q, int32_t n) {
+    nodes[n].prev = q->tail;
+    nodes[n].next = NONE;
+    if (q->tail != NONE)
+        nodes[q->tail].next = n;
+    else
+        q->head = n;
+    q->tail = n;
+    q->len++;
+}
+
+static inline void q_unlink(Node *nodes, Queue *q, int32_t n) {
+    int32_t p = nodes[n].prev, x = nodes[n].next;
+    if (p != NONE)
+        nodes[p].next = x;
+    else
+        q->head = x;
+    if (x != NONE)
+        nodes[x].prev = p;
+    else
+        q->tail = p;
+    q->len--;
+}
+
+static inline void q_to_tail(Node *nodes, Queue *q, int32_t n) {
+    if (q->tail == n) return;
+    q_unlink(nodes, q, n);
+    q_push(nodes, q, n);
+}
+
+/* ------------------------------------------------------------------ the ghost */
+
+static int ghost_init(Ghost *g) {
+    memset(g, 0, sizeof(*g));
+    g->cap = 64;
+    g->buf = PyMem_Malloc(g->cap * sizeof(GhostEntry));
+    if (!g->buf) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return map_init(&g->where, 64);
+}
+
+static void ghost_free(Ghost *g) {
+    PyMem_Free(g->buf);
+    g->buf = NULL;
+    map_free(&g->where);
+}
+
+static int ghost_add(Ghost *g, uint64_t key, int64_t size) {
+    if (g->end == g->cap) {
+        if (g->start * 2 >= g->cap) { /* mostly dead in front: slide down */
+            memmove(g->buf, g->buf + g->start, (g->end - g->start) * sizeof(GhostEntry));
+            g->base += g->start;
+            g->end -= g->start;
+            g->start = 0;
+        } else {
+            GhostEntry *bigger = PyMem_Realloc(g->buf, g->cap * 2 * sizeof(GhostEntry));
+            if (!bigger) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            g->buf = bigger;
+            g->cap *= 2;
+        }
+    }
+    g->buf[g->end].key = key;
+    g->buf[g->end].size = size;
+    if (map_put(&g->where, key, g->base + g->end) < 0) return -1;
+    g->end++;
+    g->used += size;
+    return 0;
+}
+
+/* ``ghost.pop(key, None)``: the size it had, or 0 when absent. */
+static int64_t ghost_pop(Ghost *g, uint64_t key) {
+    int64_t pos = map_get(&g->where, key);
+    if (pos == NONE) return 0;
+    map_del(&g->where, key);
+    GhostEntry *e = &g->buf[pos - g->base];
+    int64_t size = e->size;
+    e->size = 0;
+    g->used -= size;
+    return size;
+}
+
+/* ``_trim_ghost``: forget the oldest keys while the ghost holds more than its share. */
+static void ghost_trim(Ghost *g, int64_t cap) {
+    while (g->used > cap) {
+        GhostEntry *e = &g->buf[g->start++];
+        if (e->size) {
+            map_del(&g->where, e->key);
+            g->used -= e->size;
+        }
+    }
+    if (g->start == g->end) { /* empty: restart at the front */
+        g->base += g->start;
+        g->start = g->end = 0;
+    }
+}
+
+/* ------------------------------------------------------------------ pools */
+
+static void pool_resize(Pool *p, int64_t capacity) { /* EvictionPolicy.resize, S3FIFOPolicy.resize */
+    p->capacity = capacity;
+    p->small_cap = (int64_t)((double)capacity * 0.1);
+    p->main_cap = capacity - p->small_cap;
+    p->ghost_cap = (int64_t)((double)capacity * 0.9);
+}
+
+static int32_t new_pool(Tree *t, int64_t quota) {
+    if (t->n_pools == t->cap_pools) {
+        int32_t cap = t->cap_pools ? t->cap_pools * 2 : 4;
+        Pool *bigger = PyMem_Realloc(t->pools, cap * sizeof(Pool));
+        if (!bigger) {
+            PyErr_NoMemory();
+            return NONE;
+        }
+        t->pools = bigger;
+        t->cap_pools = cap;
+    }
+    Pool *p = &t->pools[t->n_pools];
+    memset(p, 0, sizeof(*p));
+    p->q[0].head = p->q[0].tail = p->q[1].head = p->q[1].tail = NONE;
+    p->hand = NONE;
+    p->free_bq = NONE;
+    p->quota = quota;
+    pool_resize(p, quota > 1 ? quota : 1);
+    if (ghost_init(&p->ghost) < 0 || map_init(&p->buckets, 16) < 0) return NONE;
+    return t->n_pools++;
+}
+
+/* ``Tenancy._rebalance`` without fixed quotas: every pool gets an equal share. */
+static void rebalance(Tree *t) {
+    int64_t share = t->capacity / t->n_pools;
+    for (int32_t i = 0; i < t->n_pools; i++) {
+        t->pools[i].quota = share;
+        pool_resize(&t->pools[i], share > 1 ? share : 1);
+    }
+}
+
+/* ``Tenancy.pool_for``: one pool, or (partitioned) the tenant's, made on first use. */
+static int32_t pool_for(Tree *t, int32_t tenant) {
+    if (!t->partitioned) return 0;
+    int32_t pool = t->tenant_pool[tenant];
+    if (pool == NONE) {
+        pool = new_pool(t, 0);
+        if (pool == NONE) return NONE;
+        t->tenant_pool[tenant] = pool;
+        rebalance(t);
+    }
+    return pool;
+}
+
+/* ------------------------------------------------------------------ policies */
+
+static inline int evictable(const Node *n) { return n->pins == 0 && n->nkids == 0; } /* PrefixCache._evictable */
+
+/* S3FIFOPolicy._to_main */
+static inline void s3_to_main(Node *nodes, Pool *p, int32_t n, int64_t size) {
+    q_push(nodes, &p->q[1], n);
+    p->qused[1] += size;
+    nodes[n].queue = 1;
+    nodes[n].freq = 0;
+}
+
+static Queue *lfu_bucket(Pool *p, int64_t f, int create);
+static int lfu_access(Node *nodes, Pool *p, int32_t n);
+static int32_t lfu_victim(Tree *t, Pool *p);
+
+/* EvictionPolicy.insert */
+static int policy_insert(Tree *t, Pool *p, int32_t n) {
+    Node *nodes = t->nodes;
+    int64_t size = t->unit;
+    switch (t->policy) {
+    case P_LRU:
+    case P_FIFO:
+        q_push(nodes, &p->q[0], n);
+        return 0;
+    case P_SIEVE:
+        nodes[n].freq = 0;
+        q_push(nodes, &p->q[0], n);
+        if (p->hand == NONE) p->hand = n;
+        return 0;
+    case P_LFU: {
+        nodes[n].freq = 1;
+        Queue *q = lfu_bucket(p, 1, 1);
+        if (!q) return -1;
+        q_push(nodes, q, n);
+        p->min_freq = 1;
+        return 0;
+    }
+    default: /* S3FIFOPolicy.insert */
+        nodes[n].freq = 0;
+        if (ghost_pop(&p->ghost, nodes[n].key))
+            s3_to_main(nodes, p, n, size);
+        else if (size > p->small_cap || (!p->has_evicted && p->qused[0] >= p->small_cap))
+            s3_to_main(nodes, p, n, size);
+        else {
+            q_push(nodes, &p->q[0], n);
+            p->qused[0] += size;
+            nodes[n].queue = 0;
+        }
+        ghost_trim(&p->ghost, p->ghost_cap);
+        return 0;
+    }
+}
+
+/* EvictionPolicy.access: 0, or -1 on error */
+static inline int policy_access(Tree *t, Pool *p, int32_t n) {
+    Node *node = &t->nodes[n];
+    switch (t->policy) {
+    case P_LRU:
+        q_to_tail(t->nodes, &p->q[0], n);
+        break;
+    case P_FIFO:
+        break;
+    case P_SIEVE:
+        node->freq = 1;
+        break;
+    case P_LFU:
+        return lfu_access(t->nodes, p, n);
+    default:
+        if (node->freq < FREQ_CAP) node->freq++;
+    }
+    return 0;
+}
+
+/* FIFOPolicy.victim (LRU's too): one pass at most, blocked entries to the tail. */
+static int32_t fifo_victim(Tree *t, Pool *p) {
+    Node *nodes = t->nodes;
+    Queue *q = &p->q[0];
+    for (int64_t i = q->len; i > 0; i--) {
+        int32_t n = q->head;
+        if (evictable(&nodes[n])) {
+            q_unlink(nodes, q, n);
+            return n;
+        }
+        q_to_tail(nodes, q, n);
+    }
+    return NONE;
+}
+
+/* SievePolicy.victim: the queue in one list, the hand on the first entry "ahead". */
+static int32_t sieve_victim(Tree *t, Pool *p) {
+    Node *nodes = t->nodes;
+    Queue *q = &p->q[0];
+    int64_t run = 0;
+    while (run < q->len) {
+        int32_t n = p->hand;
+        int32_t next = nodes[n].next;
+        if (nodes[n].freq) {
+            nodes[n].freq = 0;
+            run = 0;
+        } else if (evictable(&nodes[n])) {
+            q_unlink(nodes, q, n);
+            p->hand = next != NONE ? next : q->head; /* past the newest: wrap */
+            return n;
+        } else {
+            run++;
+        }
+        p->hand = next != NONE ? next : q->head;
+    }
+    return NONE;
+}
+
+/* S3FIFOPolicy._evict_small */
+static int32_t s3_evict_small(Tree *t, Pool *p) {
+    Node *nodes = t->nodes;
+    Queue *small = &p->q[0];
+    int64_t size = t->unit;
+    while (small->len) {
+        int32_t n = small->head;
+        q_unlink(nodes, small, n);
+        p->qused[0] -= size;
+        if (nodes[n].freq < MOVE_THRESHOLD && evictable(&nodes[n])) {
+            if (size <= p->ghost_cap && ghost_add(&p->ghost, nodes[n].key, size) < 0) return -2;
+            return n;
+        }
+        s3_to_main(nodes, p, n, size);
+    }
+    return NONE;
+}
+
+/* S3FIFOPolicy._evict_main */
+static int32_t s3_evict_main(Tree *t, Pool *p) {
+    Node *nodes = t->nodes;
+    Queue *main = &p->q[1];
+    int64_t run = 0;
+    while (run < main->len) {
+        int32_t n = main->head;
+        if (nodes[n].freq) {
+            nodes[n].freq--;
+            run = 0;
+        } else if (evictable(&nodes[n])) {
+            q_unlink(nodes, main, n);
+            p->qused[1] -= t->unit;
+            return n;
+        } else {
+            run++;
+        }
+        q_to_tail(nodes, main, n);
+    }
+    return NONE;
+}
+
+/* S3FIFOPolicy.victim */
+static int32_t s3_victim(Tree *t, Pool *p) {
+    p->has_evicted = 1;
+    int32_t n;
+    if (p->q[0].len && p->qused[1] <= p->main_cap) {
+        n = s3_evict_small(t, p);
+        if (n != NONE) return n;
+    }
+    n = s3_evict_main(t, p);
+    if (n != NONE || !p->q[0].len) return n;
+    n = s3_evict_small(t, p);
+    if (n != NONE) return n;
+    return s3_evict_main(t, p);
+}
+
+/* EvictionPolicy.victim: a node slot, NONE when nothing may leave, -2 on error. */
+static int32_t policy_victim(Tree *t, Pool *p) {
+    switch (t->policy) {
+    case P_LRU:
+    case P_FIFO:
+        return fifo_victim(t, p);
+    case P_SIEVE:
+        return sieve_victim(t, p);
+    case P_LFU:
+        return lfu_victim(t, p);
+    default:
+        return s3_victim(t, p);
+    }
+}
+
+/* ------------------------------------------------------------------ LFU (LFUPolicy) */
+
+/* The queue of frequency ``f`` (made empty when absent, or NULL on error). */
+static Queue *lfu_bucket(Pool *p, int64_t f, int create) {
+    int64_t slot = map_get(&p->buckets, (uint64_t)f);
+    if (slot != NONE) return &p->bq[slot];
+    if (!create) return NULL;
+    if (p->free_bq != NONE) {
+        slot = p->free_bq;
+        p->free_bq = p->bq[slot].head;
+    } else {
+        if (p->n_bq == p->cap_bq) {
+            int32_t cap = p->cap_bq ? p->cap_bq * 2 : 8;
+            Queue *bigger = PyMem_Realloc(p->bq, (size_t)cap * sizeof(Queue));
+            if (!bigger) {
+                PyErr_NoMemory();
+                return NULL;
+            }
+            p->bq = bigger;
+            p->cap_bq = cap;
+        }
+        slot = p->n_bq++;
+    }
+    if (map_put(&p->buckets, (uint64_t)f, slot) < 0) return NULL;
+    p->bq[slot].head = p->bq[slot].tail = NONE;
+    p->bq[slot].len = 0;
+    return &p->bq[slot];
+}
+
+static void lfu_drop_bucket(Pool *p, int64_t f) {
+    int64_t slot = map_get(&p->buckets, (uint64_t)f);
+    map_del(&p->buckets, (uint64_t)f);
+    p->bq[slot].head = p->free_bq;
+    p->free_bq = (int32_t)slot;
+}
+
+/* LFUPolicy._forget: take ``n`` out of bucket ``f``. */
+static void lfu_forget(Node *nodes, Pool *p, int32_t n, int64_t f) {
+    Queue *q = lfu_bucket(p, f, 0);
+    q_unlink(nodes, q, n);
+    if (!q->len) {
+        lfu_drop_bucket(p, f);
+        if (p->min_freq == f) p->min_freq = 0;
+    }
+}
+
+/* LFUPolicy.access: one bucket up, to its tail. */
+static int lfu_access(Node *nodes, Pool *p, int32_t n) {
+    int64_t f = nodes[n].freq;
+    Queue *q = lfu_bucket(p, f, 0);
+    q_unlink(nodes, q, n);
+    if (!q->len) {
+        lfu_drop_bucket(p, f);
+        if (p->min_freq == f) p->min_freq = f + 1;
+    }
+    if (f + 1 > INT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "an LFU frequency passed 2**31");
+        return -1;
+    }
+    nodes[n].freq = (int32_t)(f + 1);
+    Queue *up = lfu_bucket(p, f + 1, 1);
+    if (!up) return -1;
+    q_push(nodes, up, n);
+    return 0;
+}
+
+/* LFUPolicy._first_evictable */
+static int32_t lfu_first_evictable(Tree *t, Pool *p, int64_t f) {
+    Node *nodes = t->nodes;
+    Queue *q = lfu_bucket(p, f, 0);
+    for (int64_t i = q->len; i > 0; i--) {
+        int32_t n = q->head;
+        if (evictable(&nodes[n])) {
+            lfu_forget(nodes, p, n, f);
+            return n;
+        }
+        q_to_tail(nodes, q, n);
+    }
+    return NONE;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* LFUPolicy.victim */
+static int32_t lfu_victim(Tree *t, Pool *p) {
+    Map *b = &p->buckets;
+    if (!b->count) return NONE;
+    if (!p->min_freq) {
+        for (size_t i = 0; i <= b->mask; i++)
+            if (b->keys[i] && (!p->min_freq || (int64_t)b->keys[i] < p->min_freq)) p->min_freq = (int64_t)b->keys[i];
+    }
+    int32_t n = lfu_first_evictable(t, p, p->min_freq);
+    if (n != NONE) return n;
+    /* the slow path: the lowest bucket is blocked throughout, try the others in order */
+    size_t count = b->count, k = 0;
+    uint64_t *freqs = PyMem_Malloc(count * sizeof(uint64_t));
+    if (!freqs) {
+        PyErr_NoMemory();
+        return -2;
+    }
+    for (size_t i = 0; i <= b->mask; i++)
+        if (b->keys[i]) freqs[k++] = b->keys[i];
+    qsort(freqs, count, sizeof(uint64_t), cmp_u64);
+    for (size_t i = 0; i < count && n == NONE; i++)
+        if ((int64_t)freqs[i] != p->min_freq) n = lfu_first_evictable(t, p, (int64_t)freqs[i]);
+    PyMem_Free(freqs);
+    return n;
+}
+
+/* ------------------------------------------------------------------ the tree */
+
+static int32_t new_node(Tree *t) {
+    if (t->free_head != NONE) {
+        int32_t n = t->free_head;
+        t->free_head = t->nodes[n].next;
+        return n;
+    }
+    if (t->n_nodes == t->cap_nodes) {
+        if (t->cap_nodes >= INT32_MAX / 2) {
+            PyErr_SetString(PyExc_MemoryError, "the replay kernel holds at most 2**30 blocks");
+            return NONE;
+        }
+        int32_t cap = t->cap_nodes ? t->cap_nodes * 2 : 1024;
+        Node *bigger = PyMem_Realloc(t->nodes, (size_t)cap * sizeof(Node));
+        if (!bigger) {
+            PyErr_NoMemory();
+            return NONE;
+        }
+        t->nodes = bigger;
+        t->cap_nodes = cap;
+    }
+    return t->n_nodes++;
+}
+
+/* The child of ``parent`` with block id ``id``: its slot, NONE when absent; a key that
+ * names another (parent, id) is a counted collision and a miss (invariant 3). */
+static inline int32_t find_child(Tree *t, int32_t parent, uint64_t id, int *collided) {
+    uint64_t key = chain(t->nodes[parent].key, id);
+    int64_t n = map_get(&t->index, key);
+    if (n == NONE) return NONE;
+    if (t->nodes[n].parent != parent || t->nodes[n].id != id) {
+        *collided = 1;
+        return NONE;
+    }
+    return (int32_t)n;
+}
+
+/* PrefixCache._remove for an eviction (``in_policy=False``: the policy already let go). */
+static void evict(Tree *t, int32_t n) {
+    Node *node = &t->nodes[n];
+    Pool *p = &t->pools[node->pool];
+    map_del(&t->index, node->key);
+    t->nodes[node->parent].nkids--;
+    p->used -= t->unit;
+    p->blocks--;
+    p->evictions++;
+    t->used -= t->unit;
+    t->blocks--;
+    t->evictions++;
+    node->pool = NONE;
+    node->next = t->free_head;
+    t->free_head = n;
+}
+
+/* PrefixCache._evict_from: 1 if anything was evicted, 0 if nothing could be, -1 on error. */
+static int evict_from(Tree *t, int32_t pool, int64_t tokens) {
+    int64_t freed = 0;
+    while (freed < tokens) {
+        int32_t v = policy_victim(t, &t->pools[pool]);
+        if (v == -2) return -1;
+        if (v == NONE) return freed > 0;
+        freed += t->unit;
+        evict(t, v);
+    }
+    return 1;
+}
+
+/* PrefixCache._over_quota_victim */
+static int32_t over_quota_victim(Tree *t, int32_t pool) {
+    int any = 0;
+    for (int32_t i = 0; i < t->n_pools; i++) {
+        Pool *p = &t->pools[i];
+        if (p->used - p->quota > 0) {
+            any = 1;
+            int32_t v = policy_victim(t, p);
+            if (v != NONE) return v;
+        }
+    }
+    return any ? NONE : policy_victim(t, &t->pools[pool]);
+}
+
+/* PrefixCache._make_room: how many tokens fit (``need`` when all do); -1 on error. */
+static int64_t make_room(Tree *t, int32_t pool, int64_t need) {
+    Pool *p = &t->pools[pool];
+    if (need > p->quota) need = p->quota;
+    if (need > t->capacity) need = t->capacity;
+    for (;;) {
+        p = &t->pools[pool];
+        int64_t free = p->quota - p->used;
+        if (t->capacity - t->used < free) free = t->capacity - t->used;
+        if (free >= need) return need;
+        if (p->used + need > p->quota || !t->partitioned) {
+            int r = evict_from(t, pool, need - free);
+            if (r < 0) return -1;
+            if (!r) return free > 0 ? free : 0;
+            continue;
+        }
+        int32_t v = over_quota_victim(t, pool);
+        if (v == -2) return -1;
+        if (v == NONE) return free > 0 ? free : 0;
+        evict(t, v);
+    }
+}
+
+/* ------------------------------------------------------------------ Python type */
+
+static int Tree_init(Tree *t, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"policy", "capacity", "unit", "partitioned", NULL};
+    const char *policy;
+    long long capacity, unit;
+    int partitioned = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sLL|p", kwlist, &policy, &capacity, &unit, &partitioned))
+        return -1;
+    if (t->nodes) {
+        PyErr_SetString(PyExc_RuntimeError, "a Tree is initialized once");
+        return -1;
+    }
+    t->policy = -1;
+    for (int i = 0; i < N_POLICIES; i++)
+        if (!strcmp(policy, POLICY_NAMES[i])) t->policy = i;
+    if (t->policy < 0) {
+        PyErr_Format(PyExc_ValueError, "unknown policy '%s' for the replay kernel; valid: lru, fifo, s3fifo, sieve, lfu",
+                     policy);
+        return -1;
+    }
+    if (capacity < 0) {
+        PyErr_Format(PyExc_ValueError, "capacity must be >= 0, got %lld", capacity);
+        return -1;
+    }
+    if (unit < 1) {
+        PyErr_Format(PyExc_ValueError, "unit (tokens per block) must be >= 1, got %lld", unit);
+        return -1;
+    }
+    t->capacity = capacity;
+    t->unit = unit;
+    t->partitioned = partitioned;
+    t->free_head = NONE;
+    if (map_init(&t->index, 1024) < 0) return -1;
+    if (!t->partitioned && new_pool(t, capacity) == NONE) return -1;
+    t->cap_nodes = 1024;
+    t->nodes = PyMem_Malloc((size_t)t->cap_nodes * sizeof(Node));
+    t->cap_path = 256;
+    t->path = PyMem_Malloc(t->cap_path * sizeof(int32_t));
+    if (!t->nodes || !t->path) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void Tree_dealloc(Tree *t) {
+    for (int32_t i = 0; i < t->n_pools; i++) {
+        ghost_free(&t->pools[i].ghost);
+        map_free(&t->pools[i].buckets);
+        PyMem_Free(t->pools[i].bq);
+    }
+    PyMem_Free(t->pools);
+    PyMem_Free(t->nodes);
+    PyMem_Free(t->path);
+    PyMem_Free(t->tenant_pool);
+    if (t->index.keys) map_free(&t->index);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static int ready(Tree *t) {
+    if (!t->nodes) {
+        PyErr_SetString(PyExc_RuntimeError, "Tree.__init__ was not called");
+        return 0;
+    }
+    return 1;
+}
+
+/* root(key) -> slot: a context root (model and namespace), under which blocks hang. */
+static PyObject *Tree_root(Tree *t, PyObject *arg) {
+    if (!ready(t)) return NULL;
+    uint64_t key = PyLong_AsUnsignedLongLongMask(arg);
+    if (key == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    int32_t n = new_node(t);
+    if (n == NONE) return NULL;
+    Node *node = &t->nodes[n];
+    memset(node, 0, sizeof(*node));
+    node->key = key ? key : 1;
+    node->parent = NONE;
+    node->pool = NONE;
+    node->prev = node->next = NONE;
+    return PyLong_FromLong(n);
+}
+
+/* access(root, tenant, ids, match_blocks=-1) -> hit blocks.
+ *
+ * ``PrefixCache.access`` of a prompt of ``len(ids)`` blocks; with ``match_blocks`` >= 0,
+ * the match covers only the first ``match_blocks`` of them and the insert all of them
+ * (a prompt and its answer: ``match(prompt)``, ``insert(prompt + output)``, release).
+ */
+static PyObject *Tree_access(Tree *t, PyObject *args) {
+    int root, tenant;
+    PyObject *ids_obj;
+    Py_ssize_t match_blocks = -1;
+    if (!ready(t) || !PyArg_ParseTuple(args, "iiO|n", &root, &tenant, &ids_obj, &match_blocks)) return NULL;
+    if (root < 0 || root >= t->n_nodes || t->nodes[root].parent != NONE || t->nodes[root].pool != NONE) {
+        PyErr_Format(PyExc_IndexError, "%d is not a root of this tree (Tree.root gives them)", root);
+        return NULL;
+    }
+    if (tenant < 0) {
+        PyErr_Format(PyExc_ValueError, "tenant must be >= 0, got %d", tenant);
+        return NULL;
+    }
+    PyObject *ids = PySequence_Fast(ids_obj, "ids must be a list or tuple of block ids (ints >= 0)");
+    if (!ids) return NULL;
+    Py_ssize_t n_ids = PySequence_Fast_GET_SIZE(ids);
+    PyObject **items = PySequence_Fast_ITEMS(ids);
+    PyObject *result = NULL;
+    if (match_blocks < 0 || match_blocks > n_ids) match_blocks = n_ids;
+    if (t->partitioned && tenant >= t->n_tenants) {
+        int32_t n = tenant + 1 > t->n_tenants * 2 ? tenant + 1 : t->n_tenants * 2;
+        int32_t *bigger = PyMem_Realloc(t->tenant_pool, (size_t)n * sizeof(int32_t));
+        if (!bigger) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (int32_t i = t->n_tenants; i < n; i++) bigger[i] = NONE;
+        t->tenant_pool = bigger;
+        t->n_tenants = n;
+    }
+    if (n_ids > t->cap_path) {
+        int32_t *bigger = PyMem_Realloc(t->path, (size_t)n_ids * sizeof(int32_t));
+        if (!bigger) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        t->path = bigger;
+        t->cap_path = n_ids;
+    }
+    /* Convert first: a bad id is an error before anything changed. */
+    uint64_t *id_of = PyMem_Malloc((n_ids ? n_ids : 1) * sizeof(uint64_t));
+    if (!id_of) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n_ids; i++) {
+        if (!PyLong_Check(items[i])) {
+            PyErr_Format(PyExc_TypeError, "block id %zd must be an int, got %.100s", i, Py_TYPE(items[i])->tp_name);
+            goto free_ids;
+        }
+        id_of[i] = PyLong_AsUnsignedLongLong(items[i]);
+        if (id_of[i] == (uint64_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "block id %zd must be in [0, 2**64), got %R", i, items[i]);
+            goto free_ids;
+        }
+    }
+
+    /* match: the deepest cached block, verified step by step (PrefixCache._find) */
+    int32_t *path = t->path;
+    Py_ssize_t depth = 0;
+    int collided = 0;
+    int32_t cur = root;
+    while (depth < n_ids) {
+        int32_t child = find_child(t, cur, id_of[depth], &collided);
+        if (child == NONE) break;
+        path[depth++] = cur = child;
+    }
+    t->collisions += collided;
+    Py_ssize_t hit = depth < match_blocks ? depth : match_blocks;
+    int32_t pinned = hit ? path[hit - 1] : NONE;
+    if (pinned != NONE) { /* PrefixCache._touch: deepest first, then pin */
+        Pool *p = &t->pools[t->nodes[pinned].pool];
+        t->nodes[pinned].pins++;
+        for (Py_ssize_t i = hit - 1; i >= 0; i--)
+            if (policy_access(t, p, path[i]) < 0) goto unpin;
+    }
+
+    /* insert what the path lacks under its deepest block (PrefixCache._insert, _store) */
+    if (depth < n_ids) {
+        int32_t parent = depth ? path[depth - 1] : root;
+        int32_t pool = pool_for(t, tenant);
+        if (pool == NONE) goto unpin;
+        t->nodes[parent].pins++;
+        int64_t room = make_room(t, pool, (int64_t)(n_ids - depth) * t->unit);
+        t->nodes[parent].pins--;
+        if (room < 0) goto unpin;
+        Py_ssize_t first = depth;
+        for (Py_ssize_t i = depth; i < n_ids && t->unit <= room; i++) {
+            uint64_t key = chain(t->nodes[parent].key, id_of[i]);
+            if (map_get(&t->index, key) != NONE) { /* the walk stopped here: another path's key */
+                t->collisions++;
+                break;
+            }
+            int32_t n = new_node(t);
+            if (n == NONE || map_put(&t->index, key, n) < 0) goto unpin;
+            Node *node = &t->nodes[n];
+            node->key = key;
+            node->id = id_of[i];
+            node->parent = parent;
+            node->nkids = node->pins = node->freq = node->queue = 0;
+            node->pool = pool;
+            t->nodes[parent].nkids++;
+            path[depth++] = parent = n;
+            room -= t->unit;
+        }
+        Pool *p = &t->pools[pool];
+        int64_t stored = (int64_t)(depth - first) * t->unit;
+        p->used += stored;
+        p->blocks += depth - first;
+        t->used += stored;
+        t->blocks += depth - first;
+        for (Py_ssize_t i = depth - 1; i >= first; i--) /* PrefixCache._stored: deepest first */
+            if (policy_insert(t, p, path[i]) < 0) goto unpin;
+    }
+    result = PyLong_FromSsize_t(hit);
+unpin:
+    if (pinned != NONE) t->nodes[pinned].pins--;
+free_ids:
+    PyMem_Free(id_of);
+done:
+    Py_DECREF(ids);
+    return result;
+}
+
+static Py_ssize_t Tree_len(Tree *t) { return (Py_ssize_t)t->blocks; }
+
+static PyObject *Tree_get_evictions(Tree *t, void *closure) { return PyLong_FromLongLong(t->evictions); }
+static PyObject *Tree_get_used(Tree *t, void *closure) { return PyLong_FromLongLong(t->used); }
+static PyObject *Tree_get_collisions(Tree *t, void *closure) { return PyLong_FromLongLong(t->collisions); }
+static PyObject *Tree_get_capacity(Tree *t, void *closure) { return PyLong_FromLongLong(t->capacity); }
+
+static PyObject *Tree_pools(Tree *t, PyObject *unused) {
+    PyObject *out = PyList_New(t->n_pools);
+    if (!out) return NULL;
+    for (int32_t i = 0; i < t->n_pools; i++) {
+        Pool *p = &t->pools[i];
+        PyObject *row = Py_BuildValue("{s:L,s:L,s:L,s:L}", "quota", (long long)p->quota, "used", (long long)p->used,
+                                      "blocks", (long long)p->blocks, "evictions", (long long)p->evictions);
+        if (!row) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, row);
+    }
+    return out;
+}
+
+static PyMethodDef Tree_methods[] = {
+    {"root", (PyCFunction)Tree_root, METH_O, "root(key) -> slot of a new context root"},
+    {"access", (PyCFunction)Tree_access, METH_VARARGS,
+     "access(root, tenant, ids, match_blocks=-1) -> hit blocks: match, insert, release"},
+    {"pools", (PyCFunction)Tree_pools, METH_NOARGS, "pools() -> [{quota, used, blocks, evictions}] in creation order"},
+    {NULL},
+};
+
+static PyGetSetDef Tree_getset[] = {
+    {"evictions", (getter)Tree_get_evictions, NULL, "blocks evicted so far", NULL},
+    {"used", (getter)Tree_get_used, NULL, "tokens held", NULL},
+    {"collisions", (getter)Tree_get_collisions, NULL, "keys that named another path", NULL},
+    {"capacity", (getter)Tree_get_capacity, NULL, "capacity in tokens", NULL},
+    {NULL},
+};
+
+static PySequenceMethods Tree_as_sequence = {.sq_length = (lenfunc)Tree_len};
+
+static PyTypeObject TreeType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "prefixcache.sim._kernel.Tree",
+    .tp_basicsize = sizeof(Tree),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Tree(policy, capacity, unit, partitioned=False): PrefixCache's metadata path for replays.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Tree_init,
+    .tp_dealloc = (destructor)Tree_dealloc,
+    .tp_methods = Tree_methods,
+    .tp_getset = Tree_getset,
+    .tp_as_sequence = &Tree_as_sequence,
+};
+
+static struct PyModuleDef kernel_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "prefixcache.sim._kernel",
+    .m_doc = "The trace simulator's compiled replay kernel (see _kernel.c).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__kernel(void) {
+    if (PyType_Ready(&TreeType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&kernel_module);
+    if (!m) return NULL;
+    PyObject *names = PyTuple_New(N_POLICIES);
+    if (!names) goto fail;
+    for (int i = 0; i < N_POLICIES; i++) {
+        PyObject *s = PyUnicode_FromString(POLICY_NAMES[i]);
+        if (!s) {
+            Py_DECREF(names);
+            goto fail;
+        }
+        PyTuple_SET_ITEM(names, i, s);
+    }
+    if (PyModule_AddObject(m, "POLICIES", names) < 0) {
+        Py_DECREF(names);
+        goto fail;
+    }
+    Py_INCREF(&TreeType);
+    if (PyModule_AddObject(m, "Tree", (PyObject *)&TreeType) < 0) {
+        Py_DECREF(&TreeType);
+        goto fail;
+    }
+    return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
+}
