@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from prefixcache.config import ISOLATION_MODES
 from prefixcache.policies import POLICIES
 from prefixcache.sim.costmodel import GPUS, MODELS, CostModel, get_gpu, get_model
-from prefixcache.sim.replay import replay, summarize
+from prefixcache.sim.replay import ENGINES, native_unsupported, replay, summarize
 from prefixcache.sim.results import ReplayConfig
 from prefixcache.sim.traces import FORMATS, Request, load_tokenizer, read_trace
 from prefixcache.sim.workloads import WorkloadSpec, write_jsonl
@@ -103,6 +103,14 @@ def add_replay_parser(sub: Any) -> None:
         default="tree",
         type=lambda t: _parse_list(t, str, "--mode", ("tree", "flat")),
         help="tree: the real PrefixCache; flat: block ids as independent objects (default tree)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="auto",
+        help="tree mode's engine: native (the compiled kernel: the cache's metadata path, step for step the same, "
+        "~15x faster), python (the PrefixCache itself), auto (native where it models the configuration: "
+        "not with --ttl, --promote, --partial-blocks or --metrics; default auto)",
     )
     p.add_argument("--partial-blocks", action="store_true", help="token-granular matching inside a block")
     p.add_argument(
@@ -239,6 +247,11 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         for policy in args.policy
         for capacity in args.capacity_tokens
     ]
+    if args.engine == "native":
+        for cfg in configs:
+            why = native_unsupported(cfg, args.metrics is not None) if cfg.mode == "tree" else ""
+            if why:
+                parser.error(f"--engine native cannot replay {cfg.label}: {why}; use --engine python or auto")
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     try:
         summary = summarize(source)
@@ -253,6 +266,7 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             progress=lambda total, label: report.progress(total, label, show),
             summary=summary,
             metrics=_metrics_writer(args.metrics) if args.metrics is not None else None,
+            engine=args.engine,
         )
     except ValueError as exc:  # a malformed trace names its file, line and field
         print(f"prefixcache replay: {exc}", file=sys.stderr)

@@ -104,7 +104,8 @@ def table_rows(results: Sequence[ReplayResult]) -> list[list[str]]:
     for r in results:
         c = r.config
         block = f"{c.block_size}" + (" partial" if c.partial_blocks else "")
-        row = [c.policy, format_tokens(c.capacity_tokens), block, isolation_label(c), c.mode, f"{r.requests:,}"]
+        mode = f"{c.mode} ({r.engine})" if c.mode == "tree" else c.mode
+        row = [c.policy, format_tokens(c.capacity_tokens), block, isolation_label(c), mode, f"{r.requests:,}"]
         row += [_percent(r.token_hit_rate), _percent(r.request_hit_rate)]
         if with_block_hits:
             row.append(_percent(r.block_hit_rate))
