@@ -766,6 +766,45 @@ static int64_t make_room(Tree *t, int32_t pool, int64_t need) {
 
 /* ------------------------------------------------------------------ Python type */
 
+/* A block id as 64 bits: itself when it fits, else a digest of all its bits (2**-64 odds
+ * that it names the same as another id; the trace format allows ids of any size).
+ * 0 with an exception set when it is not an int >= 0. */
+static int block_id(PyObject *obj, Py_ssize_t i, uint64_t *out) {
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "block id %zd must be an int, got %.100s", i, Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    uint64_t v = PyLong_AsUnsignedLongLong(obj);
+    if (!(v == (uint64_t)-1 && PyErr_Occurred())) {
+        *out = v;
+        return 1;
+    }
+    PyErr_Clear();
+    PyObject *zero = PyLong_FromLong(0);
+    int negative = zero ? PyObject_RichCompareBool(obj, zero, Py_LT) : -1;
+    Py_XDECREF(zero);
+    if (negative < 0) return 0;
+    if (negative) {
+        PyErr_Format(PyExc_ValueError, "block id %zd must be >= 0, got %R", i, obj);
+        return 0;
+    }
+    PyObject *shift = PyLong_FromLong(64), *rest = obj;
+    uint64_t h = 0x243f6a8885a308d3ULL;
+    Py_INCREF(rest);
+    while (shift && rest && PyObject_IsTrue(rest) == 1) {
+        h = mix64(h ^ mix64(PyLong_AsUnsignedLongLongMask(rest)));
+        PyObject *next = PyNumber_Rshift(rest, shift);
+        Py_DECREF(rest);
+        rest = next;
+    }
+    Py_XDECREF(shift);
+    if (!rest) return 0;
+    Py_DECREF(rest);
+    if (PyErr_Occurred()) return 0;
+    *out = h;
+    return 1;
+}
+
 static int Tree_init(Tree *t, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"policy", "capacity", "unit", "partitioned", NULL};
     const char *policy;
@@ -899,18 +938,8 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n_ids; i++) {
-        if (!PyLong_Check(items[i])) {
-            PyErr_Format(PyExc_TypeError, "block id %zd must be an int, got %.100s", i, Py_TYPE(items[i])->tp_name);
-            goto free_ids;
-        }
-        id_of[i] = PyLong_AsUnsignedLongLong(items[i]);
-        if (id_of[i] == (uint64_t)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "block id %zd must be in [0, 2**64), got %R", i, items[i]);
-            goto free_ids;
-        }
-    }
+    for (Py_ssize_t i = 0; i < n_ids; i++)
+        if (!block_id(items[i], i, &id_of[i])) goto free_ids;
 
     /* match: the deepest cached block, verified step by step (PrefixCache._find) */
     int32_t *path = t->path;

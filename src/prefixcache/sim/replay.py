@@ -326,10 +326,11 @@ class KernelStepper:
     partial blocks, step for step the same as ``CacheStepper`` (tests/test_sim_kernel.py).
 
     NOTE: blocks are keyed by (parent, block id), so the tree needs per-block ids, not
-    chained keys: a pre-hashed trace's ids, or a 64-bit digest of each block's tokens.
-    The kernel verifies parent and id on every hit, as the cache verifies tokens; two
-    different token blocks under one parent with one 64-bit digest would alias (odds
-    about n^2 / 2^65 over a replay's n sibling pairs)."""
+    chained keys: a pre-hashed trace's ids (as they are below 2^64, else a 64-bit digest
+    of them), or a 64-bit digest of each block's tokens. The kernel verifies parent and
+    id on every hit, as the cache verifies tokens; two different blocks under one
+    parent with one 64-bit id would alias (odds about n^2 / 2^65 over a replay's n
+    sibling pairs)."""
 
     engine = "native"
 
@@ -346,7 +347,6 @@ class KernelStepper:
         self._output = include_output and summary.native_block_size is None
         self._roots: dict[tuple[str, str], int] = {}
         self._tenants: dict[str, int] = {}
-        self._dense: dict[int, int] = {}
 
     @property
     def evictions(self) -> int:
@@ -360,8 +360,7 @@ class KernelStepper:
             root = self._roots[name] = tree.root(xxhash.xxh3_64_intdigest(repr(name).encode()))
         tenant = self._tenants.setdefault(req.tenant, len(self._tenants))
         if req.hash_ids is not None:
-            dense = self._dense
-            return int(tree.access(root, tenant, [dense.setdefault(i, len(dense)) for i in req.hash_ids]))
+            return int(tree.access(root, tenant, req.hash_ids))
         assert req.tokens is not None
         unit = self._unit
         if self._output and req.output_tokens:
