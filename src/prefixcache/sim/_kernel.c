@@ -5,7 +5,7 @@
  * release -- is a few hundred nanoseconds of work per block that Python spends
  * microseconds on. This file does exactly what ``PrefixCache.access`` does for the
  * configurations it models (policies lru, fifo, s3fifo, sieve, lfu; isolation shared,
- * namespace, partitioned; no TTL, promotion or partial blocks), decision for
+ * namespace, partitioned; TTL; no promotion or partial blocks), decision for
  * decision: the same victims in the same order, the same blocked-entry rules
  * (policies/base.py), the same quotas. tests/test_sim_kernel.py replays both engines
  * side by side and compares every request. Read cache.py and policies/ first: each
@@ -19,6 +19,7 @@
  *       prev/next        the node's place in its pool's policy queue
  *     index: Map         key -> node slot (open addressing, backward-shift deletion)
  *     pools[]            quota, usage and one policy instance each (queues + S3-FIFO ghost)
+ *     ttl                with a TTL: the blocks by last access, oldest first (PrefixCache._ttl)
  *
  * All blocks of one tree have one size, ``unit`` tokens (the block size; 1 for a
  * pre-hashed trace, whose capacity counts native blocks), as without partial blocks.
@@ -153,9 +154,12 @@ static void map_del(Map *m, uint64_t k) {
 typedef struct {
     uint64_t key, id;
     int32_t parent, nkids, pins, pool;
-    int32_t prev, next; /* queue links; next also links the free list */
-    int32_t freq;       /* S3-FIFO and LFU frequency, SIEVE visited bit */
-    int32_t queue;      /* S3-FIFO: 0 small, 1 main */
+    int32_t prev, next;   /* queue links; next also links the free list */
+    int32_t freq;         /* S3-FIFO and LFU frequency, SIEVE visited bit */
+    int32_t queue;        /* S3-FIFO: 0 small, 1 main */
+    int32_t tprev, tnext; /* TTL order links */
+    int32_t in_ttl;
+    double last_access;
 } Node;
 
 typedef struct {
@@ -198,8 +202,11 @@ typedef struct {
     int policy;
     int partitioned;
     int64_t capacity, unit, used;
-    int64_t evictions, collisions;
+    int64_t evictions, collisions, expired;
     int64_t blocks; /* resident blocks (roots excluded) */
+    double ttl;     /* seconds; 0: none */
+    double now;     /* the request's time */
+    int32_t ttl_head, ttl_tail;
     Node *nodes;
     int32_t n_nodes, cap_nodes, free_head;
     Map index;
@@ -659,6 +666,64 @@ static int32_t lfu_victim(Tree *t, Pool *p) {
     return n;
 }
 
+/* EvictionPolicy.remove: ``n`` leaves for a reason of the cache's own (no ghost). */
+static void policy_remove(Tree *t, Pool *p, int32_t n) {
+    Node *nodes = t->nodes;
+    switch (t->policy) {
+    case P_LRU:
+    case P_FIFO:
+        q_unlink(nodes, &p->q[0], n);
+        break;
+    case P_SIEVE: {
+        int32_t next = nodes[n].next;
+        q_unlink(nodes, &p->q[0], n);
+        if (p->hand == n) p->hand = next != NONE ? next : p->q[0].head;
+        break;
+    }
+    case P_LFU:
+        lfu_forget(nodes, p, n, nodes[n].freq);
+        break;
+    default: {
+        int32_t which = nodes[n].queue;
+        q_unlink(nodes, &p->q[which], n);
+        p->qused[which] -= t->unit;
+    }
+    }
+}
+
+/* ------------------------------------------------------------------ TTL order */
+
+static void ttl_unlink(Tree *t, int32_t n) {
+    Node *nodes = t->nodes;
+    if (!nodes[n].in_ttl) return;
+    int32_t p = nodes[n].tprev, x = nodes[n].tnext;
+    if (p != NONE)
+        nodes[p].tnext = x;
+    else
+        t->ttl_head = x;
+    if (x != NONE)
+        nodes[x].tprev = p;
+    else
+        t->ttl_tail = p;
+    nodes[n].in_ttl = 0;
+}
+
+/* ``ttl[key] = block; ttl.move_to_end(key)`` with ``last_access = now`` */
+static void ttl_touch(Tree *t, int32_t n) {
+    Node *nodes = t->nodes;
+    nodes[n].last_access = t->now;
+    if (nodes[n].in_ttl && t->ttl_tail == n) return;
+    ttl_unlink(t, n);
+    nodes[n].tprev = t->ttl_tail;
+    nodes[n].tnext = NONE;
+    if (t->ttl_tail != NONE)
+        nodes[t->ttl_tail].tnext = n;
+    else
+        t->ttl_head = n;
+    t->ttl_tail = n;
+    nodes[n].in_ttl = 1;
+}
+
 /* ------------------------------------------------------------------ the tree */
 
 static int32_t new_node(Tree *t) {
@@ -697,21 +762,44 @@ static inline int32_t find_child(Tree *t, int32_t parent, uint64_t id, int *coll
     return (int32_t)n;
 }
 
-/* PrefixCache._remove for an eviction (``in_policy=False``: the policy already let go). */
-static void evict(Tree *t, int32_t n) {
+/* PrefixCache._remove: an eviction (the policy already let go) or, ``expired``, a TTL
+ * reclaim (the policy forgets it here). */
+static void remove_block(Tree *t, int32_t n, int expired) {
     Node *node = &t->nodes[n];
     Pool *p = &t->pools[node->pool];
+    if (expired) {
+        policy_remove(t, p, n);
+        t->expired++;
+    } else {
+        p->evictions++;
+        t->evictions++;
+    }
+    ttl_unlink(t, n);
     map_del(&t->index, node->key);
     t->nodes[node->parent].nkids--;
     p->used -= t->unit;
     p->blocks--;
-    p->evictions++;
     t->used -= t->unit;
     t->blocks--;
-    t->evictions++;
     node->pool = NONE;
     node->next = t->free_head;
     t->free_head = n;
+}
+
+static void evict(Tree *t, int32_t n) { remove_block(t, n, 0); }
+
+/* PrefixCache._reclaim_one (TTL part): free the oldest expired block that may leave. */
+static int reclaim_one(Tree *t) {
+    double horizon = t->now - t->ttl;
+    for (int32_t n = t->ttl_head; n != NONE; n = t->nodes[n].tnext) {
+        Node *node = &t->nodes[n];
+        if (node->last_access >= horizon) break;
+        if (evictable(node)) {
+            remove_block(t, n, 1);
+            return 1;
+        }
+    }
+    return 0;
 }
 
 /* PrefixCache._evict_from: 1 if anything was evicted, 0 if nothing could be, -1 on error. */
@@ -751,6 +839,7 @@ static int64_t make_room(Tree *t, int32_t pool, int64_t need) {
         int64_t free = p->quota - p->used;
         if (t->capacity - t->used < free) free = t->capacity - t->used;
         if (free >= need) return need;
+        if (t->ttl_head != NONE && reclaim_one(t)) continue;
         if (p->used + need > p->quota || !t->partitioned) {
             int r = evict_from(t, pool, need - free);
             if (r < 0) return -1;
@@ -806,12 +895,22 @@ static int block_id(PyObject *obj, Py_ssize_t i, uint64_t *out) {
 }
 
 static int Tree_init(Tree *t, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"policy", "capacity", "unit", "partitioned", NULL};
+    static char *kwlist[] = {"policy", "capacity", "unit", "partitioned", "ttl", NULL};
     const char *policy;
     long long capacity, unit;
     int partitioned = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sLL|p", kwlist, &policy, &capacity, &unit, &partitioned))
+    PyObject *ttl = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sLL|pO", kwlist, &policy, &capacity, &unit, &partitioned, &ttl))
         return -1;
+    if (ttl != Py_None) {
+        t->ttl = PyFloat_AsDouble(ttl);
+        if (t->ttl == -1.0 && PyErr_Occurred()) return -1;
+        if (!(t->ttl > 0.0) || t->ttl > 1e300) {
+            PyErr_Format(PyExc_ValueError, "ttl must be a positive number of seconds or None, got %R", ttl);
+            return -1;
+        }
+    }
+    t->ttl_head = t->ttl_tail = NONE;
     if (t->nodes) {
         PyErr_SetString(PyExc_RuntimeError, "a Tree is initialized once");
         return -1;
@@ -887,17 +986,19 @@ static PyObject *Tree_root(Tree *t, PyObject *arg) {
     return PyLong_FromLong(n);
 }
 
-/* access(root, tenant, ids, match_blocks=-1) -> hit blocks.
+/* access(root, tenant, ids, match_blocks=-1, now=0.0) -> hit blocks.
  *
- * ``PrefixCache.access`` of a prompt of ``len(ids)`` blocks; with ``match_blocks`` >= 0,
- * the match covers only the first ``match_blocks`` of them and the insert all of them
- * (a prompt and its answer: ``match(prompt)``, ``insert(prompt + output)``, release).
+ * ``PrefixCache.access`` of a prompt of ``len(ids)`` blocks at time ``now``; with
+ * ``match_blocks`` >= 0, the match covers only the first ``match_blocks`` of them and the
+ * insert all of them (a prompt and its answer: ``match(prompt)``, ``insert(prompt +
+ * output)``, release).
  */
 static PyObject *Tree_access(Tree *t, PyObject *args) {
     int root, tenant;
     PyObject *ids_obj;
     Py_ssize_t match_blocks = -1;
-    if (!ready(t) || !PyArg_ParseTuple(args, "iiO|n", &root, &tenant, &ids_obj, &match_blocks)) return NULL;
+    double now = 0.0;
+    if (!ready(t) || !PyArg_ParseTuple(args, "iiO|nd", &root, &tenant, &ids_obj, &match_blocks, &now)) return NULL;
     if (root < 0 || root >= t->n_nodes || t->nodes[root].parent != NONE || t->nodes[root].pool != NONE) {
         PyErr_Format(PyExc_IndexError, "%d is not a root of this tree (Tree.root gives them)", root);
         return NULL;
@@ -952,13 +1053,22 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
         path[depth++] = cur = child;
     }
     t->collisions += collided;
-    Py_ssize_t hit = depth < match_blocks ? depth : match_blocks;
+    Py_ssize_t alive = depth;
+    if (t->ttl) { /* PrefixCache._alive: what was last used before the horizon is not matched */
+        t->now = now;
+        double horizon = now - t->ttl;
+        for (alive = 0; alive < depth && t->nodes[path[alive]].last_access >= horizon; alive++) {
+        }
+    }
+    Py_ssize_t hit = alive < match_blocks ? alive : match_blocks;
     int32_t pinned = hit ? path[hit - 1] : NONE;
     if (pinned != NONE) { /* PrefixCache._touch: deepest first, then pin */
         Pool *p = &t->pools[t->nodes[pinned].pool];
         t->nodes[pinned].pins++;
         for (Py_ssize_t i = hit - 1; i >= 0; i--)
             if (policy_access(t, p, path[i]) < 0) goto unpin;
+        if (t->ttl)
+            for (Py_ssize_t i = hit - 1; i >= 0; i--) ttl_touch(t, path[i]);
     }
 
     /* insert what the path lacks under its deepest block (PrefixCache._insert, _store) */
@@ -983,7 +1093,8 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
             node->key = key;
             node->id = id_of[i];
             node->parent = parent;
-            node->nkids = node->pins = node->freq = node->queue = 0;
+            node->nkids = node->pins = node->freq = node->queue = node->in_ttl = 0;
+            node->last_access = 0.0;
             node->pool = pool;
             t->nodes[parent].nkids++;
             path[depth++] = parent = n;
@@ -998,6 +1109,8 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
         for (Py_ssize_t i = depth - 1; i >= first; i--) /* PrefixCache._stored: deepest first */
             if (policy_insert(t, p, path[i]) < 0) goto unpin;
     }
+    if (t->ttl && n_ids) /* PrefixCache._refresh_ttl: the stored path counts as just used */
+        for (Py_ssize_t i = depth - 1; i >= 0; i--) ttl_touch(t, path[i]);
     result = PyLong_FromSsize_t(hit);
 unpin:
     if (pinned != NONE) t->nodes[pinned].pins--;
@@ -1013,6 +1126,7 @@ static Py_ssize_t Tree_len(Tree *t) { return (Py_ssize_t)t->blocks; }
 static PyObject *Tree_get_evictions(Tree *t, void *closure) { return PyLong_FromLongLong(t->evictions); }
 static PyObject *Tree_get_used(Tree *t, void *closure) { return PyLong_FromLongLong(t->used); }
 static PyObject *Tree_get_collisions(Tree *t, void *closure) { return PyLong_FromLongLong(t->collisions); }
+static PyObject *Tree_get_expired(Tree *t, void *closure) { return PyLong_FromLongLong(t->expired); }
 static PyObject *Tree_get_capacity(Tree *t, void *closure) { return PyLong_FromLongLong(t->capacity); }
 
 static PyObject *Tree_pools(Tree *t, PyObject *unused) {
@@ -1043,6 +1157,7 @@ static PyGetSetDef Tree_getset[] = {
     {"evictions", (getter)Tree_get_evictions, NULL, "blocks evicted so far", NULL},
     {"used", (getter)Tree_get_used, NULL, "tokens held", NULL},
     {"collisions", (getter)Tree_get_collisions, NULL, "keys that named another path", NULL},
+    {"expired", (getter)Tree_get_expired, NULL, "blocks reclaimed by the TTL", NULL},
     {"capacity", (getter)Tree_get_capacity, NULL, "capacity in tokens", NULL},
     {NULL},
 };
@@ -1053,7 +1168,7 @@ static PyTypeObject TreeType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "prefixcache.sim._kernel.Tree",
     .tp_basicsize = sizeof(Tree),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Tree(policy, capacity, unit, partitioned=False): PrefixCache's metadata path for replays.",
+    .tp_doc = "Tree(policy, capacity, unit, partitioned=False, ttl=None): PrefixCache's metadata path for replays.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Tree_init,
     .tp_dealloc = (destructor)Tree_dealloc,

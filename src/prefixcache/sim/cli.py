@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from prefixcache.config import ISOLATION_MODES
 from prefixcache.policies import POLICIES
 from prefixcache.sim.costmodel import GPUS, MODELS, CostModel, get_gpu, get_model
-from prefixcache.sim.replay import ENGINES, native_unsupported, replay, summarize
+from prefixcache.sim.replay import ENGINES, effective_configs, native_unsupported, replay, summarize
 from prefixcache.sim.results import ReplayConfig
 from prefixcache.sim.traces import FORMATS, Request, load_tokenizer, read_trace
 from prefixcache.sim.workloads import WorkloadSpec, write_jsonl
@@ -110,7 +110,7 @@ def add_replay_parser(sub: Any) -> None:
         default="auto",
         help="tree mode's engine: native (the compiled kernel: the cache's metadata path, step for step the same, "
         "~15x faster), python (the PrefixCache itself), auto (native where it models the configuration: "
-        "not with --ttl, --promote, --partial-blocks or --metrics; default auto)",
+        "not with --promote, --partial-blocks or --metrics; default auto)",
     )
     p.add_argument("--partial-blocks", action="store_true", help="token-granular matching inside a block")
     p.add_argument(
@@ -247,14 +247,14 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         for policy in args.policy
         for capacity in args.capacity_tokens
     ]
-    if args.engine == "native":
-        for cfg in configs:
-            why = native_unsupported(cfg, args.metrics is not None) if cfg.mode == "tree" else ""
-            if why:
-                parser.error(f"--engine native cannot replay {cfg.label}: {why}; use --engine python or auto")
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     try:
         summary = summarize(source)
+        if args.engine == "native":  # refuse before the first replay, not after some
+            for cfg in effective_configs(configs, summary):
+                why = native_unsupported(cfg, args.metrics is not None) if cfg.mode == "tree" else ""
+                if why:
+                    parser.error(f"--engine native cannot replay {cfg.label}: {why}; use --engine python or auto")
         results = replay(
             source,
             configs,

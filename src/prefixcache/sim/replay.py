@@ -311,8 +311,6 @@ def native_unsupported(cfg: ReplayConfig, metrics: bool = False) -> str:
         reasons.append(f"policy {cfg.policy!r} (it has {', '.join(_kernel.POLICIES)})")
     if cfg.partial_blocks:
         reasons.append("partial blocks")
-    if cfg.ttl_seconds is not None:
-        reasons.append("a TTL")
     if cfg.promote_min_tenants and cfg.isolation != "shared":
         reasons.append("hot-prefix promotion")
     if metrics:
@@ -322,7 +320,7 @@ def native_unsupported(cfg: ReplayConfig, metrics: bool = False) -> str:
 
 class KernelStepper:
     """The compiled engine (``_kernel.c``): the cache's metadata path -- block tree, pins,
-    pools and quotas, policies -- for the configurations without TTL, promotion or
+    pools and quotas, policies, TTL -- for the configurations without promotion or
     partial blocks, step for step the same as ``CacheStepper`` (tests/test_sim_kernel.py).
 
     NOTE: blocks are keyed by (parent, block id), so the tree needs per-block ids, not
@@ -341,7 +339,8 @@ class KernelStepper:
         assert _kernel is not None
         config = _cache_config(cfg, summary)  # the same validation and units as the cache
         partitioned = cfg.isolation == "partitioned"
-        self._tree = _kernel.Tree(cfg.policy, config.capacity, config.block_size, partitioned)
+        ttl = cfg.ttl_seconds if cfg.ttl_seconds is not None and math.isfinite(cfg.ttl_seconds) else None
+        self._tree = _kernel.Tree(cfg.policy, config.capacity, config.block_size, partitioned, ttl)  # inf: never
         self._unit = config.block_size
         self._shared = cfg.isolation == "shared"
         self._output = include_output and summary.native_block_size is None
@@ -359,14 +358,15 @@ class KernelStepper:
         if root is None:
             root = self._roots[name] = tree.root(xxhash.xxh3_64_intdigest(repr(name).encode()))
         tenant = self._tenants.setdefault(req.tenant, len(self._tenants))
+        now = req.timestamp
         if req.hash_ids is not None:
-            return int(tree.access(root, tenant, req.hash_ids))
+            return int(tree.access(root, tenant, req.hash_ids, -1, now))
         assert req.tokens is not None
         unit = self._unit
         if self._output and req.output_tokens:
             ids = _block_digests([*req.tokens, *req.output_tokens], unit)
-            return int(tree.access(root, tenant, ids, len(req.tokens) // unit)) * unit
-        return int(tree.access(root, tenant, _block_digests(req.tokens, unit))) * unit
+            return int(tree.access(root, tenant, ids, len(req.tokens) // unit, now)) * unit
+        return int(tree.access(root, tenant, _block_digests(req.tokens, unit), -1, now)) * unit
 
 
 def _block_digests(tokens: Sequence[int], block_size: int) -> list[int]:
