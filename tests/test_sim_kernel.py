@@ -569,3 +569,40 @@ def test_an_uninitialized_tree_is_an_error_not_a_crash() -> None:
     ready = _kernel.Tree("lru", 10, 1)
     with pytest.raises(RuntimeError):
         ready.__init__("fifo", 10, 1)
+
+
+@pytest.mark.parametrize("keys", [(0, 1), (0, 0), (-1, 2**64 - 1)])
+def test_roots_are_distinct_whatever_their_keys(tree: Any, keys: tuple[int, int]) -> None:
+    """Each root is its own context: keys that mask or mix to one value do not merge them."""
+    a, b = (tree.root(k) for k in keys)
+    assert tree.access(a, 0, [1, 2]) == 0
+    assert tree.access(b, 0, [1, 2]) == 0  # not a's blocks
+    assert (tree.access(a, 0, [1, 2]), tree.access(b, 0, [1, 2])) == (2, 2)
+    assert (len(tree), tree.collisions) == (4, 0)
+
+
+@pytest.mark.parametrize("match_blocks", [-2, -(2**40)])
+def test_a_negative_match_length_other_than_all_is_an_error(tree: Any, match_blocks: int) -> None:
+    root = tree.root(1)
+    with pytest.raises(ValueError, match="match_blocks"):
+        tree.access(root, 0, [1, 2], match_blocks)
+    assert len(tree) == 0
+
+
+def test_int_subclasses_run_no_python_code(tree: Any) -> None:
+    """A huge id of an int subclass is digested with int's own operations: its overrides
+    (which could change the tree under the call) never run."""
+
+    class Loud(int):
+        def __rshift__(self, other: object) -> int:
+            raise AssertionError("ran __rshift__")
+
+        def __bool__(self) -> bool:
+            raise AssertionError("ran __bool__")
+
+        def __lt__(self, other: object) -> bool:
+            raise AssertionError("ran __lt__")
+
+    root = tree.root(1)
+    assert tree.access(root, 0, [Loud(2**70), 5]) == 0
+    assert tree.access(root, 0, [2**70, 5]) == 2

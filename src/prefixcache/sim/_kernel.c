@@ -869,20 +869,25 @@ static int block_id(PyObject *obj, Py_ssize_t i, uint64_t *out) {
         return 1;
     }
     PyErr_Clear();
+    /* NOTE: int's own slots, not the object's: an int subclass must not run Python code
+     * here (it could change the tree or the id list under this call). */
+    PyNumberMethods *num = PyLong_Type.tp_as_number;
     PyObject *zero = PyLong_FromLong(0);
-    int negative = zero ? PyObject_RichCompareBool(obj, zero, Py_LT) : -1;
+    PyObject *negative = zero ? PyLong_Type.tp_richcompare(obj, zero, Py_LT) : NULL;
     Py_XDECREF(zero);
-    if (negative < 0) return 0;
-    if (negative) {
-        PyErr_Format(PyExc_ValueError, "block id %zd must be >= 0, got %R", i, obj);
+    if (!negative) return 0;
+    int is_negative = negative == Py_True;
+    Py_DECREF(negative);
+    if (is_negative) {
+        PyErr_Format(PyExc_ValueError, "block id %zd must be >= 0 (a %.100s)", i, Py_TYPE(obj)->tp_name);
         return 0;
     }
     PyObject *shift = PyLong_FromLong(64), *rest = obj;
     uint64_t h = 0x243f6a8885a308d3ULL;
     Py_INCREF(rest);
-    while (shift && rest && PyObject_IsTrue(rest) == 1) {
+    while (shift && rest && num->nb_bool(rest)) {
         h = mix64(h ^ mix64(PyLong_AsUnsignedLongLongMask(rest)));
-        PyObject *next = PyNumber_Rshift(rest, shift);
+        PyObject *next = num->nb_rshift(rest, shift);
         Py_DECREF(rest);
         rest = next;
     }
@@ -979,7 +984,7 @@ static PyObject *Tree_root(Tree *t, PyObject *arg) {
     if (n == NONE) return NULL;
     Node *node = &t->nodes[n];
     memset(node, 0, sizeof(*node));
-    node->key = key ? key : 1;
+    node->key = chain(key, (uint64_t)n); /* distinct for every root, whatever keys it is given */
     node->parent = NONE;
     node->pool = NONE;
     node->prev = node->next = NONE;
@@ -1012,7 +1017,11 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
     Py_ssize_t n_ids = PySequence_Fast_GET_SIZE(ids);
     PyObject **items = PySequence_Fast_ITEMS(ids);
     PyObject *result = NULL;
-    if (match_blocks < 0 || match_blocks > n_ids) match_blocks = n_ids;
+    if (match_blocks < -1) {
+        PyErr_Format(PyExc_ValueError, "match_blocks must be >= 0, or -1 for all, got %zd", match_blocks);
+        goto done;
+    }
+    if (match_blocks == -1 || match_blocks > n_ids) match_blocks = n_ids;
     if (t->partitioned && tenant >= t->n_tenants) {
         int32_t n = tenant + 1 > t->n_tenants * 2 ? tenant + 1 : t->n_tenants * 2;
         int32_t *bigger = PyMem_Realloc(t->tenant_pool, (size_t)n * sizeof(int32_t));
