@@ -564,7 +564,9 @@ def test_unknown_mode_is_an_error(tmp_path: Path) -> None:
         run(prefix_trace(tmp_path, 16, 8, 2), ReplayConfig(mode="btree"))
 
 
-def test_progress_is_entered_once_per_replay(tmp_path: Path) -> None:
+def test_progress_is_entered_once_per_pass(tmp_path: Path) -> None:
+    """The kernel's and the flat configurations share one pass over the trace; each
+    configuration on the PrefixCache has its own."""
     requests = prefix_trace(tmp_path, 64, 16, 7)
     calls: list[tuple[int, str, int]] = []
 
@@ -581,9 +583,24 @@ def test_progress_is_entered_once_per_replay(tmp_path: Path) -> None:
         yield bar
         calls.append((total, label, bar.n))
 
-    configs = [ReplayConfig("lru", INF, 16), ReplayConfig("fifo", 100.0, 16, mode="flat")]
-    run(requests, *configs, progress=progress)
-    assert calls == [(7, c.label, 7) for c in configs]
+    reads = 0
+
+    def source() -> Iterator[Request]:
+        nonlocal reads
+        reads += 1
+        yield from requests
+
+    configs = [
+        ReplayConfig("lru", INF, 16),
+        ReplayConfig("fifo", 100.0, 16, mode="flat"),
+        ReplayConfig("lru", 64.0, 16, partial_blocks=True),  # the kernel does not model it: python
+        ReplayConfig("s3fifo", 64.0, 16),
+    ]
+    results = replay(source, configs, progress=progress, optimal=False)
+    assert [r.engine for r in results] == ["native", "python", "python", "native"]
+    assert calls == [(7, "3 configurations", 7), (7, configs[2].label, 7)]
+    assert reads == 1 + 2  # the summary, then two passes
+    assert all(r.requests == 7 and r.seconds > 0 for r in results)
 
 
 def test_results_are_json_safe(tmp_path: Path) -> None:

@@ -397,65 +397,89 @@ def make_stepper(
     return KernelStepper(cfg, summary, include_output)
 
 
-def _replay_tree(
-    source: TraceSource,
-    stepper: Stepper,
-    counter: _Counter,
-    block_size: int,
-    bar: ProgressBar,
-    serving: ServingMetrics | None = None,
-) -> None:
-    """``serving``, when given, gets the server's counters per counted request, by tenant
-    x model x endpoint, so that a simulated configuration can be read like a live server
-    (and fed to ``prefixcache diagnose``)."""
-    hashed = counter.summary.native_block_size is not None
-    step, bs = stepper.step, block_size
-    for req in source():
+class _TreeRun:
+    """One tree-mode configuration fed request by request: its stepper and its counters.
+
+    ``registry``, when given, also gets the server's counters per counted request, by
+    tenant x model x endpoint, so that a simulated configuration can be read like a live
+    server (and fed to ``prefixcache diagnose``)."""
+
+    def __init__(
+        self,
+        cfg: ReplayConfig,
+        counter: _Counter,
+        include_output: bool,
+        engine: str,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.cfg, self.counter, self.registry = cfg, counter, registry
+        self.stepper = make_stepper(cfg, counter.summary, include_output, engine, registry)
+        counter.result.engine = self.stepper.engine
+        self.serving = ServingMetrics(registry) if registry is not None else None
+        self.hashed = counter.summary.native_block_size is not None
+        # NOTE: the compiled kernel holds ~100 bytes a block; the PrefixCache's Python
+        # objects several times that, and it is slow enough that reading the trace again
+        # costs it little: it gets a pass of its own (see ``replay``).
+        self.light = self.stepper.engine == "native"
+
+    def feed(self, req: Request) -> None:
+        counter, stepper = self.counter, self.stepper
         counted = counter.counts()
         evictions_before = stepper.evictions
-        cached = step(req)
-        if counted:
-            if hashed:
-                assert req.hash_ids is not None
-                hit, blocks = hit_tokens(req, cached, bs), len(req.hash_ids)  # cached counts native blocks
-            else:
-                assert req.tokens is not None
-                hit, blocks = cached, -(-len(req.tokens) // bs)
-            counter.add(req, hit, blocks, evictions_before)
-            if serving is not None:
-                n = req.input_length if hashed else len(req.tokens or ())
-                hit = min(hit, n)
-                serving.record_request(
-                    req.tenant, req.model, req.endpoint or "replay", n, hit, {"pool": hit} if hit else {}, 0, 0, 0
-                )
-        bar.advance(1)
-    counter.result.evictions = stepper.evictions
-    counter.finish(stepper.evictions)
+        cached = stepper.step(req)
+        if not counted:
+            return
+        if self.hashed:
+            assert req.hash_ids is not None
+            hit, blocks = hit_tokens(req, cached, self.cfg.block_size), len(req.hash_ids)  # cached: native blocks
+        else:
+            assert req.tokens is not None
+            hit, blocks = cached, -(-len(req.tokens) // self.cfg.block_size)
+        counter.add(req, hit, blocks, evictions_before)
+        if self.serving is not None:
+            n = req.input_length if self.hashed else len(req.tokens or ())
+            hit = min(hit, n)
+            self.serving.record_request(
+                req.tenant, req.model, req.endpoint or "replay", n, hit, {"pool": hit} if hit else {}, 0, 0, 0
+            )
+
+    def finish(self) -> None:
+        self.counter.result.evictions = self.stepper.evictions
+        self.counter.finish(self.stepper.evictions)
 
 
 # ---------------------------------------------------------------------------- flat mode
 
 
-def _replay_flat(source: TraceSource, cfg: ReplayConfig, counter: _Counter, bar: ProgressBar) -> None:
+class _FlatRun:
     """Every block id an object of size 1 in a bare policy of ``capacity / block_size``
     objects; a request hits the contiguous prefix of its blocks that are resident."""
-    bs = cfg.block_size
-    capacity = _UNLIMITED if math.isinf(cfg.capacity_tokens) else int(cfg.capacity_tokens) // bs
-    policy = make_policy(cfg.policy, max(capacity, 1))
-    evictions = 0
-    object_hits = 0
-    for req in source():
-        blocks = request_blocks(req, bs, cfg.isolation)
-        counted = counter.counts()
-        evictions_before = evictions
-        hit_blocks, hits, evictions = _flat_access(policy, blocks, capacity, evictions)
-        object_hits += hits if counted else 0
+
+    light = True
+
+    def __init__(self, cfg: ReplayConfig, counter: _Counter) -> None:
+        self.cfg, self.counter = cfg, counter
+        bs = cfg.block_size
+        self.capacity = _UNLIMITED if math.isinf(cfg.capacity_tokens) else int(cfg.capacity_tokens) // bs
+        self.policy = make_policy(cfg.policy, max(self.capacity, 1))
+        self.evictions = 0
+        self.object_hits = 0
+
+    def feed(self, req: Request) -> None:
+        bs = self.cfg.block_size
+        blocks = request_blocks(req, bs, self.cfg.isolation)
+        counted = self.counter.counts()
+        evictions_before = self.evictions
+        hit_blocks, hits, self.evictions = _flat_access(self.policy, blocks, self.capacity, self.evictions)
         if counted:
-            counter.add(req, hit_tokens(req, hit_blocks, bs), len(blocks), evictions_before)
-        bar.advance(1)
-    counter.result.evictions = evictions
-    counter.result.block_hits = object_hits
-    counter.finish(evictions)
+            self.object_hits += hits
+            self.counter.add(req, hit_tokens(req, hit_blocks, bs), len(blocks), evictions_before)
+
+    def finish(self) -> None:
+        result = self.counter.result
+        result.evictions = self.evictions
+        result.block_hits = self.object_hits
+        self.counter.finish(self.evictions)
 
 
 def _flat_access(policy: EvictionPolicy, blocks: list[object], capacity: int, evictions: int) -> tuple[int, int, int]:
@@ -560,34 +584,44 @@ def replay(
     metrics: Callable[[ReplayConfig, bytes], None] | None = None,
     engine: str = "auto",
 ) -> list[ReplayResult]:
-    """Replay the trace ``source()`` streams once per configuration; returns one result
-    per (effective) configuration, in order. ``progress(total, label)`` may supply a
-    context manager yielding a bar with ``advance(n)``, entered once per replay.
-    ``metrics(config, text)`` receives each tree-mode replay's Prometheus exposition.
-    ``engine`` picks tree mode's engine (``make_stepper``); each result names the one that ran."""
+    """Replay the trace ``source()`` streams under every configuration; returns one result
+    per (effective) configuration, in order.
+
+    The configurations replayed by the compiled kernel and the flat ones share one pass
+    over the trace (each request is read once and fed to all of them: reading a trace
+    costs more than their replays); each one on the ``PrefixCache`` gets a pass of its
+    own. ``progress(total, label)`` may supply a context manager yielding a bar with
+    ``advance(n)``, entered once per pass. ``metrics(config, text)`` receives each
+    tree-mode replay's Prometheus exposition (which needs the ``PrefixCache``).
+    ``engine`` picks tree mode's engine (``make_stepper``); each result names the one that
+    ran, and its ``seconds`` are its own replay's, trace reading excluded."""
     summary = summary if summary is not None else summarize(source)
     skip = warmup_requests(summary, warmup)
+    runs: list[_TreeRun | _FlatRun] = []
+    for cfg in effective_configs(configs, summary):  # NOTE: every configuration is checked before any replay
+        counter = _Counter(
+            ReplayResult(cfg, trace_name, warmup_requests=skip),
+            summary,
+            skip,
+            CostAccumulator(cost) if cost is not None else None,
+        )
+        if cfg.mode == "flat":
+            runs.append(_FlatRun(cfg, counter))
+        elif cfg.mode == "tree":
+            runs.append(_TreeRun(cfg, counter, include_output, engine, CollectorRegistry() if metrics else None))
+        else:
+            raise ValueError(f"unknown replay mode {cfg.mode!r}; valid: flat, tree")
+    shared = [run for run in runs if run.light]
+    passes = ([shared] if shared else []) + [[run] for run in runs if not run.light]
+    for group in passes:
+        label = group[0].cfg.label if len(group) == 1 else f"{len(group)} configurations"
+        _one_pass(source, group, summary.requests, label, progress)
     results = []
     optimum: dict[tuple[float, int, str], tuple[int, int]] = {}
-    for cfg in effective_configs(configs, summary):
-        result = ReplayResult(cfg, trace_name, warmup_requests=skip)
-        counter = _Counter(result, summary, skip, CostAccumulator(cost) if cost is not None else None)
-        start = time.perf_counter()
-        with _progress(progress, summary.requests, cfg.label) as bar:
-            if cfg.mode == "flat":
-                _replay_flat(source, cfg, counter, bar)
-            elif cfg.mode == "tree":
-                registry = CollectorRegistry() if metrics is not None else None
-                stepper = make_stepper(cfg, summary, include_output, engine, registry)
-                result.engine = stepper.engine
-                serving = ServingMetrics(registry) if registry is not None else None
-                with _no_cyclic_gc():
-                    _replay_tree(source, stepper, counter, cfg.block_size, bar, serving)
-                if metrics is not None and registry is not None:
-                    metrics(cfg, generate_latest(registry))
-            else:
-                raise ValueError(f"unknown replay mode {cfg.mode!r}; valid: flat, tree")
-        result.seconds = time.perf_counter() - start
+    for run in runs:
+        cfg, result = run.cfg, run.counter.result
+        if metrics is not None and isinstance(run, _TreeRun) and run.registry is not None:
+            metrics(cfg, generate_latest(run.registry))
         # NOTE: Belady runs on the prompts' full blocks; a policy that also reuses partial
         # blocks or inserted outputs is not bounded by it, so no optimum is claimed there.
         comparable = not cfg.partial_blocks and not (include_output and summary.native_block_size is None)
@@ -600,6 +634,30 @@ def replay(
             result.optimal_hit_tokens = optimum[key][0]
         results.append(result)
     return results
+
+
+def _one_pass(
+    source: TraceSource,
+    runs: list[_TreeRun | _FlatRun] | list[_TreeRun] | list[_FlatRun],
+    total: int,
+    label: str,
+    progress: ProgressFactory | None,
+) -> None:
+    """Stream the trace once, feeding every request to each run in turn; each run's
+    ``seconds`` add up its own share of the time."""
+    clock = time.perf_counter
+    spent = [0.0] * len(runs)
+    feeds = [run.feed for run in runs]
+    with _progress(progress, total, label) as bar, _no_cyclic_gc():
+        for req in source():
+            for i, feed in enumerate(feeds):
+                start = clock()
+                feed(req)
+                spent[i] += clock() - start
+            bar.advance(1)
+    for run, seconds in zip(runs, spent, strict=True):
+        run.finish()
+        run.counter.result.seconds = seconds
 
 
 class _Silent:
