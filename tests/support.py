@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 
 from prefixcache import codec
+from prefixcache.sim.traces import Request
 
 
 def lcp(a: list[int], b: list[int]) -> int:
@@ -52,3 +54,17 @@ def random_kv(dtype: str, seed: int, shape: tuple[int, ...] = SHAPE) -> np.ndarr
 def frame_of(i: int, dtype: str = "float16", shape: tuple[int, ...] = SHAPE) -> bytes:
     """The codec frame of block ``i``: its key and KV both derived from ``i``."""
     return codec.encode(key_of(i), TOKENS, random_kv(dtype, i, shape), dtype=dtype)
+
+
+def tok(ts: float, tokens: Sequence[int], tenant: str = "t", model: str = "m", output: Sequence[int] = ()) -> Request:
+    """A trace record with a token prompt (and, optionally, the output it got)."""
+    return Request(
+        timestamp=ts,
+        tenant=tenant,
+        model=model,
+        endpoint="",
+        input_length=len(tokens),
+        output_length=len(output),
+        tokens=tuple(tokens),
+        output_tokens=tuple(output) if output else None,
+    )

@@ -39,6 +39,7 @@ from prefixcache.sim.replay import (
 from prefixcache.sim.results import ReplayConfig, ReplayResult
 from prefixcache.sim.traces import Request, read_trace
 from prefixcache.sim.workloads import WorkloadSpec, write_jsonl
+from support import tok
 
 _kernel = pytest.importorskip("prefixcache.sim._kernel", reason="the compiled replay kernel is not built")
 
@@ -58,21 +59,6 @@ slow = pytest.mark.slow
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def tok(
-    ts: float, tokens: Sequence[int], tenant: str = "acme", model: str = "m1", output: Sequence[int] = ()
-) -> Request:
-    return Request(
-        timestamp=ts,
-        tenant=tenant,
-        model=model,
-        endpoint="",
-        input_length=len(tokens),
-        output_length=len(output),
-        tokens=tuple(tokens),
-        output_tokens=tuple(output) if output else None,
-    )
 
 
 def hashed(

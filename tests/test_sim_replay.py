@@ -28,6 +28,7 @@ from prefixcache.sim.replay import TIMELINE_WINDOWS, replay, summarize
 from prefixcache.sim.results import ReplayConfig, ReplayResult
 from prefixcache.sim.traces import Request, TraceError, read_trace
 from prefixcache.sim.workloads import WorkloadSpec, repeated_prefix, write_jsonl
+from support import tok
 
 TRACES = Path(__file__).parent / "data" / "traces"
 SYNTHETIC = TRACES / "mooncake_synthetic_trace.jsonl"
@@ -59,19 +60,6 @@ def prefix_trace(
 
 def run(requests: Sequence[Request], *configs: ReplayConfig, **kwargs: Any) -> list[ReplayResult]:
     return replay(lambda: requests, list(configs), **kwargs)
-
-
-def tok(ts: float, tokens: Sequence[int], tenant: str = "t", model: str = "m", output: Sequence[int] = ()) -> Request:
-    return Request(
-        timestamp=ts,
-        tenant=tenant,
-        model=model,
-        endpoint="",
-        input_length=len(tokens),
-        output_length=len(output),
-        tokens=tuple(tokens),
-        output_tokens=tuple(output) if output else None,
-    )
 
 
 @pytest.fixture(scope="module")
