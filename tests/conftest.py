@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from prefixcache.sim.traces import Request, read_trace
 from redis_server import REDIS_SERVER, RedisServer
+from support import CONVERSATION, SYNTHETIC
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("dev", print_blob=True)
@@ -28,3 +30,15 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def synthetic() -> list[Request]:
+    """The Mooncake synthetic trace, parsed once per session (read-only)."""
+    return list(read_trace(SYNTHETIC))
+
+
+@pytest.fixture(scope="session")
+def conversation() -> list[Request]:
+    """The Mooncake conversation trace, parsed once per session (read-only)."""
+    return list(read_trace(CONVERSATION))

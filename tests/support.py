@@ -5,11 +5,16 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from prefixcache import codec
 from prefixcache.sim.traces import Request
+
+TRACES = Path(__file__).parent / "data" / "traces"  # the Mooncake traces, with their README
+SYNTHETIC = TRACES / "mooncake_synthetic_trace.jsonl"
+CONVERSATION = TRACES / "mooncake_conversation_trace.jsonl"
 
 
 def lcp(a: list[int], b: list[int]) -> int:

@@ -18,9 +18,8 @@ import pytest
 
 from prefixcache.cli import main
 from prefixcache.sim.traces import read_trace
+from support import SYNTHETIC
 
-TRACES = Path(__file__).parent / "data" / "traces"
-SYNTHETIC = TRACES / "mooncake_synthetic_trace.jsonl"
 EXAMPLE = ["--format", "mooncake", "--policy", "lru,s3fifo", "--capacity-tokens", "1e6,1e7,inf", "--warmup", "0.5"]
 REQUIRED = (
     "policy",

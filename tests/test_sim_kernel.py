@@ -19,7 +19,6 @@ import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,9 +42,6 @@ from support import tok
 
 _kernel = pytest.importorskip("prefixcache.sim._kernel", reason="the compiled replay kernel is not built")
 
-TRACES = Path(__file__).parent / "data" / "traces"
-SYNTHETIC = TRACES / "mooncake_synthetic_trace.jsonl"
-CONVERSATION = TRACES / "mooncake_conversation_trace.jsonl"
 ISOLATIONS = ("shared", "namespace", "partitioned")
 KERNEL_POLICIES: tuple[str, ...] = tuple(_kernel.POLICIES)
 KERNEL_TTL = native_unsupported(ReplayConfig(ttl_seconds=60.0)) == ""  # NOTE: the kernel models TTLs
@@ -300,16 +296,6 @@ def assert_same_replays(requests: Sequence[Request], configs: Iterable[ReplayCon
     for n, p in zip(native, python, strict=True):
         assert comparable(n) == comparable(p), n.config.label
     assert any(r.evictions for r in python), "no configuration evicted: the comparison is too easy"
-
-
-@pytest.fixture(scope="module")
-def synthetic() -> list[Request]:
-    return list(read_trace(SYNTHETIC))
-
-
-@pytest.fixture(scope="module")
-def conversation() -> list[Request]:
-    return list(read_trace(CONVERSATION))
 
 
 MOONCAKE_CONFIGS = [

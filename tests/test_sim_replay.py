@@ -28,11 +28,8 @@ from prefixcache.sim.replay import TIMELINE_WINDOWS, replay, summarize
 from prefixcache.sim.results import ReplayConfig, ReplayResult
 from prefixcache.sim.traces import Request, TraceError, read_trace
 from prefixcache.sim.workloads import WorkloadSpec, repeated_prefix, write_jsonl
-from support import tok
+from support import CONVERSATION, SYNTHETIC, tok
 
-TRACES = Path(__file__).parent / "data" / "traces"
-SYNTHETIC = TRACES / "mooncake_synthetic_trace.jsonl"
-CONVERSATION = TRACES / "mooncake_conversation_trace.jsonl"
 POLICIES = ("lru", "fifo", "s3fifo", "sieve", "lfu")
 INF = math.inf
 
@@ -60,16 +57,6 @@ def prefix_trace(
 
 def run(requests: Sequence[Request], *configs: ReplayConfig, **kwargs: Any) -> list[ReplayResult]:
     return replay(lambda: requests, list(configs), **kwargs)
-
-
-@pytest.fixture(scope="module")
-def synthetic() -> list[Request]:
-    return list(read_trace(SYNTHETIC))
-
-
-@pytest.fixture(scope="module")
-def conversation() -> list[Request]:
-    return list(read_trace(CONVERSATION))
 
 
 @pytest.fixture(scope="module")
