@@ -109,7 +109,7 @@ def add_replay_parser(sub: Any) -> None:
         choices=ENGINES,
         default="auto",
         help="tree mode's engine: native (the compiled kernel: the cache's metadata path, step for step the same, "
-        "~15x faster), python (the PrefixCache itself), auto (native where it models the configuration: "
+        "~30x faster), python (the PrefixCache itself), auto (native where it models the configuration: "
         "not with --promote, --partial-blocks or --metrics; default auto)",
     )
     p.add_argument("--partial-blocks", action="store_true", help="token-granular matching inside a block")
