@@ -12,7 +12,14 @@ setup(
         Extension(
             "prefixcache.sim._kernel",
             ["src/prefixcache/sim/_kernel.c"],
-            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
+            extra_compile_args=[
+                "-O2",
+                "-std=c11",
+                "-Wall",
+                "-Wextra",
+                "-Wno-unused-parameter",
+                "-Wno-missing-field-initializers",
+            ],
             optional=True,
         )
     ]

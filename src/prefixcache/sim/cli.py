@@ -102,7 +102,8 @@ def add_replay_parser(sub: Any) -> None:
         "--mode",
         default="tree",
         type=lambda t: _parse_list(t, str, "--mode", ("tree", "flat")),
-        help="tree: the real PrefixCache; flat: block ids as independent objects (default tree)",
+        help="tree: the cache's block tree, pins, pools and policies (see --engine); flat: block ids as "
+        "independent objects (default tree)",
     )
     p.add_argument(
         "--engine",

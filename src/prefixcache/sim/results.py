@@ -73,7 +73,7 @@ class ReplayResult:
     blocks_looked_up: int = 0
     block_hits: int | None = None  # flat mode: block lookups that hit, prefix or not (libCacheSim's view)
     optimal_hit_tokens: int | None = None  # Belady with bypass, same capacity; None if not computed
-    seconds: float = 0.0  # wall time of this replay
+    seconds: float = 0.0  # time spent in this configuration's own replay (reading the trace excluded)
     engine: str = "python"  # tree mode: "native" (the compiled kernel) or "python" (the PrefixCache)
     tenants: dict[str, TenantResult] = field(default_factory=dict)
     timeline: list[TimePoint] = field(default_factory=list)
