@@ -441,7 +441,9 @@ def test_redis_evicting_under_maxmemory_serves_only_right_bytes(tmp_path: Path) 
             for tokens in prompts:
                 store(cache, tokens)
             loaded = [fetch(cache, tokens)[1] for tokens in prompts]  # each checked bit-exact
-            assert max(loaded) == 32 and sum(n < 32 for n in loaded) > 0  # redis kept some, dropped some
+            # NOTE: redis's LRU is sampled, so which blocks of a prompt survive is close to
+            # random: a prompt may keep a prefix of its blocks, and none need keep all 8.
+            assert sum(loaded) > 0 and sum(n < 32 for n in loaded) > 0  # redis kept some, dropped some
             assert cache.stats()["tiers"][1]["errors"]["missing"] > 0
     finally:
         srv.stop()
