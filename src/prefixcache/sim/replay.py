@@ -639,7 +639,7 @@ def replay(
 
 def _one_pass(
     source: TraceSource,
-    runs: list[_TreeRun | _FlatRun] | list[_TreeRun] | list[_FlatRun],
+    runs: list[_TreeRun | _FlatRun],
     total: int,
     label: str,
     progress: ProgressFactory | None,
