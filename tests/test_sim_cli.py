@@ -136,6 +136,23 @@ def test_model_none_drops_the_cost_columns(workload: Path, capsys: pytest.Captur
     assert r["gpu_hours_saved"] is None and r["cost_profile"] is None and r["prefill_compute_avoided"] is None
 
 
+def test_engine_is_chosen_and_reported(workload: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["replay", str(workload), "--model", "none", "--no-optimal", "--json", "--capacity-tokens", "2e4"]
+    results = {}
+    for engine in ("auto", "native", "python"):
+        assert main([*args, "--engine", engine]) == 0
+        (results[engine],) = strict_json(capsys.readouterr().out)["results"]
+    assert [results[e]["engine"] for e in ("auto", "native", "python")] == ["native", "native", "python"]
+    same = {k for k in results["python"] if k not in ("seconds", "engine")}
+    assert {k: results["native"][k] for k in same} == {k: results["python"][k] for k in same}
+    # native refuses what it does not model, before any replay: no metrics file is written
+    metrics = tmp_path / "metrics"
+    assert main([*args, "--engine", "native", "--metrics", str(metrics)]) == 2
+    err = capsys.readouterr().err
+    assert "--engine native cannot replay" in err and "--metrics" in err
+    assert not list(metrics.glob("*.prom"))
+
+
 def test_user_defined_model_and_gpu(workload: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = "mymodel:params=7e9,layers=32,hidden=4096,context=32768"
     args = ["replay", str(workload), "--model", model, "--gpu", "mygpu:peak=500e12", "--utilization", "0.4"]

@@ -461,6 +461,13 @@ static int32_t fifo_victim(Tree *t, Pool *p) {
     return NONE;
 }
 
+/* SievePolicy's removal: out of the queue, the hand moving on (wrapping) if it was there. */
+static void sieve_unlink(Node *nodes, Pool *p, int32_t n) {
+    int32_t next = nodes[n].next;
+    q_unlink(nodes, &p->q[0], n);
+    if (p->hand == n) p->hand = next != NONE ? next : p->q[0].head;
+}
+
 /* SievePolicy.victim: the queue in one list, the hand on the first entry "ahead". */
 static int32_t sieve_victim(Tree *t, Pool *p) {
     Node *nodes = t->nodes;
@@ -473,13 +480,12 @@ static int32_t sieve_victim(Tree *t, Pool *p) {
             nodes[n].freq = 0;
             run = 0;
         } else if (evictable(&nodes[n])) {
-            q_unlink(nodes, q, n);
-            p->hand = next != NONE ? next : q->head; /* past the newest: wrap */
+            sieve_unlink(nodes, p, n);
             return n;
         } else {
             run++;
         }
-        p->hand = next != NONE ? next : q->head;
+        p->hand = next != NONE ? next : q->head; /* past the newest: wrap */
     }
     return NONE;
 }
@@ -674,12 +680,9 @@ static void policy_remove(Tree *t, Pool *p, int32_t n) {
     case P_FIFO:
         q_unlink(nodes, &p->q[0], n);
         break;
-    case P_SIEVE: {
-        int32_t next = nodes[n].next;
-        q_unlink(nodes, &p->q[0], n);
-        if (p->hand == n) p->hand = next != NONE ? next : p->q[0].head;
+    case P_SIEVE:
+        sieve_unlink(nodes, p, n);
         break;
-    }
     case P_LFU:
         lfu_forget(nodes, p, n, nodes[n].freq);
         break;

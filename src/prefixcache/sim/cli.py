@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from prefixcache.config import ISOLATION_MODES
 from prefixcache.policies import POLICIES
 from prefixcache.sim.costmodel import GPUS, MODELS, CostModel, get_gpu, get_model
-from prefixcache.sim.replay import ENGINES, effective_configs, native_unsupported, replay, summarize
+from prefixcache.sim.replay import ENGINES, replay, summarize
 from prefixcache.sim.results import ReplayConfig
 from prefixcache.sim.traces import FORMATS, Request, load_tokenizer, read_trace
 from prefixcache.sim.workloads import WorkloadSpec, write_jsonl
@@ -251,11 +251,6 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     try:
         summary = summarize(source)
-        if args.engine == "native":  # refuse before the first replay, not after some
-            for cfg in effective_configs(configs, summary):
-                why = native_unsupported(cfg, args.metrics is not None) if cfg.mode == "tree" else ""
-                if why:
-                    parser.error(f"--engine native cannot replay {cfg.label}: {why}; use --engine python or auto")
         results = replay(
             source,
             configs,
@@ -269,7 +264,7 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             metrics=_metrics_writer(args.metrics) if args.metrics is not None else None,
             engine=args.engine,
         )
-    except ValueError as exc:  # a malformed trace names its file, line and field
+    except ValueError as exc:  # a malformed trace names its file, line and field; --engine native, what it lacks
         print(f"prefixcache replay: {exc}", file=sys.stderr)
         return 2
     if args.json:
