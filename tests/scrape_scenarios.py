@@ -23,7 +23,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 
 from prefixcache import CacheConfig, CacheContext, PrefixCache
-from prefixcache.metrics import CacheCollector, ServingMetrics
+from prefixcache.ops.metrics import CacheCollector, ServingMetrics
 
 OUT = Path(__file__).parent / "data" / "scrapes"
 INTERVAL = 10  # nominal seconds between the two scrapes

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixcache import codec
 from prefixcache.sim.traces import Request
+from prefixcache.storage import codec
 
 TRACES = Path(__file__).parent / "data" / "traces"  # the Mooncake traces, with their README
 SYNTHETIC = TRACES / "mooncake_synthetic_trace.jsonl"

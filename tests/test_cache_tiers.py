@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, KVLayout, PromotionConfig, TierConfig
 from prefixcache.hashing import CacheContext
-from prefixcache.tiered import LatencyHistogram
+from prefixcache.storage.tiered import LatencyHistogram
 from redis_server import REDIS_SERVER, RedisServer, StallingProxy, free_port
 from support import random_kv
 from tier_worker import BLOCK, CTX, cache_with, frame_bytes, kv_for, prompt, store

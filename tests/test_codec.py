@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import support
-from prefixcache import codec
-from prefixcache.codec import (
+from prefixcache.storage import codec
+from prefixcache.storage.codec import (
     CorruptFrame,
     DtypeMismatch,
     FrameError,

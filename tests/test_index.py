@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache import CacheConfig, CacheContext, PrefixCache, Segment
-from prefixcache.index import Block, BlockTree, common_tokens, path_to, postorder
+from prefixcache.cache.tree import Block, BlockTree, common_tokens, path_to, postorder
 from support import lcp
 
 A = CacheContext(tenant="a", model="m")

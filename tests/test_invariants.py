@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefixcache import CacheConfig, CacheContext, Match, PrefixCache, PromotionConfig
-from prefixcache.index import path_to
+from prefixcache.cache.tree import path_to
 from prefixcache.tenancy import PUBLIC
 from support import Clock, lcp
 

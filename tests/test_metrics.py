@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache import CacheConfig, CacheContext, PrefixCache
-from prefixcache.metrics import OTHER, CacheCollector, ServingMetrics, TenantLabels, metric_names
+from prefixcache.ops.metrics import OTHER, CacheCollector, ServingMetrics, TenantLabels, metric_names
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -318,7 +318,7 @@ def test_collector_exports_a_real_tier() -> None:
 
 
 def test_prefill_rate_skips_warm_up_and_short_prompts_and_smooths() -> None:
-    from prefixcache.metrics import PrefillRate
+    from prefixcache.ops.metrics import PrefillRate
 
     rate = PrefillRate(min_tokens=100, alpha=0.5)
     assert rate.observe(9.0, 1000) is None  # the first one warms the model up

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.metrics import metric_names
+from prefixcache.ops.metrics import metric_names
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ROOT / "ops"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.metrics import SERVING_LABELS, TIER_LABELS, metric_names
+from prefixcache.ops.metrics import SERVING_LABELS, TIER_LABELS, metric_names
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "ops" / "dashboard.json"
 # Grafana's variables, replaced by what Grafana would put there, so promtool can parse the query.

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from prefixcache import CacheConfig, CacheContext, PrefixCache
-from prefixcache.dashboard import dashboard_data
-from prefixcache.metrics import ServingMetrics
+from prefixcache.ops.dashboard import dashboard_data
+from prefixcache.ops.metrics import ServingMetrics
 
 PAGE = Path(__file__).resolve().parent.parent / "src" / "prefixcache" / "server" / "static" / "index.html"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "build" / "test-artifacts"

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from prefixcache import codec
-from prefixcache.tiers import disk as disk_module
-from prefixcache.tiers.base import TierError, TierFull
-from prefixcache.tiers.disk import FSYNC_POLICIES, MAX_KEY_BYTES, DiskStore
+from prefixcache.storage import codec
+from prefixcache.storage import disk as disk_module
+from prefixcache.storage.base import TierError, TierFull
+from prefixcache.storage.disk import FSYNC_POLICIES, MAX_KEY_BYTES, DiskStore
 
 HERE = Path(__file__).resolve().parent
 SMALL = (2, 2, 2, 4, 8)  # 256 items
@@ -364,7 +364,7 @@ def test_kill_9_mid_write_leaves_only_whole_verified_frames(tmp_path: Path, hang
     # kill lands inside a write every time; "at-random" kills a free-running loop.
     code = (
         "import os, time\n"
-        "from prefixcache.tiers import disk as disk_module\n"
+        "from prefixcache.storage import disk as disk_module\n"
         "store = DiskStore(sys.argv[1], 1 << 30, fsync='none')\n"
         "frames = {key_of(i): frame_for(key_of(i), BIG) for i in range(16)}\n"
         "real, n = os.write, 0\n"

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache import codec
-from prefixcache.tiers.base import TierError, TierFull, TierStore
-from prefixcache.tiers.memory import SLAB_ALIGN, MemoryStore
-from prefixcache.tiers.null import NullStore
+from prefixcache.storage import codec
+from prefixcache.storage.base import TierError, TierFull, TierStore
+from prefixcache.storage.memory import SLAB_ALIGN, MemoryStore
+from prefixcache.storage.null import NullStore
 from support import SHAPE, TOKENS, frame_of, key_of, random_kv
 
 

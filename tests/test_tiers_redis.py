@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from prefixcache import codec
-from prefixcache.tiers.base import TierError, TierFull
-from prefixcache.tiers.redis import EXISTS_CHUNK, CircuitBreaker, RedisStore
+from prefixcache.storage import codec
+from prefixcache.storage.base import TierError, TierFull
+from prefixcache.storage.redis import EXISTS_CHUNK, CircuitBreaker, RedisStore
 from redis_server import REDIS_SERVER, RedisServer, StallingProxy, free_port
 from support import SHAPE, TOKENS, Clock, frame_of, key_of, random_kv
 
@@ -90,8 +90,8 @@ def test_namespace_is_required_and_isolates(redis_server: RedisServer) -> None:
 WRITER = """
 import sys
 import numpy as np
-from prefixcache import codec
-from prefixcache.tiers.redis import RedisStore
+from prefixcache.storage import codec
+from prefixcache.storage.redis import RedisStore
 url, seed, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 def key_of(i): return i.to_bytes(16, "little")
 def kv(i): return np.frombuffer(np.random.default_rng(i).bytes(2 * 128), dtype="<f2").reshape(2, 2, 1, 4, 8)

@@ -16,11 +16,11 @@ import sys
 
 import numpy as np
 
-from prefixcache import codec
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, KVLayout, TierConfig
 from prefixcache.hashing import CacheContext
-from prefixcache.tiers.memory import MemoryStore
+from prefixcache.storage import codec
+from prefixcache.storage.memory import MemoryStore
 from support import WIRE
 
 BLOCK = 4

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from prefixcache import __version__
 from prefixcache.cache import PrefixCache
 from prefixcache.config import ISOLATION_MODES, CacheConfig, PromotionConfig
-from prefixcache.diagnose import add_diagnose_parser, run_diagnose
 from prefixcache.hashing import CacheContext
+from prefixcache.ops.diagnose import add_diagnose_parser, run_diagnose
 from prefixcache.policies import POLICIES
 from prefixcache.sim.cli import add_replay_parser, add_workload_parser, run_replay, run_workload
 

@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from prefixcache.codec import WIRE_DTYPES
 from prefixcache.hashing import get_hash
 from prefixcache.policies import POLICIES
+from prefixcache.storage.codec import WIRE_DTYPES
 
 ISOLATION_MODES = ("shared", "namespace", "partitioned")
 DEFAULT_CAPACITY_TOKENS = 1 << 20

@@ -32,10 +32,10 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefixcache.dashboard import dashboard_data
 from prefixcache.engine import DoneEvent, Engine, EngineError, ErrorEvent, Event, Handle, SamplingParams, TokenEvent
 from prefixcache.engine import Request as EngineRequest
-from prefixcache.metrics import CacheCollector, PrefillRate, ServingMetrics, tier_level
+from prefixcache.ops.dashboard import dashboard_data
+from prefixcache.ops.metrics import CacheCollector, PrefillRate, ServingMetrics, tier_level
 from prefixcache.server.schemas import ChatRequest, CompletionRequest, EpochRequest, PurgeRequest, _Request
 from prefixcache.server.settings import Settings
 

@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, PromotionConfig
 from prefixcache.hashing import CacheContext, token_bytes
-from prefixcache.metrics import CacheCollector, ServingMetrics
+from prefixcache.ops.metrics import CacheCollector, ServingMetrics
 from prefixcache.policies import EvictionPolicy, make_policy
 from prefixcache.sim.costmodel import CostAccumulator, CostModel
 from prefixcache.sim.results import ReplayConfig, ReplayResult, TenantResult, TimePoint

@@ -17,7 +17,7 @@ for reads and a ``TierError`` for writes, never an exception out of a read and n
 wrong bytes. A ``CircuitBreaker`` turns a dead or stalled Redis into immediate misses, so
 a request pays at most a few read timeouts before the store stops touching the network.
 
-A store holds no policy (``tiers/base.py``): Redis may evict by its own ``maxmemory``
+A store holds no policy (``storage/base.py``): Redis may evict by its own ``maxmemory``
 policy at any time, and that is just a miss.
 """
 
@@ -33,8 +33,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from prefixcache import codec
-from prefixcache.tiers.base import Frame, TierError, TierFull, TierStore
+from prefixcache.storage import codec
+from prefixcache.storage.base import Frame, TierError, TierFull, TierStore
 
 __all__ = ["CircuitBreaker", "RedisStore"]
 

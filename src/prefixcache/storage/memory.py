@@ -15,7 +15,7 @@ per-put ``malloc`` on the serving path::
     free:  [n-1, ..., 3, 2]         stack of free slots (here 0 and 1 are taken): put pops, delete pushes
     where: {key: (slot, length)}    which slot holds a key, and its frame's length
 
-A store holds no policy (``tiers/base.py``): when no slot is free ``put`` raises
+A store holds no policy (``storage/base.py``): when no slot is free ``put`` raises
 ``TierFull`` and the cache evicts first.
 """
 
@@ -26,8 +26,8 @@ from typing import ClassVar, Final
 
 import numpy as np
 
-from prefixcache import codec
-from prefixcache.tiers.base import Frame, TierError, TierFull, TierStore
+from prefixcache.storage import codec
+from prefixcache.storage.base import Frame, TierError, TierFull, TierStore
 
 __all__ = ["SLAB_ALIGN", "MemoryStore"]
 

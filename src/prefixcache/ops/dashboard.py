@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from prefixcache.metrics import REMOVAL_REASONS, ServingMetrics, tier_level
+from prefixcache.ops.metrics import REMOVAL_REASONS, ServingMetrics, tier_level
 
 VERSION = 1
 SOURCES = ("L0", "L1", "L2", "computed")

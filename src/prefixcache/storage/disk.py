@@ -41,8 +41,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar, Final
 
-from prefixcache import codec
-from prefixcache.tiers.base import Frame, TierError, TierFull, TierStore
+from prefixcache.storage import codec
+from prefixcache.storage.base import Frame, TierError, TierFull, TierStore
 
 __all__ = ["FSYNC_POLICIES", "MAX_KEY_BYTES", "DiskStore"]
 

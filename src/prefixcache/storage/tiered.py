@@ -17,7 +17,7 @@ children by their fastest tier, so the test is O(tiers)). A block that leaves it
 tree. A block whose bytes turn out bad is *lost*: the cache drops it and what hangs
 below it, and the load stops before it (invariant 6).
 
-Each tier has its own eviction policy instance; the stores (``tiers/``) hold no policy.
+Each tier has its own eviction policy instance; the stores (``storage/``) hold no policy.
 Calls come from ``PrefixCache`` under its lock; only reads fan out to ``io_threads``.
 """
 
@@ -35,13 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache import codec
+from prefixcache.cache.tree import Block
 from prefixcache.config import CacheConfig, KVLayout, TierConfig
-from prefixcache.index import Block
 from prefixcache.policies import EvictionPolicy, make_policy
-from prefixcache.tiers.base import Frame, TierError, TierFull, TierStore
-from prefixcache.tiers.disk import DiskStore
-from prefixcache.tiers.memory import MemoryStore
+from prefixcache.storage import codec
+from prefixcache.storage.base import Frame, TierError, TierFull, TierStore
+from prefixcache.storage.disk import DiskStore
+from prefixcache.storage.memory import MemoryStore
 
 __all__ = ["LATENCY_BUCKETS", "LatencyHistogram", "LoadedKV", "Tier", "TieredStorage", "as_kv_array"]
 
@@ -184,13 +184,13 @@ def open_store(config: TierConfig, frame_bytes: int, seed: str) -> TierStore:
     if config.kind == "memory":
         return MemoryStore(config.capacity_bytes, slot)
     if config.kind == "device":
-        from prefixcache.tiers.device import DeviceStore  # torch only when asked for
+        from prefixcache.storage.device import DeviceStore  # torch only when asked for
 
         return DeviceStore(config.capacity_bytes, slot, config.device)
     if config.kind == "disk":
         assert config.path is not None
         return DiskStore(config.path, config.capacity_bytes, config.fsync)
-    from prefixcache.tiers.redis import RedisStore  # redis-py is an optional dependency
+    from prefixcache.storage.redis import RedisStore  # redis-py is an optional dependency
 
     assert config.url is not None
     return RedisStore(

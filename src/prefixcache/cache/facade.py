@@ -27,6 +27,20 @@ from typing import Any
 
 import numpy as np
 
+from prefixcache.cache.tree import (
+    Block,
+    BlockTree,
+    Lookup,
+    Run,
+    RunSpan,
+    always_alive,
+    blocks_of,
+    common_tokens,
+    keys_of,
+    path_to,
+    postorder,
+    runs_to,
+)
 from prefixcache.config import CacheConfig
 from prefixcache.events import (
     BlocksRemoved,
@@ -49,22 +63,8 @@ from prefixcache.hashing import (
     root_encoding,
     token_bytes,
 )
-from prefixcache.index import (
-    Block,
-    BlockTree,
-    Lookup,
-    Run,
-    RunSpan,
-    always_alive,
-    blocks_of,
-    common_tokens,
-    keys_of,
-    path_to,
-    postorder,
-    runs_to,
-)
+from prefixcache.storage.tiered import LoadedKV, TieredStorage, as_kv_array
 from prefixcache.tenancy import GLOBAL, PUBLIC, Pool, Tenancy
-from prefixcache.tiered import LoadedKV, TieredStorage, as_kv_array
 
 Tokens = Sequence[int] | np.ndarray
 _key_of = attrgetter("key")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from prefixcache.tiers.base import Frame, TierFull, TierStore
+from prefixcache.storage.base import Frame, TierFull, TierStore
 
 __all__ = ["NullStore"]
 

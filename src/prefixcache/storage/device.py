@@ -1,6 +1,6 @@
 """Device tier (L0): the memory tier's fixed-size slots in one torch tensor on the model's device.
 
-The layout, the free list and the accounting are the memory tier's (``tiers/memory.py``);
+The layout, the free list and the accounting are the memory tier's (``storage/memory.py``);
 only the slab differs: a ``torch.uint8`` tensor allocated once on ``device`` (``"cpu"``,
 ``"cuda"``, ``"cuda:1"``, ...). On the CPU the slab is shared with a numpy view, so a
 read is the same zero-copy view the memory tier gives. On an accelerator a read copies
@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from prefixcache.tiers.base import Frame
-from prefixcache.tiers.memory import MemoryStore
+from prefixcache.storage.base import Frame
+from prefixcache.storage.memory import MemoryStore
 
 __all__ = ["DeviceStore"]
 

@@ -1,0 +1,1 @@
+"""Operations: Prometheus metrics, the diagnose runbook, the dashboard's data."""
