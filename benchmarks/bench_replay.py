@@ -17,9 +17,11 @@ import argparse
 import time
 from pathlib import Path
 
+from prefixcache.config import CacheConfig
 from prefixcache.sim.peers import libcachesim_run
-from prefixcache.sim.replay import replay, summarize
+from prefixcache.sim.replay import replay
 from prefixcache.sim.results import ReplayConfig
+from prefixcache.sim.summary import summarize
 from prefixcache.sim.traces import read_trace
 
 HERE = Path(__file__).resolve().parent
@@ -37,7 +39,7 @@ def ours(path: Path, policy: str, engine: str, repeats: int) -> tuple[float, int
     source = lambda: read_trace(path, "mooncake")  # noqa: E731
     summary = summarize(source)
     requests = list(source())  # parse once, outside the timing: we measure the cache, not json
-    cfg = ReplayConfig(policy=policy, capacity_tokens=CAPACITY_TOKENS, block_size=512)
+    cfg = ReplayConfig(CacheConfig(policy=policy, capacity_tokens=CAPACITY_TOKENS, block_size=512, isolation="shared"))
     best = 0.0
     for _ in range(repeats):
         start = time.perf_counter()

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from prefixcache.config import CacheConfig
 from prefixcache.sim.costmodel import (
     GPUS,
     MODELS,
@@ -21,9 +22,10 @@ from prefixcache.sim.costmodel import (
     parse_gpu,
     parse_model_profile,
 )
-from prefixcache.sim.results import ReplayConfig, ReplayResult
+from prefixcache.sim.results import UNLIMITED, ReplayConfig, ReplayResult
 
 TINY = ModelProfile("tiny", params=1000.0, layers=2, hidden=8, context_length=4096)
+REPLAY_CONFIG = ReplayConfig(CacheConfig(policy="lru", capacity_tokens=UNLIMITED, isolation="shared"))
 
 
 def brute_force(model: ModelProfile, length: int, cached: int) -> tuple[float, float]:
@@ -228,7 +230,7 @@ def test_accumulator_fills_a_result() -> None:
     requests = [(2048, 1024), (100, 0), (4096, 4096)]
     for length, cached in requests:
         acc.add(length, cached)
-    result = ReplayResult(ReplayConfig(), trace="t", requests=3)
+    result = ReplayResult(REPLAY_CONFIG, trace="t", requests=3)
     acc.apply(result)
 
     want_total = sum(model.request(n, h)[0] for n, h in requests)
@@ -243,7 +245,7 @@ def test_accumulator_fills_a_result() -> None:
 
 
 def test_empty_accumulator_applies_zeros() -> None:
-    result = ReplayResult(ReplayConfig(), trace="t")
+    result = ReplayResult(REPLAY_CONFIG, trace="t")
     CostAccumulator(cost_model()).apply(result)
     assert result.prefill_flops_total == 0.0
     assert result.gpu_hours_saved == 0.0

@@ -25,26 +25,44 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from prefixcache.config import CacheConfig, PromotionConfig
 from prefixcache.policies import POLICIES as CACHE_POLICIES
-from prefixcache.sim.replay import (
-    CacheStepper,
-    KernelStepper,
-    effective_configs,
-    make_stepper,
-    native_unsupported,
-    replay,
-    summarize,
-)
-from prefixcache.sim.results import ReplayConfig, ReplayResult
+from prefixcache.sim.engines import CacheStepper, KernelStepper, make_stepper, native_unsupported
+from prefixcache.sim.replay import replay
+from prefixcache.sim.results import ReplayConfig, ReplayResult, cache_capacity
+from prefixcache.sim.summary import effective_configs, summarize
 from prefixcache.sim.traces import Request, read_trace
-from prefixcache.sim.workloads import WorkloadSpec, write_jsonl
+from prefixcache.sim.workload_spec import WorkloadSpec
+from prefixcache.sim.workloads import write_jsonl
 from support import tok
 
 _kernel = pytest.importorskip("prefixcache.sim._kernel", reason="the compiled replay kernel is not built")
 
+
+def sim_config(
+    policy: str = "lru",
+    capacity_tokens: float = math.inf,
+    block_size: int = 16,
+    isolation: str = "shared",
+    *,
+    mode: str = "tree",
+    **cache: Any,
+) -> ReplayConfig:
+    """A replay configuration; unless told otherwise, the command line's defaults (lru,
+    unlimited, blocks of 16, shared). ``cache`` holds further ``CacheConfig`` fields."""
+    config = CacheConfig(
+        policy=policy,
+        capacity_tokens=cache_capacity(capacity_tokens),
+        block_size=block_size,
+        isolation=isolation,
+        **cache,
+    )
+    return ReplayConfig(config, mode)
+
+
 ISOLATIONS = ("shared", "namespace", "partitioned")
 KERNEL_POLICIES: tuple[str, ...] = tuple(_kernel.POLICIES)
-KERNEL_TTL = native_unsupported(ReplayConfig(ttl_seconds=60.0)) == ""  # NOTE: the kernel models TTLs
+KERNEL_TTL = native_unsupported(sim_config(ttl_seconds=60.0)) == ""  # NOTE: the kernel models TTLs
 TENANTS = ("acme", "bolt", "cyan", "dune")
 MODELS = ("m1", "m2")
 MAX_TOKEN = 2**32 - 1
@@ -97,20 +115,6 @@ class Case:
         printer.text(repr(self))
 
 
-def occupancy(ref: CacheStepper, ker: KernelStepper) -> tuple[Any, Any]:
-    """What each engine holds and counts: tokens (native blocks for a pre-hashed trace),
-    blocks, expired blocks, collisions, and per pool, in the order the pools were made,
-    quota, tokens, blocks and evictions."""
-    cache, tree, stats = ref.cache, ker._tree, ref.cache._stats
-    pools = [(p.quota, p.used, p.blocks, p.evictions) for p in cache._tenancy.pools.values()]
-    kernel_pools = [(p["quota"], p["used"], p["blocks"], p["evictions"]) for p in tree.pools()]
-    expired = getattr(tree, "expired", 0)
-    return (
-        (cache.used_tokens, len(cache), stats.expired, stats.collisions, pools),
-        (tree.used, len(tree), expired, tree.collisions, kernel_pools),
-    )
-
-
 def step_both(case: Case) -> tuple[CacheStepper, KernelStepper]:
     """Replay ``case`` through both engines, comparing after every request; the first
     difference fails with the request's index and both engines' answers."""
@@ -124,10 +128,7 @@ def step_both(case: Case) -> tuple[CacheStepper, KernelStepper]:
         where = f"request {i} ({_show(req)}) under {cfg.label}"
         assert got == want, f"{where}: kernel cached {got}, cache {want}"
         assert ker.evictions == ref.evictions, f"{where}: kernel evictions {ker.evictions}, cache {ref.evictions}"
-        held, kernel_held = occupancy(ref, ker)
-        assert kernel_held == held, (
-            f"{where}: kernel (tokens, blocks, expired, collisions, pools) {kernel_held}, cache {held}"
-        )
+        assert ker.counters() == ref.counters(), f"{where}: kernel {ker.counters()}, cache {ref.counters()}"
     return ref, ker
 
 
@@ -149,7 +150,7 @@ def replay_configs(draw: st.DrawFn, block_size: int) -> ReplayConfig:
     ragged = st.one_of(st.integers(1, 10 * block_size), st.integers(0, 40 * block_size))
     kind = draw(st.sampled_from(["blocks", "ragged", "blocks", "ragged", "unlimited"]))
     capacity = draw({"blocks": blocks, "ragged": ragged, "unlimited": st.just(INF)}[kind])
-    return ReplayConfig(
+    return sim_config(
         policy=draw(st.sampled_from(KERNEL_POLICIES)),
         capacity_tokens=capacity,
         block_size=block_size,
@@ -222,7 +223,7 @@ def hashed_cases(draw: st.DrawFn) -> Case:
 
 
 def _lru(capacity: float, isolation: str = "shared", block_size: int = 2) -> ReplayConfig:
-    return ReplayConfig(policy="lru", capacity_tokens=capacity, block_size=block_size, isolation=isolation)
+    return sim_config(policy="lru", capacity_tokens=capacity, block_size=block_size, isolation=isolation)
 
 
 @settings(max_examples=300, deadline=None)
@@ -232,7 +233,7 @@ def _lru(capacity: float, isolation: str = "shared", block_size: int = 2) -> Rep
 # FIFO's oldest block is the one the answer extends: it stays, the next oldest goes.
 @example(
     Case(
-        ReplayConfig(policy="fifo", capacity_tokens=4, block_size=2),
+        sim_config(policy="fifo", capacity_tokens=4, block_size=2),
         True,
         (tok(0.0, [1, 1]), tok(1.0, [2, 2]), tok(2.0, [1, 1], output=[4, 4]), tok(3.0, [2, 2]), tok(4.0, [1, 1])),
     )
@@ -270,10 +271,10 @@ def test_kernel_steps_like_the_cache_on_a_long_random_trace(policy: str, isolati
         output = [rng.randrange(6) for _ in range(rng.randrange(0, 5))]
         requests.append(tok(i * 0.5, prompt, rng.choice(TENANTS[:3]), rng.choice(MODELS), output))
         earlier.append(prompt + output)
-    cfg = ReplayConfig(policy=policy, capacity_tokens=60, block_size=3, isolation=isolation, ttl_seconds=ttl)
+    cfg = sim_config(policy=policy, capacity_tokens=60, block_size=3, isolation=isolation, ttl_seconds=ttl)
     ref, _ = step_both(Case(cfg, True, tuple(requests)))
     assert ref.evictions > 50  # the comparison ran through many evictions
-    assert ttl is None or ref.cache._stats.expired > 50  # and expiries
+    assert ttl is None or ref.counters().expired > 50  # and expiries
 
 
 # ---------------------------------------------------------------------------- whole replays
@@ -299,7 +300,7 @@ def assert_same_replays(requests: Sequence[Request], configs: Iterable[ReplayCon
 
 
 MOONCAKE_CONFIGS = [
-    ReplayConfig(policy=policy, capacity_tokens=capacity, block_size=512)
+    sim_config(policy=policy, capacity_tokens=capacity, block_size=512)
     for policy in ("lru", "s3fifo")
     for capacity in (1e6, 1e7)
 ]
@@ -319,13 +320,13 @@ def test_same_replay_of_the_mooncake_conversation_head(conversation: list[Reques
     """The first 1000 requests, every kernel policy, at a capacity that evicts often (one
     tenant: partitioned is one pool with all the capacity, through the pool code)."""
     configs = [
-        ReplayConfig(policy=p, capacity_tokens=2e5, block_size=512, isolation=i)
+        sim_config(policy=p, capacity_tokens=2e5, block_size=512, isolation=i)
         for p in KERNEL_POLICIES
         for i in ("shared", "partitioned")
     ]
     if KERNEL_TTL:  # the head spans 330 s
         configs += [
-            ReplayConfig(policy=p, capacity_tokens=1e6, block_size=512, ttl_seconds=30.0) for p in ("lru", "s3fifo")
+            sim_config(policy=p, capacity_tokens=1e6, block_size=512, ttl_seconds=30.0) for p in ("lru", "s3fifo")
         ]
     assert_same_replays(conversation[:1000], configs)
 
@@ -364,13 +365,13 @@ def workloads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Reques
 @pytest.mark.parametrize("emit", ["tokens", "hash_ids"])
 def test_same_replay_of_a_generated_workload(workloads: dict[str, list[Request]], isolation: str, emit: str) -> None:
     configs = [
-        ReplayConfig(policy=p, capacity_tokens=c, block_size=16, isolation=isolation)
+        sim_config(policy=p, capacity_tokens=c, block_size=16, isolation=isolation)
         for p in KERNEL_POLICIES
         for c in (3000, INF)
     ]
     if KERNEL_TTL:
         configs += [
-            ReplayConfig(policy=p, capacity_tokens=c, block_size=16, isolation=isolation, ttl_seconds=30.0)
+            sim_config(policy=p, capacity_tokens=c, block_size=16, isolation=isolation, ttl_seconds=30.0)
             for p in ("lru", "s3fifo")
             for c in (3000, INF)
         ]
@@ -381,7 +382,7 @@ def test_same_replay_of_a_generated_workload(workloads: dict[str, list[Request]]
 def test_generated_workload_step_for_step(workloads: dict[str, list[Request]], isolation: str) -> None:
     """The same workload compared after every request (a difference names the request)."""
     for policy in KERNEL_POLICIES:
-        cfg = ReplayConfig(policy=policy, capacity_tokens=2000, block_size=8, isolation=isolation)
+        cfg = sim_config(policy=policy, capacity_tokens=2000, block_size=8, isolation=isolation)
         step_both(Case(cfg, True, tuple(workloads["tokens"])))
 
 
@@ -403,7 +404,7 @@ def _run(cfg: ReplayConfig, engine: str = "auto", **kwargs: Any) -> ReplayResult
 @pytest.mark.parametrize("policy", KERNEL_POLICIES)
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_auto_runs_the_kernel_where_it_can(policy: str, isolation: str) -> None:
-    cfg = ReplayConfig(policy=policy, capacity_tokens=64, block_size=2, isolation=isolation)
+    cfg = sim_config(policy=policy, capacity_tokens=64, block_size=2, isolation=isolation)
     assert native_unsupported(cfg) == ""
     assert _run(cfg).engine == "native"
     assert isinstance(make_stepper(cfg, summarize(lambda: CHAT), False), KernelStepper)
@@ -411,11 +412,11 @@ def test_auto_runs_the_kernel_where_it_can(policy: str, isolation: str) -> None:
 
 
 UNSUPPORTED = {
-    "promotion": (ReplayConfig(block_size=2, isolation="namespace", promote_min_tenants=2), "promotion"),
-    "partial": (ReplayConfig(block_size=2, partial_blocks=True), "partial blocks"),
+    "promotion": (sim_config(block_size=2, isolation="namespace", promotion=PromotionConfig(2)), "promotion"),
+    "partial": (sim_config(block_size=2, partial_blocks=True), "partial blocks"),
 }
 if not KERNEL_TTL:
-    UNSUPPORTED["ttl"] = (ReplayConfig(block_size=2, ttl_seconds=60.0), "TTL")
+    UNSUPPORTED["ttl"] = (sim_config(block_size=2, ttl_seconds=60.0), "TTL")
 
 
 @pytest.mark.parametrize("case", sorted(UNSUPPORTED))
@@ -433,12 +434,12 @@ def test_auto_falls_back_to_python_and_native_refuses(case: str) -> None:
 def test_an_unlimited_ttl_replays_on_auto_as_on_python() -> None:
     """The cache takes ``ttl_seconds=inf`` (nothing expires); ``auto`` must not pick an
     engine that then refuses it."""
-    cfg = ReplayConfig(block_size=2, capacity_tokens=8, ttl_seconds=INF)
+    cfg = sim_config(block_size=2, capacity_tokens=8, ttl_seconds=INF)
     assert comparable(_run(cfg)) == comparable(_run(cfg, "python"))
 
 
 def test_metrics_run_on_python_and_native_refuses() -> None:
-    cfg = ReplayConfig(block_size=2)
+    cfg = sim_config(block_size=2)
     seen: list[bytes] = []
     assert _run(cfg, metrics=lambda _cfg, text: seen.append(text)).engine == "python"
     assert seen and b"prefixcache" in seen[0]
@@ -450,7 +451,7 @@ def test_pre_hashed_trace_with_partial_blocks_runs_native() -> None:
     """A pre-hashed trace has no tokens inside a block: partial blocks are turned off
     for it (``effective_configs``), so nothing stops the kernel."""
     trace = [hashed(0.0, [0, 1], 16, 20), hashed(1.0, [0, 1], 16, 32)]
-    (result,) = replay(lambda: trace, [ReplayConfig(partial_blocks=True)], optimal=False)
+    (result,) = replay(lambda: trace, [sim_config(partial_blocks=True)], optimal=False)
     assert result.engine == "native"
     assert result.hit_tokens == 32
 
@@ -458,7 +459,7 @@ def test_pre_hashed_trace_with_partial_blocks_runs_native() -> None:
 @pytest.mark.parametrize("engine", ["gpu", "", "Native"])
 def test_unknown_engine_is_an_error_listing_the_valid_ones(engine: str) -> None:
     with pytest.raises(ValueError, match="auto, native, python"):
-        _run(ReplayConfig(block_size=2), engine)
+        _run(sim_config(block_size=2), engine)
 
 
 # ---------------------------------------------------------------------------- kernel guards

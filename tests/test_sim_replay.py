@@ -23,11 +23,16 @@ from typing import Any
 import numpy as np
 import pytest
 
+from prefixcache.config import CacheConfig, PromotionConfig
+from prefixcache.sim.accounting import TIMELINE_WINDOWS
 from prefixcache.sim.peers import libcachesim_run
-from prefixcache.sim.replay import TIMELINE_WINDOWS, replay, summarize
-from prefixcache.sim.results import ReplayConfig, ReplayResult
-from prefixcache.sim.traces import Request, TraceError, read_trace
-from prefixcache.sim.workloads import WorkloadSpec, repeated_prefix, write_jsonl
+from prefixcache.sim.replay import replay
+from prefixcache.sim.results import ReplayConfig, ReplayResult, cache_capacity
+from prefixcache.sim.summary import summarize
+from prefixcache.sim.tracefile import TraceError
+from prefixcache.sim.traces import Request, read_trace
+from prefixcache.sim.workload_spec import WorkloadSpec
+from prefixcache.sim.workloads import repeated_prefix, write_jsonl
 from support import CONVERSATION, SYNTHETIC, tok
 
 POLICIES = ("lru", "fifo", "s3fifo", "sieve", "lfu")
@@ -53,6 +58,27 @@ def prefix_trace(
         repeated_prefix(prefix, suffix, n, tenants=tenants, block_size=block_size),
     )
     return list(read_trace(path))
+
+
+def sim_config(
+    policy: str = "lru",
+    capacity_tokens: float = INF,
+    block_size: int = 16,
+    isolation: str = "shared",
+    *,
+    mode: str = "tree",
+    **cache: Any,
+) -> ReplayConfig:
+    """A replay configuration; unless told otherwise, the command line's defaults (lru,
+    unlimited, blocks of 16, shared). ``cache`` holds further ``CacheConfig`` fields."""
+    config = CacheConfig(
+        policy=policy,
+        capacity_tokens=cache_capacity(capacity_tokens),
+        block_size=block_size,
+        isolation=isolation,
+        **cache,
+    )
+    return ReplayConfig(config, mode)
 
 
 def run(requests: Sequence[Request], *configs: ReplayConfig, **kwargs: Any) -> list[ReplayResult]:
@@ -87,7 +113,7 @@ def test_repeated_prefix_shared_and_namespace_exact(tmp_path: Path, mode: str, b
     requests = prefix_trace(tmp_path, prefix, suffix, n, tenants, block_size)
     length = prefix + suffix
     hit = prefix // block_size * block_size
-    configs = [ReplayConfig(p, INF, block_size, iso, mode=mode) for iso in ("shared", "namespace") for p in POLICIES]
+    configs = [sim_config(p, INF, block_size, iso, mode=mode) for iso in ("shared", "namespace") for p in POLICIES]
     results = run(requests, *configs)
     assert [r.config for r in results] == configs
     per_tenant = [len(range(t, n, tenants)) for t in range(tenants)]
@@ -113,7 +139,7 @@ def test_repeated_prefix_shared_and_namespace_exact(tmp_path: Path, mode: str, b
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_partitioned_at_unlimited_capacity_is_namespace(tmp_path: Path, block_size: int) -> None:
     requests = prefix_trace(tmp_path, 300, 40, 12, 4, block_size)
-    ns, part = run(requests, *(ReplayConfig("lru", INF, block_size, iso) for iso in ("namespace", "partitioned")))
+    ns, part = run(requests, *(sim_config("lru", INF, block_size, iso) for iso in ("namespace", "partitioned")))
     assert part.hit_tokens == ns.hit_tokens == (12 - 4) * (300 // block_size * block_size)
     assert part.hit_requests == ns.hit_requests == 8
 
@@ -123,7 +149,7 @@ def test_partitioned_at_unlimited_capacity_is_namespace(tmp_path: Path, block_si
 def test_partial_blocks_hit_the_exact_prefix(tmp_path: Path, block_size: int, prefix: int) -> None:
     n = 9
     requests = prefix_trace(tmp_path, prefix, 50, n, 1, block_size)
-    results = run(requests, *(ReplayConfig(p, INF, block_size, partial_blocks=True) for p in POLICIES), optimal=False)
+    results = run(requests, *(sim_config(p, INF, block_size, partial_blocks=True) for p in POLICIES), optimal=False)
     for r in results:
         assert r.hit_tokens == (n - 1) * prefix
         assert r.hit_requests == n - 1
@@ -131,7 +157,7 @@ def test_partial_blocks_hit_the_exact_prefix(tmp_path: Path, block_size: int, pr
 
 def test_capacity_zero_hits_nothing(tmp_path: Path) -> None:
     requests = prefix_trace(tmp_path, 256, 64, 10)
-    configs = [ReplayConfig(p, 0, 16, mode=m) for m in ("tree", "flat") for p in POLICIES]
+    configs = [sim_config(p, 0, 16, mode=m) for m in ("tree", "flat") for p in POLICIES]
     for r in run(requests, *configs):
         assert (r.hit_tokens, r.hit_requests, r.optimal_hit_tokens) == (0, 0, 0), r.config.label
 
@@ -144,9 +170,9 @@ def test_capacity_smaller_than_one_prompt(tmp_path: Path, capacity: int) -> None
     request hits exactly the blocks that fit."""
     n, bs = 10, 16
     requests = prefix_trace(tmp_path, 256, 64, n, 1, bs)  # 320-token prompts, 256 shared
-    flat = run(requests, *(ReplayConfig(p, capacity, bs, mode="flat") for p in ("lru", "fifo")), optimal=False)
+    flat = run(requests, *(sim_config(p, capacity, bs, mode="flat") for p in ("lru", "fifo")), optimal=False)
     assert [r.hit_tokens for r in flat] == [0, 0]
-    tree = run(requests, *(ReplayConfig(p, capacity, bs) for p in POLICIES))
+    tree = run(requests, *(sim_config(p, capacity, bs) for p in POLICIES))
     for r in tree:
         assert r.hit_tokens == (n - 1) * (capacity // bs * bs), r.config.label
         assert r.optimal_hit_tokens == r.hit_tokens
@@ -160,10 +186,10 @@ def test_promotion_shares_the_prefix_after_k_tenants(tmp_path: Path, isolation: 
     n, tenants, hit = 12, 4, 300 // 16 * 16
     requests = prefix_trace(tmp_path, 300, 40, n, tenants, 16)
     configs = [
-        ReplayConfig("lru", INF, 16, "shared"),
-        ReplayConfig("lru", INF, 16, isolation),
-        ReplayConfig("lru", INF, 16, isolation, promote_min_tenants=k),
-        ReplayConfig("lru", INF, 16, isolation, promote_min_tenants=k, promote_min_tokens=512),  # prefix too short
+        sim_config("lru", INF, 16, "shared"),
+        sim_config("lru", INF, 16, isolation),
+        sim_config("lru", INF, 16, isolation, promotion=PromotionConfig(k)),
+        sim_config("lru", INF, 16, isolation, promotion=PromotionConfig(k, 512)),  # prefix too short
     ]
     shared, isolated, promoted, too_short = run(requests, *configs)
     misses = min(k, tenants)
@@ -183,7 +209,7 @@ def test_warmup_counts_only_the_requests_after_it(tmp_path: Path, warmup: float)
     skip = int(n * warmup)
     counted = n - skip
     hit = prefix // bs * bs
-    (r,) = run(requests, ReplayConfig("lru", INF, bs, "namespace"), warmup=warmup)
+    (r,) = run(requests, sim_config("lru", INF, bs, "namespace"), warmup=warmup)
     # Under namespace isolation requests 0..3 (one per tenant) are the only misses.
     hits = sum(1 for i in range(skip, n) if i >= tenants)
     assert r.warmup_requests == skip
@@ -202,7 +228,7 @@ def test_warmup_counts_only_the_requests_after_it(tmp_path: Path, warmup: float)
 def test_warmup_outside_unit_interval_is_an_error(tmp_path: Path, warmup: float) -> None:
     requests = prefix_trace(tmp_path, 32, 8, 3)
     with pytest.raises(ValueError, match="warm-up"):
-        run(requests, ReplayConfig(), warmup=warmup)
+        run(requests, sim_config(), warmup=warmup)
 
 
 def chat_turns() -> list[Request]:
@@ -225,7 +251,7 @@ def test_include_output_lets_the_next_turn_hit_the_answer(include_output: bool, 
     requests = chat_turns()
     results = run(
         requests,
-        *(ReplayConfig(p, INF, 16, partial_blocks=partial) for p in POLICIES),
+        *(sim_config(p, INF, 16, partial_blocks=partial) for p in POLICIES),
         include_output=include_output,
         optimal=False,
     )
@@ -240,7 +266,7 @@ def test_include_output_is_ignored_for_pre_hashed_traces() -> None:
         Request(float(i), "t", "m", "", 40, 7, hash_ids=(1, 2, 3), block_size=16, output_tokens=(5,) * 7)
         for i in range(3)
     ]
-    a, b = (run(requests, ReplayConfig(), include_output=flag)[0] for flag in (False, True))
+    a, b = (run(requests, sim_config(), include_output=flag)[0] for flag in (False, True))
     assert a.hit_tokens == b.hit_tokens == 2 * 40
 
 
@@ -251,14 +277,14 @@ def test_ttl_runs_on_trace_time(tmp_path: Path, ttl: float | None, hits: bool) -
         tmp_path / "ttl.jsonl",
         [{"timestamp": t, "tenant": "a", "model": "m", "tokens": prompt} for t in (0.0, 100.0)],
     )
-    (r,) = replay(lambda: read_trace(path), [ReplayConfig("lru", INF, 16, ttl_seconds=ttl)], optimal=False)
+    (r,) = replay(lambda: read_trace(path), [sim_config("lru", INF, 16, ttl_seconds=ttl)], optimal=False)
     assert r.hit_tokens == (64 if hits else 0)
 
 
 def test_ttl_is_refreshed_by_each_hit() -> None:
     prompt = list(range(64))
     requests = [tok(t, prompt) for t in (0.0, 80.0, 160.0, 240.0, 400.0)]
-    (r,) = run(requests, ReplayConfig("lru", INF, 16, ttl_seconds=100.0), optimal=False)
+    (r,) = run(requests, sim_config("lru", INF, 16, ttl_seconds=100.0), optimal=False)
     # 80, 160 and 240 each come within 100 s of the last use; 400 does not.
     assert r.hit_requests == 3
     assert r.hit_tokens == 3 * 64
@@ -268,7 +294,7 @@ def test_ttl_on_mooncake_timestamps_in_milliseconds(tmp_path: Path) -> None:
     rows = [{"timestamp": ms, "input_length": 600, "output_length": 1, "hash_ids": [0, 1]} for ms in (0, 30_000)]
     path = write_records(tmp_path / "mc.jsonl", rows)
     for ttl, hit in ((31.0, 600), (29.0, 0)):
-        (r,) = replay(lambda: read_trace(path, "mooncake"), [ReplayConfig(ttl_seconds=ttl)], optimal=False)
+        (r,) = replay(lambda: read_trace(path, "mooncake"), [sim_config(ttl_seconds=ttl)], optimal=False)
         assert r.hit_tokens == hit
 
 
@@ -296,9 +322,9 @@ def check_optimum_bounds(results: list[ReplayResult]) -> None:
 
 @slow
 def test_optimum_bounds_every_policy_on_a_generated_workload(generated: list[Request]) -> None:
-    configs = [ReplayConfig(p, c, 64) for c in (50_000, 200_000) for p in POLICIES]
-    configs += [ReplayConfig(p, 50_000, 64, "namespace") for p in ("lru", "s3fifo")]
-    configs += [ReplayConfig(p, 50_000, 64, mode="flat") for p in ("lru", "fifo", "s3fifo")]
+    configs = [sim_config(p, c, 64) for c in (50_000, 200_000) for p in POLICIES]
+    configs += [sim_config(p, 50_000, 64, "namespace") for p in ("lru", "s3fifo")]
+    configs += [sim_config(p, 50_000, 64, mode="flat") for p in ("lru", "fifo", "s3fifo")]
     results = run(generated, *configs)
     check_optimum_bounds(results)
     # the optimum grows with capacity and is not trivially reached at these sizes
@@ -311,8 +337,8 @@ def test_optimum_bounds_every_policy_on_a_generated_workload(generated: list[Req
 
 @slow
 def test_optimum_bounds_every_policy_on_mooncake_synthetic(synthetic: list[Request]) -> None:
-    configs = [ReplayConfig(p, 1e6) for p in POLICIES]
-    configs += [ReplayConfig(p, 1e6, mode="flat") for p in ("lru", "fifo", "s3fifo")]
+    configs = [sim_config(p, 1e6) for p in POLICIES]
+    configs += [sim_config(p, 1e6, mode="flat") for p in ("lru", "fifo", "s3fifo")]
     results = run(synthetic, *configs)
     check_optimum_bounds(results)
     assert results[0].optimal_token_hit_rate == pytest.approx(0.383, abs=0.002)
@@ -320,7 +346,7 @@ def test_optimum_bounds_every_policy_on_mooncake_synthetic(synthetic: list[Reque
 
 def test_optimum_at_unlimited_capacity_is_the_ceiling(generated: list[Request]) -> None:
     sample = generated[:400]
-    results = run(sample, *(ReplayConfig(p, INF, 64, mode=m) for m in ("tree", "flat") for p in ("lru", "s3fifo")))
+    results = run(sample, *(sim_config(p, INF, 64, mode=m) for m in ("tree", "flat") for p in ("lru", "s3fifo")))
     assert len({r.hit_tokens for r in results}) == 1
     assert all(r.optimal_hit_tokens == r.hit_tokens for r in results)
 
@@ -334,9 +360,9 @@ def test_optimum_at_unlimited_capacity_is_the_ceiling(generated: list[Request]) 
 def test_optimum_is_never_below_the_policy_at_unlimited_capacity(tmp_path: Path, case: str) -> None:
     if case == "partial_blocks":
         requests = prefix_trace(tmp_path, 100, 50, 10)
-        (r,) = run(requests, ReplayConfig("lru", INF, 16, partial_blocks=True))
+        (r,) = run(requests, sim_config("lru", INF, 16, partial_blocks=True))
     else:
-        (r,) = run(chat_turns(), ReplayConfig("lru", INF, 16), include_output=True)
+        (r,) = run(chat_turns(), sim_config("lru", INF, 16), include_output=True)
     # Either fix passes: an optimum that sees the same reuse, or none reported for such configurations.
     if r.optimal_hit_tokens is not None:
         assert r.optimal_hit_tokens >= r.hit_tokens, f"optimum {r.optimal_hit_tokens} < achieved {r.hit_tokens}"
@@ -354,7 +380,7 @@ def test_blocks_of_different_models_are_never_shared(hashed: bool) -> None:
         return tok(ts, range(64), model=model)
 
     requests = [req(0.0, "model-a"), req(1.0, "model-b")]
-    tree, flat = run(requests, *(ReplayConfig("lru", INF, 16, mode=m) for m in ("tree", "flat")))
+    tree, flat = run(requests, *(sim_config("lru", INF, 16, mode=m) for m in ("tree", "flat")))
     assert tree.hit_tokens == 0
     assert flat.hit_tokens == 0
     assert tree.optimal_hit_tokens == 0
@@ -365,7 +391,7 @@ def test_blocks_of_different_models_are_never_shared(hashed: bool) -> None:
 
 @slow
 def test_calibration_mooncake_synthetic() -> None:
-    configs = [ReplayConfig("lru", 1e7), ReplayConfig("fifo", 1e7), ReplayConfig("lru", INF)]
+    configs = [sim_config("lru", 1e7), sim_config("fifo", 1e7), sim_config("lru", INF)]
     lru, fifo, ceiling = replay(lambda: read_trace(SYNTHETIC), configs, trace_name=SYNTHETIC.name)
     assert lru.config.block_size == 512  # the trace's own block size
     assert lru.requests == 3993
@@ -379,7 +405,7 @@ def test_calibration_mooncake_synthetic() -> None:
 
 @slow
 def test_calibration_mooncake_conversation_ceiling() -> None:
-    (r,) = replay(lambda: read_trace(CONVERSATION), [ReplayConfig("lru", INF)], trace_name=CONVERSATION.name)
+    (r,) = replay(lambda: read_trace(CONVERSATION), [sim_config("lru", INF)], trace_name=CONVERSATION.name)
     assert r.requests == 12031
     assert r.blocks_looked_up == 288_500  # README: total blocks
     assert r.token_hit_rate == pytest.approx(0.374, abs=0.001)
@@ -398,7 +424,7 @@ def libcachesim_miss_ratio(keys: np.ndarray, policy: str, capacity: int) -> floa
 
 def flat_miss_ratios(requests: list[Request], capacity_blocks: Sequence[int], block_size: int) -> dict[Any, float]:
     configs = [
-        ReplayConfig(p, c * block_size, block_size, mode="flat")
+        sim_config(p, c * block_size, block_size, mode="flat")
         for c in capacity_blocks
         for p in ("lru", "fifo", "s3fifo")
     ]
@@ -439,7 +465,7 @@ def test_flat_mode_matches_libcachesim_on_mooncake_blocks(conversation: list[Req
 def test_one_result_per_configuration_in_order(tmp_path: Path) -> None:
     requests = prefix_trace(tmp_path, 100, 30, 8, 2, 16)
     configs = [
-        ReplayConfig(p, c, bs, iso, mode=m)
+        sim_config(p, c, bs, iso, mode=m)
         for m in ("tree", "flat")
         for iso in ("shared", "namespace", "partitioned")
         for bs in (16, 64)
@@ -453,10 +479,10 @@ def test_one_result_per_configuration_in_order(tmp_path: Path) -> None:
 
 def test_pre_hashed_trace_merges_block_sizes(synthetic: list[Request]) -> None:
     sample = synthetic[:200]
-    configs = [ReplayConfig("lru", 1e6, bs, partial_blocks=pb) for bs in (16, 64, 512) for pb in (False, True)]
-    configs.append(ReplayConfig("fifo", 1e6, 16))
+    configs = [sim_config("lru", 1e6, bs, partial_blocks=pb) for bs in (16, 64, 512) for pb in (False, True)]
+    configs.append(sim_config("fifo", 1e6, 16))
     results = run(sample, *configs)
-    assert [r.config for r in results] == [ReplayConfig("lru", 1e6, 512), ReplayConfig("fifo", 1e6, 512)]
+    assert [r.config for r in results] == [sim_config("lru", 1e6, 512), sim_config("fifo", 1e6, 512)]
     assert summarize(lambda: sample).native_block_size == 512
 
 
@@ -466,15 +492,13 @@ def test_mixed_native_block_sizes_are_an_error() -> None:
         Request(1.0, "t", "m", "", 64, 0, hash_ids=(2,), block_size=64),
     ]
     with pytest.raises(ValueError, match="block size"):
-        run(requests, ReplayConfig())
+        run(requests, sim_config())
 
 
 @pytest.mark.parametrize("warmup", [0.0, 0.3])
 def test_timeline_and_tenants_add_up_to_the_totals(generated: list[Request], warmup: float) -> None:
     sample = generated[:600]
-    configs = [
-        ReplayConfig("lru", 30_000, 64, iso, mode=m) for m in ("tree", "flat") for iso in ("shared", "namespace")
-    ]
+    configs = [sim_config("lru", 30_000, 64, iso, mode=m) for m in ("tree", "flat") for iso in ("shared", "namespace")]
     for r in run(sample, *configs, warmup=warmup, optimal=False):
         assert r.requests == 600 - int(600 * warmup)
         assert 1 < len(r.timeline) <= TIMELINE_WINDOWS
@@ -495,7 +519,7 @@ def test_timeline_windows_hold_their_requests() -> None:
     """Requests at 0..99 s: 48 windows of (99 - 0) / 48 s, each holding the requests
     whose timestamps fall in it, the last closed at the end."""
     requests = [tok(float(i), [i, i + 1, i + 2]) for i in range(100)]
-    (r,) = run(requests, ReplayConfig("lru", INF, 16), optimal=False)
+    (r,) = run(requests, sim_config("lru", INF, 16), optimal=False)
     width = 99 / TIMELINE_WINDOWS
     assert len(r.timeline) == TIMELINE_WINDOWS
     for k, p in enumerate(r.timeline):
@@ -513,7 +537,7 @@ def test_timeline_windows_hold_their_requests() -> None:
 def test_timeline_evictions_are_the_evictions_after_the_warmup(mode: str) -> None:
     rng = np.random.default_rng(0)
     requests = [tok(float(i), rng.integers(0, 1000, 160).tolist()) for i in range(100)]
-    cfg = ReplayConfig("lru", 320, 16, mode=mode)
+    cfg = sim_config("lru", 320, 16, mode=mode)
     (whole,) = run(requests, cfg, warmup=0.3, optimal=False)
     (warm,) = run(requests[:30], cfg, optimal=False)
     assert warm.evictions > 0 and whole.evictions > warm.evictions
@@ -522,13 +546,13 @@ def test_timeline_evictions_are_the_evictions_after_the_warmup(mode: str) -> Non
 
 @pytest.mark.parametrize("mode", ["tree", "flat"])
 def test_no_evictions_at_unlimited_capacity(generated: list[Request], mode: str) -> None:
-    for r in run(generated[:500], *(ReplayConfig(p, INF, 64, mode=mode) for p in POLICIES), optimal=False):
+    for r in run(generated[:500], *(sim_config(p, INF, 64, mode=mode) for p in POLICIES), optimal=False):
         assert r.evictions == 0
         assert all(p.evictions == 0 for p in r.timeline)
 
 
 def test_flat_mode_block_hits_and_tree_mode_has_none(generated: list[Request]) -> None:
-    tree, flat = run(generated[:300], *(ReplayConfig("lru", 20_000, 64, mode=m) for m in ("tree", "flat")))
+    tree, flat = run(generated[:300], *(sim_config("lru", 20_000, 64, mode=m) for m in ("tree", "flat")))
     assert tree.block_hits is None and tree.block_hit_rate is None
     assert flat.block_hits is not None and 0 < flat.block_hits <= flat.blocks_looked_up
     assert tree.blocks_looked_up == flat.blocks_looked_up == sum(len(r.hash_ids or ()) for r in generated[:300])
@@ -536,7 +560,7 @@ def test_flat_mode_block_hits_and_tree_mode_has_none(generated: list[Request]) -
 
 def test_unknown_mode_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="mode"):
-        run(prefix_trace(tmp_path, 16, 8, 2), ReplayConfig(mode="btree"))
+        run(prefix_trace(tmp_path, 16, 8, 2), sim_config(mode="btree"))
 
 
 def test_progress_is_entered_once_per_pass(tmp_path: Path) -> None:
@@ -566,10 +590,10 @@ def test_progress_is_entered_once_per_pass(tmp_path: Path) -> None:
         yield from requests
 
     configs = [
-        ReplayConfig("lru", INF, 16),
-        ReplayConfig("fifo", 100.0, 16, mode="flat"),
-        ReplayConfig("lru", 64.0, 16, partial_blocks=True),  # the kernel does not model it: python
-        ReplayConfig("s3fifo", 64.0, 16),
+        sim_config("lru", INF, 16),
+        sim_config("fifo", 100.0, 16, mode="flat"),
+        sim_config("lru", 64.0, 16, partial_blocks=True),  # the kernel does not model it: python
+        sim_config("s3fifo", 64.0, 16),
     ]
     results = replay(source, configs, progress=progress, optimal=False)
     assert [r.engine for r in results] == ["native", "python", "python", "native"]
@@ -580,7 +604,7 @@ def test_progress_is_entered_once_per_pass(tmp_path: Path) -> None:
 
 def test_results_are_json_safe(tmp_path: Path) -> None:
     requests = prefix_trace(tmp_path, 64, 16, 5, 2)
-    for r in run(requests, ReplayConfig("lru", INF, 16), ReplayConfig("lru", 100.0, 16, mode="flat")):
+    for r in run(requests, sim_config("lru", INF, 16), sim_config("lru", 100.0, 16, mode="flat")):
         data = json.loads(json.dumps(r.to_json(), allow_nan=False))
         for key in ("policy", "capacity_tokens", "block_size", "isolation", "token_hit_rate", "request_hit_rate"):
             assert key in data
@@ -593,7 +617,7 @@ def test_results_are_json_safe(tmp_path: Path) -> None:
 def test_empty_trace_gives_empty_results(tmp_path: Path) -> None:
     path = tmp_path / "empty.jsonl"
     path.write_text("")
-    (r,) = replay(lambda: read_trace(path), [ReplayConfig()], warmup=0.5)
+    (r,) = replay(lambda: read_trace(path), [sim_config()], warmup=0.5)
     assert (r.requests, r.hit_tokens, r.token_hit_rate, r.optimal_token_hit_rate, r.timeline) == (0, 0, 0.0, 0.0, [])
 
 
@@ -616,7 +640,7 @@ def test_tree_mode_replays_large_hash_ids(tmp_path: Path) -> None:
         for i in range(6)
     ]
     path = write_records(tmp_path / "big.jsonl", rows)
-    tree, flat = replay(lambda: read_trace(path), [ReplayConfig(mode="tree"), ReplayConfig(mode="flat")])
+    tree, flat = replay(lambda: read_trace(path), [sim_config(mode="tree"), sim_config(mode="flat")])
     assert tree.hit_tokens == flat.hit_tokens == 16 + 4 * 30
 
 
@@ -652,14 +676,14 @@ def test_malformed_line_is_a_trace_error_naming_file_and_line(
     )
     source: Callable[[], Iterable[Request]] = lambda: read_trace(path, fmt)  # noqa: E731
     with pytest.raises(TraceError, match=f"{re.escape(str(path))}:3: .*{re.escape(message)}") as info:
-        replay(source, [ReplayConfig()])
+        replay(source, [sim_config()])
     assert isinstance(info.value, ValueError)
 
 
 def test_timestamp_going_back_is_a_trace_error(tmp_path: Path) -> None:
     path = write_records(tmp_path / "back.jsonl", [{**GOOD, "timestamp": 5.0}, {**GOOD, "timestamp": 4.0}])
     with pytest.raises(TraceError, match=f"{re.escape(str(path))}:2: field 'timestamp'"):
-        replay(lambda: read_trace(path), [ReplayConfig()])
+        replay(lambda: read_trace(path), [sim_config()])
 
 
 def test_a_trace_mixing_hash_ids_and_tokens_is_refused(tmp_path: Path) -> None:
@@ -672,4 +696,4 @@ def test_a_trace_mixing_hash_ids_and_tokens_is_refused(tmp_path: Path) -> None:
     ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     with pytest.raises(ValueError, match="mixes hash_ids and token prompts"):
-        replay(lambda: read_trace(path), [ReplayConfig()])
+        replay(lambda: read_trace(path), [sim_config()])

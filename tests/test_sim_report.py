@@ -11,20 +11,26 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from prefixcache.sim.report import format_tokens, largest_capacities, progress, render_table, to_json, write_html
-from prefixcache.sim.results import ReplayConfig, ReplayResult, TenantResult, TimePoint
+from prefixcache.config import CacheConfig
+from prefixcache.sim.html_report import largest_capacities, write_html
+from prefixcache.sim.report import format_tokens, progress, render_table, to_json
+from prefixcache.sim.results import ReplayConfig, ReplayResult, TenantResult, TimePoint, cache_capacity
 
 CAPACITIES = (1e6, 1e7, math.inf)
 
 
-def make_result(policy: str, capacity: float, index: int, *, cost: bool = False) -> ReplayResult:
+def make_result(policy: str, capacity: float, index: int, *, cost: bool = False, block_size: int = 16) -> ReplayResult:
     """A hand-built result whose numbers differ per (policy, capacity) so rows can be told apart.
 
     With index i: 1000 requests, lookup 100,000 tokens, hit 10,000 * (i + 1) tokens, hit
     requests 100 * (i + 2), optimum (for finite capacities) 5,000 tokens above the hits."""
     hit = 10_000 * (index + 1)
     result = ReplayResult(
-        ReplayConfig(policy=policy, capacity_tokens=capacity, block_size=16, isolation="namespace"),
+        ReplayConfig(
+            CacheConfig(
+                policy=policy, capacity_tokens=cache_capacity(capacity), block_size=block_size, isolation="namespace"
+            )
+        ),
         trace="chat-trace",
         requests=1000,
         warmup_requests=250,
@@ -215,7 +221,9 @@ def test_html_escapes_configuration_and_trace_names(tmp_path: Path) -> None:
 
 
 def test_html_bounded_for_many_configurations(tmp_path: Path) -> None:
-    results = [make_result(f"p{k}", capacity, k % 5) for k in range(12) for capacity in (1e5, 1e6, 1e7, 1e8, math.inf)]
+    # NOTE: twelve series: a configuration names a real policy, so they differ in block size.
+    capacities = (1e5, 1e6, 1e7, 1e8, math.inf)
+    results = [make_result("lru", capacity, k % 5, block_size=k + 1) for k in range(12) for capacity in capacities]
     page = html_of(results, tmp_path)
     assert page.count("<img") == 4  # one figure per kind, however many configurations
     assert page.count("<tr>") == 1 + len(results) + 1 + 2  # full table; tenant table: header + 2 tenants

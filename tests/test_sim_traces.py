@@ -13,16 +13,9 @@ from typing import Any
 
 import pytest
 
-from prefixcache.sim.traces import (
-    FORMATS,
-    ByteTokenizer,
-    Request,
-    TraceError,
-    detect_format,
-    load_tokenizer,
-    native_block_size,
-    read_trace,
-)
+from prefixcache.sim.tokenizers import ByteTokenizer, load_tokenizer
+from prefixcache.sim.tracefile import TraceError
+from prefixcache.sim.traces import FORMATS, Request, detect_format, native_block_size, read_trace
 
 REPO_TRACES = Path(__file__).parent / "data" / "traces"
 SHARED_TRACES = Path("/work/shared/traces")

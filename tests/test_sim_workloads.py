@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from prefixcache.sim.traces import read_trace
-from prefixcache.sim.workloads import KINDS, WorkloadSpec, generate, repeated_prefix, tenant_names, write_jsonl
+from prefixcache.sim.workload_spec import KINDS, WorkloadSpec
+from prefixcache.sim.workloads import generate, repeated_prefix, tenant_names, write_jsonl
 
 SMALL = WorkloadSpec(
     requests=300,

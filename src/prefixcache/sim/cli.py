@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import re
 import sys
@@ -10,13 +11,17 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from prefixcache.config import ISOLATION_MODES
+from prefixcache.config import ISOLATION_MODES, CacheConfig, PromotionConfig
 from prefixcache.policies import POLICIES
 from prefixcache.sim.costmodel import GPUS, MODELS, CostModel, get_gpu, get_model
-from prefixcache.sim.replay import ENGINES, replay, summarize
-from prefixcache.sim.results import ReplayConfig
-from prefixcache.sim.traces import FORMATS, Request, load_tokenizer, read_trace
-from prefixcache.sim.workloads import WorkloadSpec, write_jsonl
+from prefixcache.sim.engines import ENGINES
+from prefixcache.sim.replay import replay
+from prefixcache.sim.results import ReplayConfig, cache_capacity
+from prefixcache.sim.summary import summarize
+from prefixcache.sim.tokenizers import load_tokenizer
+from prefixcache.sim.traces import FORMATS, Request, read_trace
+from prefixcache.sim.workload_spec import WorkloadSpec
+from prefixcache.sim.workloads import write_jsonl
 
 T = TypeVar("T")
 
@@ -216,7 +221,7 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if args.promote_min_tokens < 1:
         parser.error("--promote-min-tokens must be >= 1")
     try:
-        from prefixcache.sim import report  # rich and matplotlib: the 'sim' extra
+        from prefixcache.sim import html_report, report  # rich and matplotlib: the 'sim' extra
     except ImportError as exc:
         parser.error(
             f"replay reports need the simulator extras ({exc.name} is missing): pip install 'prefixcache[sim]'"
@@ -230,26 +235,9 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     def source() -> Iterable[Request]:
         return read_trace(args.trace, args.format, tokenizer)
 
-    configs = [
-        ReplayConfig(
-            policy,
-            capacity,
-            block_size,
-            isolation,
-            args.partial_blocks,
-            mode,
-            args.ttl,
-            args.promote if isolation != "shared" else None,
-            args.promote_min_tokens,
-        )
-        for mode in args.mode
-        for isolation in args.isolation
-        for block_size in args.block_size
-        for policy in args.policy
-        for capacity in args.capacity_tokens
-    ]
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     try:
+        configs = _replay_configs(args)
         summary = summarize(source)
         results = replay(
             source,
@@ -272,10 +260,35 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     else:
         report.render_table(results)
     if args.html is not None:
-        report.write_html(results, args.html)
+        html_report.write_html(results, args.html)
         if not args.json:
             print(f"HTML report: {args.html}")
     return 0
+
+
+def _replay_configs(args: argparse.Namespace) -> list[ReplayConfig]:
+    """Every combination the flags list, in the order the table shows them."""
+    combos = itertools.product(args.mode, args.isolation, args.block_size, args.policy, args.capacity_tokens)
+    return [
+        ReplayConfig(_cache_config(args, policy, capacity, block_size, isolation), mode)
+        for mode, isolation, block_size, policy, capacity in combos
+    ]
+
+
+def _cache_config(
+    args: argparse.Namespace, policy: str, capacity: float, block_size: int, isolation: str
+) -> CacheConfig:
+    # NOTE: shared isolation already shares every prefix: --promote applies to the others.
+    promote = args.promote is not None and isolation != "shared"
+    return CacheConfig(
+        policy=policy,
+        capacity_tokens=cache_capacity(capacity),
+        block_size=block_size,
+        isolation=isolation,
+        partial_blocks=args.partial_blocks,
+        ttl_seconds=args.ttl,
+        promotion=PromotionConfig(args.promote, args.promote_min_tokens) if promote else None,
+    )
 
 
 def _metrics_writer(directory: Path) -> Callable[[ReplayConfig, bytes], None]:

@@ -1,32 +1,92 @@
-"""What one replay of one configuration measured: the boundary between the replay,
-the cost model and the reports."""
+"""What one replay runs and what it measured: the configuration (a ``CacheConfig`` and a
+mode) and its result, the boundary between the replay, the cost model and the reports."""
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from prefixcache.config import CacheConfig, PromotionConfig
+
+UNLIMITED = sys.maxsize
+"""``capacity_tokens`` of a cache without a limit: more than any trace can fill. Labels
+show it as ``inf``, JSON as ``null`` with ``unlimited: true``."""
+
+_NO_PROMOTION = PromotionConfig()  # JSON's promote_min_tokens when promotion is off: the default
+
+
+def cache_capacity(tokens: float) -> int:
+    """A capacity in tokens as ``CacheConfig`` takes it: ``math.inf`` becomes ``UNLIMITED``."""
+    return UNLIMITED if math.isinf(tokens) else int(tokens)
 
 
 @dataclass(frozen=True, slots=True)
 class ReplayConfig:
-    """One configuration of a replay. ``capacity_tokens`` may be ``math.inf``."""
+    """One configuration of a replay: the cache as a server would be configured, and how
+    the simulator drives it. ``mode`` is ``"tree"`` (the real ``PrefixCache``, or its
+    compiled twin) or ``"flat"`` (block ids as independent objects in a bare policy). The
+    cache's ``ttl_seconds`` count trace time.
 
-    policy: str = "lru"
-    capacity_tokens: float = math.inf
-    block_size: int = 16
-    isolation: str = "shared"
-    partial_blocks: bool = False
-    mode: str = "tree"  # "tree": the real PrefixCache; "flat": block ids as independent objects
-    ttl_seconds: float | None = None  # tree mode: expire blocks unused this long, in trace time
-    promote_min_tenants: int | None = None  # tree mode, namespace/partitioned: hot-prefix promotion
-    promote_min_tokens: int = 256
+    NOTE: ``cache`` is the one source of truth; the properties below only read it, for
+    the code that compares configurations. What a pre-hashed trace changes (its own
+    block size, capacity in native blocks) is derived from it when the replay starts
+    (``summary.effective_configs``, ``engines.engine_config``)."""
+
+    cache: CacheConfig
+    mode: str = "tree"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cache, CacheConfig):
+            raise ValueError(f"cache must be a CacheConfig, got {type(self.cache).__name__}")
+        if self.cache.tiers or self.cache.capacity_bytes is not None:
+            raise ValueError("a replay moves no KV bytes: give capacity_tokens, not tiers or capacity_bytes")
+
+    @property
+    def policy(self) -> str:
+        return self.cache.policy
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    @property
+    def isolation(self) -> str:
+        return self.cache.isolation
+
+    @property
+    def unlimited(self) -> bool:
+        return self.cache.capacity_tokens == UNLIMITED
+
+    @property
+    def capacity_tokens(self) -> float:
+        """The capacity in tokens, ``math.inf`` when unlimited (what reports sort and plot)."""
+        return math.inf if self.unlimited else float(self.cache.capacity)
 
     @property
     def label(self) -> str:
-        cap = "inf" if math.isinf(self.capacity_tokens) else f"{self.capacity_tokens:.3g}"
-        promo = f" promote>={self.promote_min_tenants}" if self.promote_min_tenants else ""
+        cap = "inf" if self.unlimited else f"{self.capacity_tokens:.3g}"
+        promotion = self.cache.promotion
+        promo = f" promote>={promotion.min_tenants}" if promotion is not None else ""
         return f"{self.policy} cap={cap} bs={self.block_size} {self.isolation}{promo} {self.mode}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The configuration as flat JSON fields (an unlimited capacity is ``null`` with
+        ``unlimited: true``)."""
+        cache, promotion = self.cache, self.cache.promotion
+        return {
+            "policy": cache.policy,
+            "capacity_tokens": None if self.unlimited else cache.capacity,
+            "block_size": cache.block_size,
+            "isolation": cache.isolation,
+            "partial_blocks": cache.partial_blocks,
+            "mode": self.mode,
+            "ttl_seconds": cache.ttl_seconds,
+            "promote_min_tenants": None if promotion is None else promotion.min_tenants,
+            "promote_min_tokens": (promotion or _NO_PROMOTION).min_tokens,
+            "unlimited": self.unlimited,
+        }
 
 
 @dataclass(slots=True)
@@ -113,12 +173,8 @@ class ReplayResult:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict (an unlimited capacity is ``null`` with ``unlimited: true``)."""
-        cfg = asdict(self.config)
-        unlimited = math.isinf(self.config.capacity_tokens)
-        cfg["capacity_tokens"] = None if unlimited else int(self.config.capacity_tokens)
         return {
-            **cfg,
-            "unlimited": unlimited,
+            **self.config.to_json(),
             "trace": self.trace,
             "requests": self.requests,
             "warmup_requests": self.warmup_requests,

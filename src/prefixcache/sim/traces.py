@@ -5,6 +5,8 @@ keeps nothing behind. A ``.gz`` file (recognised by its magic bytes, whatever it
 is decompressed on the fly. A malformed line is a ``TraceError`` that names the file,
 the 1-based line and the field, never a bare ``KeyError`` and never a skipped row: a
 replay that silently drops requests reports hit rates of a workload nobody sent.
+What every format shares (gzip, line numbers, JSON, typed field checks) is in
+``tracefile``; the tokenizers for ``text`` prompts are in ``tokenizers``.
 
 Formats (``fmt=``; ``"auto"`` looks at the keys of the first non-empty line):
 
@@ -49,16 +51,13 @@ quietly become ``""``). In the third-party formats unknown keys are ignored.
 
 from __future__ import annotations
 
-import gzip
-import importlib
-import io
-import json
-import math
-import zlib
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
+
+from prefixcache.sim.tokenizers import Tokenizer
+from prefixcache.sim.tracefile import Row, TraceError, is_int, load_json, numbered_lines, show
 
 FORMATS = ("mooncake", "bailian", "jsonl")
 MOONCAKE_BLOCK_SIZE = 512
@@ -69,7 +68,6 @@ _NATIVE_BLOCK_SIZES: Mapping[str, int | None] = {
     "jsonl": None,
 }
 _MAX_TOKEN = 2**32  # token ids are hashed as uint32 (hashing.token_bytes)
-_GZIP_MAGIC = b"\x1f\x8b"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,11 +87,6 @@ class Request:
     session: str | None = None
 
 
-class TraceError(ValueError):
-    """A malformed trace line: ``"PATH:LINE: field 'NAME': what is wrong"`` (or
-    ``"PATH:LINE: invalid JSON: ..."``)."""
-
-
 def native_block_size(fmt: str) -> int | None:
     """The block size a format's ``hash_ids`` are cut at; ``None`` for ours (per record)."""
     try:
@@ -102,191 +95,17 @@ def native_block_size(fmt: str) -> int | None:
         raise ValueError(f"unknown trace format {fmt!r}; valid: {', '.join(FORMATS)}") from None
 
 
-# ---------------------------------------------------------------------------- tokenizers
-
-
-class Tokenizer(Protocol):
-    """What the reader needs to turn a ``text`` field into token ids."""
-
-    @property
-    def name(self) -> str: ...
-
-    def encode(self, text: str) -> list[int]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class ByteTokenizer:
-    """UTF-8 bytes as token ids: no dependency, and two texts share a token prefix
-    exactly as far as they share a byte prefix, which is all prefix caching looks at."""
-
-    name: str = "utf8"
-
-    def encode(self, text: str) -> list[int]:
-        # NOTE: surrogatepass, so that a lone surrogate (valid in JSON strings) still
-        # tokenizes instead of failing the line.
-        return list(text.encode("utf-8", "surrogatepass"))
-
-
-class _HFTokenizer:
-    """A HuggingFace ``tokenizers`` tokenizer loaded from a ``tokenizer.json``."""
-
-    def __init__(self, name: str, backend: Any) -> None:
-        self.name = name
-        self._backend = backend
-
-    def encode(self, text: str) -> list[int]:
-        # NOTE: special tokens are added (e.g. BOS), as a serving engine does; they are the
-        # same at the start of every prompt, so they shift all prefixes alike.
-        return list(self._backend.encode(text).ids)
-
-
-def load_tokenizer(name: str) -> Tokenizer:
-    """``"utf8"``, or the path of a HuggingFace ``tokenizer.json`` (or of a folder holding one)."""
-    if name == "utf8":
-        return ByteTokenizer()
-    path = Path(name)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if path.suffix != ".json" and not path.exists():
-        raise ValueError(f"unknown tokenizer {name!r}; accepted: 'utf8' or the path of a HuggingFace tokenizer.json")
-    if not path.is_file():
-        raise ValueError(f"tokenizer file {str(path)!r} does not exist")
-    try:
-        hf = importlib.import_module("tokenizers")
-    except ImportError:
-        raise ValueError(f"tokenizer {name!r} needs the tokenizers package: pip install tokenizers") from None
-    try:
-        backend = hf.Tokenizer.from_file(str(path))
-    except Exception as exc:  # NOTE: the Rust binding raises a plain Exception on a bad file
-        raise ValueError(f"cannot load tokenizer {str(path)!r}: {exc}") from exc
-    return _HFTokenizer(str(path), backend)
-
-
-# ---------------------------------------------------------------------------- reading lines
-
-
-def _open(path: Path) -> gzip.GzipFile | io.BufferedReader:
-    with path.open("rb") as probe:
-        magic = probe.read(2)
-    if magic == _GZIP_MAGIC:
-        return gzip.open(path, "rb")
-    return path.open("rb")
-
-
-def _lines(path: Path) -> Generator[tuple[int, bytes], None, None]:
-    """Non-blank lines with their 1-based numbers (blank lines count: they are lines an
-    editor shows). A damaged gzip stream is a ``TraceError`` at the line it broke in."""
-    with _open(path) as stream:
-        lines = iter(stream)
-        lineno = 0
-        while True:
-            try:
-                line = next(lines)
-            except StopIteration:
-                return
-            except (OSError, EOFError, zlib.error) as exc:
-                raise TraceError(f"{path}:{lineno + 1}: invalid gzip data: {exc}") from exc
-            lineno += 1
-            if line.strip():
-                yield lineno, line
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _load(line: bytes, where: str) -> dict[str, Any]:
-    try:
-        data = json.loads(line, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise TraceError(f"{where}: invalid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise TraceError(f"{where}: invalid JSON: expected an object, got {_show(data)}")
-    return data
-
-
-# ---------------------------------------------------------------------------- field checks
-
-
-def _show(value: Any) -> str:
-    """A value as it appears in the JSON, shortened for an error message."""
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-class _Row:
-    """One parsed line and where it came from, so that every check can name its place."""
-
-    __slots__ = ("data", "where")
-
-    def __init__(self, data: dict[str, Any], where: str) -> None:
-        self.data = data
-        self.where = where
-
-    def error(self, name: str, what: str) -> TraceError:
-        return TraceError(f"{self.where}: field {name!r}: {what}")
-
-    def required(self, name: str) -> Any:
-        if name not in self.data:
-            raise self.error(name, "missing")
-        return self.data[name]
-
-    def optional(self, name: str) -> Any:
-        """The value, or ``None`` when absent or ``null``."""
-        return self.data.get(name)
-
-
-def _is_int(value: Any) -> bool:
-    return type(value) is int  # NOTE: excludes bool (true is not a length)
-
-
-def _int(row: _Row, name: str, value: Any, minimum: int = 0) -> int:
-    if not _is_int(value) or value < minimum:
-        raise row.error(name, f"must be an integer >= {minimum}, got {_show(value)}")
-    result: int = value
-    return result
-
-
-def _timestamp(row: _Row, value: Any) -> float:
-    if (type(value) is not float and not _is_int(value)) or not math.isfinite(value) or value < 0:
-        raise row.error("timestamp", f"must be a number >= 0, got {_show(value)}")
-    return float(value)
-
-
-def _str(row: _Row, name: str, value: Any, nonempty: bool = False) -> str:
-    if not isinstance(value, str) or (nonempty and not value):
-        kind = "a non-empty string" if nonempty else "a string"
-        raise row.error(name, f"must be {kind}, got {_show(value)}")
-    return value
-
-
-def _ids(row: _Row, name: str, value: Any, limit: int | None = None) -> tuple[int, ...]:
-    """A list of integers >= 0 (and < ``limit``), checked with C-speed builtins first:
-    a Mooncake row holds thousands of ids."""
-    if type(value) is not list:
-        raise row.error(name, f"must be a list of integers, got {_show(value)}")
-    ok = all(_is_int(x) for x in value) and (not value or min(value) >= 0)
-    if ok and limit is not None and value and max(value) >= limit:
-        ok = False
-    if not ok:
-        top = f" and < {limit}" if limit is not None else ""
-        for i, item in enumerate(value):
-            if not _is_int(item) or item < 0 or (limit is not None and item >= limit):
-                raise row.error(name, f"item {i} must be an integer >= 0{top}, got {_show(item)}")
-    return tuple(value)
-
-
 # ---------------------------------------------------------------------------- formats
 
 
-Parser = Callable[[_Row, Tokenizer | None], Request]
+Parser = Callable[[Row, Tokenizer | None], Request]
 
 
-def _parse_mooncake(row: _Row, tokenizer: Tokenizer | None) -> Request:
-    timestamp = _timestamp(row, row.required("timestamp")) / 1000.0  # ms -> s
-    input_length = _int(row, "input_length", row.required("input_length"))
-    output_length = _int(row, "output_length", row.required("output_length"))
-    hash_ids = _ids(row, "hash_ids", row.required("hash_ids"))
+def _parse_mooncake(row: Row, tokenizer: Tokenizer | None) -> Request:
+    timestamp = row.timestamp(row.required("timestamp")) / 1000.0  # ms -> s
+    input_length = row.integer("input_length", row.required("input_length"))
+    output_length = row.integer("output_length", row.required("output_length"))
+    hash_ids = row.ids("hash_ids", row.required("hash_ids"))
     expected = -(-input_length // MOONCAKE_BLOCK_SIZE)
     if len(hash_ids) != expected:
         raise row.error(
@@ -305,27 +124,27 @@ def _parse_mooncake(row: _Row, tokenizer: Tokenizer | None) -> Request:
     )
 
 
-def _parse_bailian(row: _Row, tokenizer: Tokenizer | None) -> Request:
+def _parse_bailian(row: Row, tokenizer: Tokenizer | None) -> Request:
     chat_id = row.required("chat_id")
-    if not (_is_int(chat_id) or (isinstance(chat_id, str) and chat_id)):
-        raise row.error("chat_id", f"must be an integer or a non-empty string, got {_show(chat_id)}")
+    if not (is_int(chat_id) or (isinstance(chat_id, str) and chat_id)):
+        raise row.error("chat_id", f"must be an integer or a non-empty string, got {show(chat_id)}")
     for name in ("parent_chat_id", "turn"):  # unused, but a wrong type means a wrong file
         value = row.optional(name)
-        if value is not None and not _is_int(value) and not isinstance(value, str):
-            raise row.error(name, f"must be an integer or a string, got {_show(value)}")
+        if value is not None and not is_int(value) and not isinstance(value, str):
+            raise row.error(name, f"must be an integer or a string, got {show(value)}")
     kind = row.optional("type")
-    endpoint = "" if kind is None else _str(row, "type", kind)
+    endpoint = "" if kind is None else row.string("type", kind)
     # NOTE: no length check here, unlike Mooncake: the upstream FAQ says the last input
     # block may hold padding replaced by output tokens, and the files are not here to
     # confirm that len(hash_ids) == ceil(input_length / 16) holds on every row.
     return Request(
-        timestamp=_timestamp(row, row.required("timestamp")),
+        timestamp=row.timestamp(row.required("timestamp")),
         tenant="default",
         model="default",
         endpoint=endpoint,
-        input_length=_int(row, "input_length", row.required("input_length")),
-        output_length=_int(row, "output_length", row.required("output_length")),
-        hash_ids=_ids(row, "hash_ids", row.required("hash_ids")),
+        input_length=row.integer("input_length", row.required("input_length")),
+        output_length=row.integer("output_length", row.required("output_length")),
+        hash_ids=row.ids("hash_ids", row.required("hash_ids")),
         block_size=BAILIAN_BLOCK_SIZE,
         session=str(chat_id),
     )
@@ -348,13 +167,13 @@ _JSONL_FIELDS = (
 _PROMPT_SOURCES = ("tokens", "text", "hash_ids")
 
 
-def _parse_jsonl(row: _Row, tokenizer: Tokenizer | None) -> Request:
+def _parse_jsonl(row: Row, tokenizer: Tokenizer | None) -> Request:
     unknown = sorted(row.data.keys() - set(_JSONL_FIELDS))
     if unknown:
         raise row.error(unknown[0], f"unknown field; valid: {', '.join(_JSONL_FIELDS)}")
-    timestamp = _timestamp(row, row.required("timestamp"))
-    tenant = _str(row, "tenant", row.required("tenant"), nonempty=True)
-    model = _str(row, "model", row.required("model"), nonempty=True)
+    timestamp = row.timestamp(row.required("timestamp"))
+    tenant = row.string("tenant", row.required("tenant"), nonempty=True)
+    model = row.string("model", row.required("model"), nonempty=True)
     endpoint = row.optional("endpoint")
     session = row.optional("session")
     tokens, hash_ids, block_size, input_length = _jsonl_prompt(row, tokenizer)
@@ -363,19 +182,19 @@ def _parse_jsonl(row: _Row, tokenizer: Tokenizer | None) -> Request:
         timestamp=timestamp,
         tenant=tenant,
         model=model,
-        endpoint="" if endpoint is None else _str(row, "endpoint", endpoint),
+        endpoint="" if endpoint is None else row.string("endpoint", endpoint),
         input_length=input_length,
         output_length=output_length,
         tokens=tokens,
         hash_ids=hash_ids,
         block_size=block_size,
         output_tokens=output_tokens,
-        session=None if session is None else _str(row, "session", session, nonempty=True),
+        session=None if session is None else row.string("session", session, nonempty=True),
     )
 
 
 def _jsonl_prompt(
-    row: _Row, tokenizer: Tokenizer | None
+    row: Row, tokenizer: Tokenizer | None
 ) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, int | None, int]:
     """(tokens, hash_ids, block_size, input_length) from whichever prompt field is given."""
     given = [name for name in _PROMPT_SOURCES if row.optional(name) is not None]
@@ -387,28 +206,28 @@ def _jsonl_prompt(
         return _jsonl_hash_ids(row)
     if row.optional("block_size") is not None:
         raise row.error("block_size", "is only valid with hash_ids")
-    tokens = _ids(row, "tokens", row.data["tokens"], _MAX_TOKEN) if given[0] == "tokens" else _tokenize(row, tokenizer)
+    tokens = row.ids("tokens", row.data["tokens"], _MAX_TOKEN) if given[0] == "tokens" else _tokenize(row, tokenizer)
     input_length = row.optional("input_length")
-    if input_length is not None and _int(row, "input_length", input_length) != len(tokens):
+    if input_length is not None and row.integer("input_length", input_length) != len(tokens):
         raise row.error("input_length", f"is {input_length} but the prompt has {len(tokens)} tokens")
     return tokens, None, None, len(tokens)
 
 
-def _tokenize(row: _Row, tokenizer: Tokenizer | None) -> tuple[int, ...]:
-    text = _str(row, "text", row.data["text"])
+def _tokenize(row: Row, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    text = row.string("text", row.data["text"])
     if tokenizer is None:
         raise row.error("text", "needs a tokenizer: pass tokenizer=load_tokenizer('utf8') or a tokenizer.json path")
     try:
         ids = tokenizer.encode(text)
     except ValueError as exc:
         raise row.error("text", f"tokenizer {tokenizer.name!r} failed: {exc}") from exc
-    return _ids(row, "text", list(ids), _MAX_TOKEN)
+    return row.ids("text", list(ids), _MAX_TOKEN)
 
 
-def _jsonl_hash_ids(row: _Row) -> tuple[None, tuple[int, ...], int, int]:
-    hash_ids = _ids(row, "hash_ids", row.data["hash_ids"])
-    block_size = _int(row, "block_size", row.required("block_size"), minimum=1)
-    input_length = _int(row, "input_length", row.required("input_length"))
+def _jsonl_hash_ids(row: Row) -> tuple[None, tuple[int, ...], int, int]:
+    hash_ids = row.ids("hash_ids", row.data["hash_ids"])
+    block_size = row.integer("block_size", row.required("block_size"), minimum=1)
+    input_length = row.integer("input_length", row.required("input_length"))
     lo, hi = (len(hash_ids) - 1) * block_size, len(hash_ids) * block_size
     if not lo < input_length <= hi:
         raise row.error(
@@ -418,13 +237,13 @@ def _jsonl_hash_ids(row: _Row) -> tuple[None, tuple[int, ...], int, int]:
     return None, hash_ids, block_size, input_length
 
 
-def _jsonl_output(row: _Row) -> tuple[tuple[int, ...] | None, int]:
+def _jsonl_output(row: Row) -> tuple[tuple[int, ...] | None, int]:
     raw_tokens = row.optional("output_tokens")
     raw_length = row.optional("output_length")
-    tokens = None if raw_tokens is None else _ids(row, "output_tokens", raw_tokens, _MAX_TOKEN)
+    tokens = None if raw_tokens is None else row.ids("output_tokens", raw_tokens, _MAX_TOKEN)
     if raw_length is None:
         return tokens, 0 if tokens is None else len(tokens)
-    length = _int(row, "output_length", raw_length)
+    length = row.integer("output_length", raw_length)
     if tokens is not None and length != len(tokens):
         raise row.error("output_length", f"is {length} but output_tokens has {len(tokens)} tokens")
     return tokens, length
@@ -456,11 +275,11 @@ def _guess(data: dict[str, Any], where: str) -> str:
 
 def _first_record(path: Path) -> tuple[str, dict[str, Any]] | None:
     """(where, record) of the first non-empty line, or ``None`` for an empty trace."""
-    lines = _lines(path)
+    lines = numbered_lines(path)
     try:
         for lineno, line in lines:
             where = f"{path}:{lineno}"
-            return where, _load(line, where)
+            return where, load_json(line, where)
         return None
     finally:
         lines.close()  # closes the file now, not when the generator is collected
@@ -499,15 +318,15 @@ def read_trace(path: str | Path, fmt: str = "auto", tokenizer: Tokenizer | None 
 
 def _read(path: Path, parse: Parser, tokenizer: Tokenizer | None) -> Iterator[Request]:
     previous: tuple[float, Any] | None = None  # (seconds, the value as written)
-    for lineno, line in _lines(path):
-        row = _Row(_load(line, f"{path}:{lineno}"), f"{path}:{lineno}")
+    for lineno, line in numbered_lines(path):
+        row = Row(load_json(line, f"{path}:{lineno}"), f"{path}:{lineno}")
         request = parse(row, tokenizer)
         # NOTE: the replay drives TTLs and time windows by these, so a step back in time
         # is an error here rather than a negative age there.
         if previous is not None and request.timestamp < previous[0]:
             raise row.error(
                 "timestamp",
-                f"{_show(row.data['timestamp'])} is earlier than the previous request's {_show(previous[1])}; "
+                f"{show(row.data['timestamp'])} is earlier than the previous request's {show(previous[1])}; "
                 "timestamps must be non-decreasing",
             )
         previous = (request.timestamp, row.data["timestamp"])
