@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from prefixcache.cache.stats import CacheStats, Histogram, TierStats, WriterStats
 from prefixcache.sim.traces import Request
 from prefixcache.storage import codec
 
@@ -73,3 +76,50 @@ def tok(ts: float, tokens: Sequence[int], tenant: str = "t", model: str = "m", o
         tokens=tuple(tokens),
         output_tokens=tuple(output) if output else None,
     )
+
+
+# ---------------------------------------------------------------------------- stats snapshots
+
+
+def tier_stats(name: str, kind: str, **over: Any) -> TierStats:
+    """One tier's entry of ``stats().tiers``, with round figures (``over`` replaces any)."""
+    levels = {"device": "L0", "memory": "L1"}
+    base = TierStats(
+        name=name,
+        kind=kind,
+        level=levels.get(kind, "L2"),
+        write="back",
+        capacity_bytes=1 << 30,
+        used_bytes=1 << 29,
+        blocks=100,
+        hits=10,
+        misses=2,
+        bytes_read=4096,
+        bytes_written=8192,
+        promotions=1,
+        demotions=3,
+        evictions=5,
+        removals={},
+        errors={},
+        load_seconds=Histogram(((0.001, 4), (0.01, 9), (float("inf"), 10)), 0.05, 10),
+        writes_pending=0,
+        writes_dropped=0,
+        writes_failed=0,
+    )
+    return replace(base, **over)
+
+
+WRITER = WriterStats("background", 0, 0, 1 << 28, 0, 0, 0, 0)
+
+
+class StatsSource:
+    """A stats source with fixed figures: an empty cache's, with ``over`` replacing fields
+    (``tiers``, ``writer``, ...). The collector reads nothing else."""
+
+    def __init__(self, **over: Any) -> None:
+        from prefixcache import CacheConfig, PrefixCache
+
+        self._stats = replace(PrefixCache(CacheConfig()).stats(), **over)
+
+    def stats(self) -> CacheStats:
+        return self._stats

@@ -20,6 +20,7 @@ from prefixcache import (
     PrefixCache,
     RemovalReason,
 )
+from prefixcache.cache.stats import PoolStats, TenantStats
 from prefixcache.policies import POLICIES
 from support import Clock, lcp
 
@@ -86,12 +87,12 @@ def test_public_api_with_a_repeated_shared_prefix() -> None:
     assert hit(cache, first, ctx) == 42
 
     stats = cache.stats()
-    assert stats["lookups"] == 9
-    assert stats["hit_tokens"] == 35 + 42 + 32 + 20 + 20 + 52 + 42
-    assert stats["hit_requests"] == 7
-    assert stats["used_tokens"] == 42 + 20
-    assert stats["per_tenant"]["acme"]["inserted_tokens"] == 62
-    assert stats["evictions"] == 0 and stats["collisions"] == 0
+    assert stats.lookups == 9
+    assert stats.hit_tokens == 35 + 42 + 32 + 20 + 20 + 52 + 42
+    assert stats.hit_requests == 7
+    assert stats.used_tokens == 42 + 20
+    assert stats.tenants["acme"].inserted_tokens == 62
+    assert stats.evictions == 0 and stats.collisions == 0
 
 
 def test_full_blocks_only_without_partial_blocks() -> None:
@@ -101,7 +102,7 @@ def test_full_blocks_only_without_partial_blocks() -> None:
     assert hit(cache, tokens) == 32
     assert hit(cache, tokens[:40]) == 32
     assert hit(cache, tokens[:31]) == 16
-    assert cache.stats()["used_tokens"] == 32
+    assert cache.stats().used_tokens == 32
 
 
 def test_block_keys_are_root_most_first_and_unreadable_after_release() -> None:
@@ -125,9 +126,9 @@ def test_reinserting_a_cached_prompt_stores_nothing_and_is_no_collision() -> Non
     assert cache.insert(tokens, ACME) == 0
     assert cache.insert(tokens[:8], ACME) == 0
     stats = cache.stats()
-    assert stats["collisions"] == 0
-    assert stats["used_tokens"] == 10
-    assert stats["blocks"] == 3
+    assert stats.collisions == 0
+    assert stats.used_tokens == 10
+    assert stats.blocks == 3
     assert hit(cache, tokens) == 10
 
 
@@ -136,8 +137,8 @@ def test_a_longer_tail_replaces_a_shorter_one() -> None:
     cache.insert(seq(0, 6), ACME)  # block + tail of 2
     assert cache.insert(seq(0, 11), ACME) == 7  # block + tail of 3 ... replaces the tail of 2
     stats = cache.stats()
-    assert stats["replaced"] == 1
-    assert stats["used_tokens"] == 11
+    assert stats.removed(RemovalReason.REPLACED) == 1
+    assert stats.used_tokens == 11
     assert hit(cache, seq(0, 6)) == 6
     assert hit(cache, seq(0, 11)) == 11
 
@@ -170,7 +171,7 @@ def test_a_weak_hash_never_gives_a_wrong_answer() -> None:
             assert m.cached_tokens % 4 == 0
         cache.insert(tokens, ACME)
         inserted.append(tokens)
-    assert cache.stats()["collisions"] > 0
+    assert cache.stats().collisions > 0
 
 
 # ====================================================================== capacity
@@ -185,16 +186,16 @@ def test_capacity_is_never_exceeded(policy: str) -> None:
         tokens = rng.choice(systems) + [rng.randrange(50) for _ in range(rng.randrange(0, 30))]
         cache.insert(tokens, ACME)
         stats = cache.stats()
-        assert stats["used_tokens"] <= 120, step
-        assert stats["used_tokens"] == stats["pools"]["*"]["used_tokens"]
+        assert stats.used_tokens <= 120, step
+        assert stats.used_tokens == stats.pools["*"].used_tokens
         # nothing is pinned, and the prompt fits: it is all there after its insert
         assert hit(cache, tokens) == len(tokens), step
     stats = cache.stats()
-    assert stats["evictions"] > 0
-    assert stats["evictions"] == stats["pools"]["*"]["evictions"]
+    assert stats.evictions > 0
+    assert stats.evictions == stats.pools["*"].evictions
     evicted = removed(cache.take_events(), RemovalReason.EVICTED)
-    assert len(evicted) == stats["evictions"]
-    assert sum(e.num_tokens for e in evicted) == stats["evicted_tokens"]
+    assert len(evicted) == stats.evictions
+    assert sum(e.num_tokens for e in evicted) == stats.evicted_tokens
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
@@ -204,12 +205,12 @@ def test_the_block_after_capacity_evicts(policy: str) -> None:
     for i in range(n):
         assert cache.insert(seq(100 * i, 4), ACME) == 4
     stats = cache.stats()
-    assert (stats["used_tokens"], stats["evictions"]) == (4 * n, 0)
+    assert (stats.used_tokens, stats.evictions) == (4 * n, 0)
     assert all(hit(cache, seq(100 * i, 4)) == 4 for i in range(n))
 
     assert cache.insert(seq(100 * n, 4), ACME) == 4
     stats = cache.stats()
-    assert (stats["used_tokens"], stats["evictions"], stats["evicted_tokens"]) == (4 * n, 1, 4)
+    assert (stats.used_tokens, stats.evictions, stats.evicted_tokens) == (4 * n, 1, 4)
     assert sum(hit(cache, seq(100 * i, 4)) == 4 for i in range(n + 1)) == n
     assert hit(cache, seq(100 * n, 4)) == 4
 
@@ -223,10 +224,10 @@ def test_eviction_is_leaf_first(policy: str) -> None:
     for i in range(1, 25):
         cache.insert(prefix + seq(1000 * i, 4), ACME)
         assert hit(cache, prefix) == 8, i
-        assert cache.stats()["used_tokens"] <= 28
+        assert cache.stats().used_tokens <= 28
     children = sum(hit(cache, prefix + seq(1000 * i, 4)) == 12 for i in range(1, 25))
     assert children == 5  # 7 blocks: the prefix's 2 and 5 children
-    assert cache.stats()["evictions"] == 24 - 5
+    assert cache.stats().evictions == 24 - 5
 
 
 # ====================================================================== pins
@@ -241,8 +242,8 @@ def test_pinned_blocks_are_never_evicted(policy: str) -> None:
     assert m.cached_tokens == 8
     for i in range(1, 30):
         cache.insert(seq(1000 * i, 8), ACME)
-        assert cache.stats()["used_tokens"] <= 32
-    assert cache.stats()["evictions"] > 0
+        assert cache.stats().used_tokens <= 32
+    assert cache.stats().evictions > 0
     assert hit(cache, held) == 8
     m.release()
     if policy == "lru":  # once released it may go (SIEVE and LFU rightly keep a hit block longer)
@@ -261,13 +262,13 @@ def test_insert_declines_when_everything_is_pinned() -> None:
 
     assert cache.insert(seq(900, 4), ACME) == 0
     stats = cache.stats()
-    assert (stats["used_tokens"], stats["evictions"], stats["declined_tokens"]) == (16, 0, 4)
+    assert (stats.used_tokens, stats.evictions, stats.declined_tokens) == (16, 0, 4)
     assert hit(cache, seq(900, 4)) == 0
     assert all(hit(cache, p) == 4 for p in prompts)
 
     held[0].release()
     assert cache.insert(seq(900, 4), ACME) == 4
-    assert cache.stats()["evictions"] == 1
+    assert cache.stats().evictions == 1
     assert hit(cache, prompts[0]) == 0
     for m in held[1:]:
         m.release()
@@ -281,7 +282,7 @@ def test_insert_stores_what_fits_around_pins() -> None:
     assert cache.insert(seq(900, 12), ACME) == 8  # room for 2 of its 3 blocks
     assert hit(cache, seq(900, 12)) == 8
     stats = cache.stats()
-    assert (stats["used_tokens"], stats["declined_tokens"]) == (16, 4)
+    assert (stats.used_tokens, stats.declined_tokens) == (16, 4)
     for m in held:
         m.release()
 
@@ -307,7 +308,7 @@ def test_bump_epoch_returns_increasing_epochs() -> None:
     assert [cache.bump_epoch("m") for _ in range(3)] == [1, 2, 3]
     adapter = [cache.bump_epoch("m", "lora") for _ in range(3)]
     assert adapter == sorted(set(adapter))
-    assert cache.stats()["epoch_bumps"] == 6
+    assert cache.stats().epoch_bumps == 6
 
 
 def test_adapter_bump_invalidates_that_adapter_and_model_bump_all() -> None:
@@ -318,7 +319,7 @@ def test_adapter_bump_invalidates_that_adapter_and_model_bump_all() -> None:
     tokens = seq(0, 12)
     for ctx in (base, a1, a2):
         cache.insert(tokens, ctx)
-    assert cache.stats()["blocks"] == 9  # each context keys its own blocks
+    assert cache.stats().blocks == 9  # each context keys its own blocks
 
     cache.bump_epoch("m", "a1")
     assert [hit(cache, tokens, c) for c in (base, a1, a2)] == [12, 0, 12]
@@ -341,20 +342,20 @@ def test_stale_blocks_are_reclaimed_before_any_live_block_is_evicted() -> None:
         cache.insert(p, live)
     for i in range(6):
         cache.insert(seq(5000 + 100 * i, 8), old)
-    assert cache.stats()["used_tokens"] == 64
+    assert cache.stats().used_tokens == 64
 
     cache.bump_epoch("old")
     for i in range(6):
         cache.insert(seq(9000 + 100 * i, 8), old)
         stats = cache.stats()
-        assert stats["evictions"] == 0, i
-        assert stats["stale_reclaimed"] == 2 * (i + 1)
-        assert stats["used_tokens"] == 64
+        assert stats.evictions == 0, i
+        assert stats.removed(RemovalReason.STALE) == 2 * (i + 1)
+        assert stats.used_tokens == 64
     assert all(hit(cache, p, live) == 8 for p in live_prompts)
     assert all(hit(cache, seq(9000 + 100 * i, 8), old) == 8 for i in range(6))
     # no stale block left: the next insert has to evict a live one
     cache.insert(seq(20_000, 8), old)
-    assert cache.stats()["evictions"] > 0
+    assert cache.stats().evictions > 0
 
 
 def test_reclaim_frees_every_stale_block_at_once() -> None:
@@ -363,14 +364,14 @@ def test_reclaim_frees_every_stale_block_at_once() -> None:
         cache.insert(seq(100 * i, 12), ACME)
     cache.insert(seq(0, 12), CacheContext(tenant="acme", model="other"))
     cache.bump_epoch("smollm2")
-    assert cache.stats()["used_tokens"] == 72  # nothing freed by the bump itself
+    assert cache.stats().used_tokens == 72  # nothing freed by the bump itself
     assert cache.reclaim() == 15
     stats = cache.stats()
-    assert stats["used_tokens"] == 12
-    assert stats["blocks"] == 3
-    assert stats["stale_reclaimed"] == 15
-    assert stats["evictions"] == 0
-    assert stats["stale_roots_pending"] == 0
+    assert stats.used_tokens == 12
+    assert stats.blocks == 3
+    assert stats.removed(RemovalReason.STALE) == 15
+    assert stats.evictions == 0
+    assert stats.stale_roots_pending == 0
     assert cache.reclaim() == 0
 
 
@@ -379,7 +380,7 @@ def test_reclaim_can_be_bounded() -> None:
     cache.insert(seq(0, 40), ACME)
     cache.bump_epoch("smollm2")
     assert cache.reclaim(max_blocks=4) == 4
-    assert cache.stats()["used_tokens"] == 24
+    assert cache.stats().used_tokens == 24
     assert cache.reclaim() == 6
 
 
@@ -391,12 +392,12 @@ def test_a_stale_pinned_block_is_freed_on_release() -> None:
     cache.bump_epoch("smollm2")
     assert hit(cache, seq(0, 12)) == 0
     assert cache.reclaim() == 2  # the unpinned prompt; the pinned one waits
-    assert cache.stats()["used_tokens"] == 12
+    assert cache.stats().used_tokens == 12
     m.release()
     stats = cache.stats()
-    assert stats["used_tokens"] == 0
-    assert stats["blocks"] == 0
-    assert stats["stale_reclaimed"] == 5
+    assert stats.used_tokens == 0
+    assert stats.blocks == 0
+    assert stats.removed(RemovalReason.STALE) == 5
 
 
 # ====================================================================== purge
@@ -408,17 +409,17 @@ def test_purge_tenant_removes_only_its_blocks() -> None:
     cache.insert(seq(0, 12), a)
     cache.insert(seq(1000, 8), a)
     cache.insert(seq(0, 12), b)
-    assert cache.stats()["used_tokens"] == 32
+    assert cache.stats().used_tokens == 32
     assert cache.purge("a") == 20
     assert hit(cache, seq(0, 12), a) == 0
     assert hit(cache, seq(1000, 8), a) == 0
     assert hit(cache, seq(0, 12), b) == 12
     stats = cache.stats()
-    assert (stats["used_tokens"], stats["purged"]) == (12, 5)
+    assert (stats.used_tokens, stats.removed(RemovalReason.PURGED)) == (12, 5)
     assert cache.purge("a") == 0
     assert cache.purge("nobody") == 0
     cache.purge_prefix(seq(0, 4), b)
-    assert cache.stats()["purges"] == 4  # operator calls, whatever they removed
+    assert cache.stats().purges == 4  # operator calls, whatever they removed
 
 
 def test_purge_needs_a_tenant_name() -> None:
@@ -440,10 +441,10 @@ def test_purge_of_a_pinned_block_is_unmatchable_now_and_freed_on_release(partial
     assert hit(cache, tokens, a) == 0  # unmatchable at once (also token by token)
     assert hit(cache, tokens[:6], a) == 0
     assert hit(cache, tokens, b) == 12
-    assert cache.stats()["used_tokens"] == 24  # still in use by the holder
+    assert cache.stats().used_tokens == 24  # still in use by the holder
     m.release()
-    assert cache.stats()["used_tokens"] == 12
-    assert cache.stats()["blocks"] == 3
+    assert cache.stats().used_tokens == 12
+    assert cache.stats().blocks == 3
     # and a's prompt can be cached again
     assert cache.insert(tokens, a) == 12
     assert hit(cache, tokens, a) == 12
@@ -458,9 +459,9 @@ def test_purge_prefix_of_a_pinned_sequence(partial_blocks: bool) -> None:
     assert cache.purge_prefix(tokens[:8], ACME) == 12  # the block holding its end, and below
     assert hit(cache, tokens) == 4  # the first block stays
     assert hit(cache, tokens[:10]) == 4
-    assert cache.stats()["used_tokens"] == 16
+    assert cache.stats().used_tokens == 16
     m.release()
-    assert cache.stats()["used_tokens"] == 4
+    assert cache.stats().used_tokens == 4
     assert cache.insert(tokens, ACME) == 12
     assert hit(cache, tokens) == 16
 
@@ -484,7 +485,7 @@ def test_purge_prefix_at_a_block_boundary() -> None:
     assert cache.purge_prefix(base, ACME) == 12  # base's 2nd block and B below it
     assert hit(cache, base + seq(200, 8)) == 4
     assert hit(cache, base[:4] + seq(300, 8)) == 12
-    assert cache.stats()["used_tokens"] == 12
+    assert cache.stats().used_tokens == 12
     assert cache.purge_prefix(seq(7777, 8), ACME) == 0
 
 
@@ -494,9 +495,9 @@ def test_purge_prefix_with_a_tail() -> None:
     assert cache.insert([*base, 100, 101, 102], ACME) == 0
     cache.insert([*base, 100, 105, 106, 107], ACME)  # shares 100 but not 101: stays
     cache.insert([*base, 100, 101, 109], ACME)  # a tail that starts with the prefix
-    before = cache.stats()["used_tokens"]
+    before = cache.stats().used_tokens
     assert cache.purge_prefix([*base, 100, 101], ACME) == 8 + 3
-    assert cache.stats()["used_tokens"] == before - 11
+    assert cache.stats().used_tokens == before - 11
     assert hit(cache, base + seq(100, 8)) == 9  # base + the 100 that [100, 105, ...] shares
     assert hit(cache, [*base, 100, 101, 102]) == 9
     assert hit(cache, [*base, 100, 105, 106, 107]) == 12
@@ -556,7 +557,7 @@ def test_expired_blocks_are_reclaimed_before_live_ones_are_evicted() -> None:
     clock.now = 12.0
     assert cache.insert(seq(900, 16), ACME) == 16
     stats = cache.stats()
-    assert (stats["expired"], stats["evictions"], stats["used_tokens"]) == (4, 0, 32)
+    assert (stats.removed(RemovalReason.EXPIRED), stats.evictions, stats.used_tokens) == (4, 0, 32)
     assert hit(cache, seq(500, 16)) == 16
     assert hit(cache, seq(900, 16)) == 16
 
@@ -569,8 +570,8 @@ def test_reclaim_frees_expired_blocks() -> None:
     cache.insert(seq(500, 8), ACME)
     clock.now = 11.0
     assert cache.reclaim() == 3
-    assert cache.stats()["used_tokens"] == 8
-    assert cache.stats()["expired"] == 3
+    assert cache.stats().used_tokens == 8
+    assert cache.stats().removed(RemovalReason.EXPIRED) == 3
     assert hit(cache, seq(500, 8)) == 8
 
 
@@ -585,8 +586,8 @@ def test_insert_of_an_expired_prompt_revives_it(length: int) -> None:
     cache.insert(tokens, ACME)
     assert hit(cache, tokens) == length
     stats = cache.stats()
-    assert stats["collisions"] == 0
-    assert stats["used_tokens"] == length  # revived in place, not duplicated
+    assert stats.collisions == 0
+    assert stats.used_tokens == length  # revived in place, not duplicated
 
 
 def test_insert_extending_an_expired_prefix_revives_the_prefix() -> None:
@@ -597,7 +598,7 @@ def test_insert_extending_an_expired_prefix_revives_the_prefix() -> None:
     assert cache.insert(seq(0, 16), ACME) == 8
     assert hit(cache, seq(0, 16)) == 16
     assert hit(cache, seq(0, 8)) == 8
-    assert cache.stats()["collisions"] == 0
+    assert cache.stats().collisions == 0
 
 
 def test_a_purged_pinned_prompt_cached_again_still_expires() -> None:
@@ -611,10 +612,10 @@ def test_a_purged_pinned_prompt_cached_again_still_expires() -> None:
     cache.purge("acme")
     assert cache.insert(tokens, ACME) == 8
     m.release()
-    assert cache.stats()["used_tokens"] == 8
+    assert cache.stats().used_tokens == 8
     clock.now = 100.0
     assert cache.reclaim() == 2
-    assert cache.stats()["used_tokens"] == 0
+    assert cache.stats().used_tokens == 0
 
 
 # ====================================================================== events
@@ -652,7 +653,7 @@ def test_events_of_eviction_stale_purge_and_expiry() -> None:
     events = cache.take_events()
     assert events[0] == EpochBumped("smollm2", None, 1)
     assert len(removed(events, RemovalReason.STALE)) == 4
-    assert cache.stats()["used_tokens"] == 0
+    assert cache.stats().used_tokens == 0
 
     cache.insert(seq(0, 8), ACME)
     with cache.match(seq(0, 8), ACME) as m:
@@ -680,7 +681,7 @@ def test_event_buffer_is_bounded_and_counts_drops() -> None:
     events = cache.take_events()
     assert len(events) == 3
     assert [e.num_tokens for e in events if isinstance(e, BlocksStored)] == [4, 4, 4]
-    assert cache.stats()["events_dropped"] == 2
+    assert cache.stats().events_dropped == 2
     with cache.match(seq(400, 4), ACME) as m:
         assert events[-1] == BlocksStored(m.block_keys, None, 4, "acme", "smollm2", "*", False)
 
@@ -692,7 +693,7 @@ def test_events_capacity_zero_records_nothing() -> None:
     cache.bump_epoch("smollm2")
     cache.reclaim()
     assert cache.take_events() == []
-    assert cache.stats()["evictions"] == 3
+    assert cache.stats().evictions == 3
 
 
 # ====================================================================== stats
@@ -709,20 +710,15 @@ def test_stats_of_a_scripted_sequence() -> None:
     assert hit(cache, [*prompt[:6], 999, 998, 997, 996], a) == 4
 
     stats = cache.stats()
-    assert {k: stats[k] for k in ("lookups", "lookup_tokens", "hit_tokens", "hit_requests")} == {
-        "lookups": 4,
-        "lookup_tokens": 46,
-        "hit_tokens": 16,
-        "hit_requests": 2,
+    assert (stats.lookups, stats.lookup_tokens, stats.hit_tokens, stats.hit_requests) == (4, 46, 16, 2)
+    assert stats.tenants == {
+        "a": TenantStats(lookups=3, lookup_tokens=34, hit_tokens=16, hit_requests=2, inserted_tokens=12),
+        "b": TenantStats(lookups=1, lookup_tokens=12, hit_tokens=0, hit_requests=0, inserted_tokens=0),
     }
-    assert stats["per_tenant"] == {
-        "a": {"lookups": 3, "lookup_tokens": 34, "hit_tokens": 16, "hit_requests": 2, "inserted_tokens": 12},
-        "b": {"lookups": 1, "lookup_tokens": 12, "hit_tokens": 0, "hit_requests": 0, "inserted_tokens": 0},
-    }
-    assert (stats["inserted_tokens"], stats["inserted_blocks"]) == (12, 3)
-    assert (stats["used_tokens"], stats["blocks"], len(cache), cache.used_tokens) == (12, 3, 3, 12)
-    assert (stats["evictions"], stats["collisions"], stats["stale_reclaimed"]) == (0, 0, 0)
-    assert stats["pools"] == {"*": {"quota_tokens": 10_000, "used_tokens": 12, "blocks": 3, "evictions": 0}}
+    assert (stats.inserted_tokens, stats.inserted_blocks) == (12, 3)
+    assert (stats.used_tokens, stats.blocks, len(cache), cache.used_tokens) == (12, 3, 3, 12)
+    assert (stats.evictions, stats.collisions, stats.removed(RemovalReason.STALE)) == (0, 0, 0)
+    assert stats.pools == {"*": PoolStats(quota_tokens=10_000, used_tokens=12, blocks=3, evictions=0)}
 
 
 def test_partial_hits_are_counted() -> None:
@@ -730,7 +726,7 @@ def test_partial_hits_are_counted() -> None:
     cache.insert(seq(0, 8), ACME)
     assert hit(cache, seq(0, 6)) == 6
     stats = cache.stats()
-    assert (stats["hit_tokens"], stats["partial_hit_tokens"]) == (6, 2)
+    assert (stats.hit_tokens, stats.partial_hit_tokens) == (6, 2)
 
 
 # ====================================================================== bad input
@@ -784,7 +780,7 @@ def test_token_ids_above_the_vocabulary() -> None:
         cache.match(np.array([5, 6, 7, 100]), ACME)
     assert cache.insert([96, 97, 98, 99], ACME) == 4
     assert hit(cache, [96, 97, 98, 99]) == 4
-    assert cache.stats()["used_tokens"] == 4
+    assert cache.stats().used_tokens == 4
 
 
 def test_numpy_tokens_match_like_lists() -> None:
@@ -803,7 +799,7 @@ def test_a_context_that_is_not_a_cache_context_is_a_type_error(ctx: Any) -> None
         cache.match(seq(0, 8), ctx)
     with pytest.raises(TypeError, match="CacheContext"):
         cache.insert(seq(0, 8), ctx)
-    assert cache.stats()["lookups"] == 0
+    assert cache.stats().lookups == 0
     assert hit(cache, seq(0, 8)) == 8
 
 
@@ -812,7 +808,7 @@ def test_empty_prompts() -> None:
     assert cache.insert([], ACME) == 0
     with cache.match([], ACME) as m:
         assert m.cached_tokens == 0
-    assert cache.stats()["used_tokens"] == 0
+    assert cache.stats().used_tokens == 0
 
 
 @pytest.mark.parametrize(
@@ -830,11 +826,11 @@ def test_context_roots_are_forgotten_when_empty_but_not_while_storing_under_them
     cache = make(capacity_tokens=4)
     for i in range(50):
         cache.match(seq(1000 * i, 4), CacheContext(tenant=f"visitor-{i}", model="smollm2")).release()
-    assert len(cache._roots) == 0
+    assert len(cache._ledger.contexts) == 0
     cache.insert(seq(0, 4), ACME)
     assert cache.insert(seq(100, 4), ACME) == 4  # evicts the root's only child, stores under it
     assert hit(cache, seq(100, 4)) == 4
-    assert cache.stats()["collisions"] == 0
-    assert len(cache._roots) == 1
+    assert cache.stats().collisions == 0
+    assert len(cache._ledger.contexts) == 1
     cache.purge("acme")
-    assert len(cache._roots) == 0
+    assert len(cache._ledger.contexts) == 0

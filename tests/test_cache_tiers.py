@@ -17,9 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.cache import PrefixCache
+from prefixcache.cache.stats import Histogram, LatencyHistogram
 from prefixcache.config import CacheConfig, KVLayout, PromotionConfig, TierConfig
+from prefixcache.events import RemovalReason
 from prefixcache.hashing import CacheContext
-from prefixcache.storage.tiered import LatencyHistogram
 from redis_server import REDIS_SERVER, RedisServer, StallingProxy, free_port
 from support import random_kv
 from tier_worker import BLOCK, CTX, cache_with, frame_bytes, kv_for, prompt, store
@@ -60,31 +61,37 @@ def fetch(cache: PrefixCache, tokens: list[int], dtype: str = "float16") -> tupl
 
 
 def check_tiers(cache: PrefixCache, reachable: bool = True) -> None:
-    """Invariant 4 across tiers, residency == store contents, capacities, counters."""
-    tiers = cache._tiers
-    assert tiers is not None
-    n = len(tiers.tiers)
-    blocks = list(cache._tree.nodes.values())
+    """Invariant 4 across tiers (over what each block can be loaded from: held or queued),
+    residency == store contents once the writes are done, capacities, counters."""
+    assert cache.flush(timeout=30)
+    books = cache._ledger.books
+    assert books is not None
+    n = len(books.tiers)
+    blocks = list(cache._ledger.tree.nodes.values())
     for block in blocks:
-        assert block.tiers, f"{block} is cached but held by no tier"
+        res = block.res
+        assert res is not None and res.held | res.pending, f"{block} is cached but held by no tier"
+        assert not res.pending, f"{block} still has a write queued after a flush"
         parent = block.parent
-        assert parent is not None
         for k in range(n):
             upto = (1 << (k + 1)) - 1
-            if block.tiers & upto and not parent.is_root:
-                assert parent.tiers & upto, f"tiers 0..{k} hold {block} but not its parent"
+            if res.held & upto and not parent.is_root:
+                assert parent.res is not None and parent.res.held & upto, (
+                    f"tiers 0..{k} hold {block} but not its parent"
+                )
         kids = [0] * n
         for child in block.children.values():
-            if child.tiers:
-                kids[(child.tiers & -child.tiers).bit_length() - 1] += 1
-        assert kids == (block.kid_tops or [0] * n)
-    for tier in tiers.tiers:
-        held = {b.key for b in blocks if b.tiers & tier.bit}
+            if child.res is not None and child.res.held:
+                kids[(child.res.held & -child.res.held).bit_length() - 1] += 1
+        assert kids == (res.kids or [0] * n)
+    for tier in books.tiers:
+        held = {b.key for b in blocks if b.res is not None and b.res.held & tier.bit}
         if tier.config.kind != "redis":
             assert len(tier.store) == len(held) + len(tier.orphans)
         assert not reachable or all(key in tier.store for key in held)
         assert tier.store.used_bytes <= tier.store.capacity_bytes
         assert len(tier.policy) == len(held) + len(tier.orphans)
+        assert tier.used == len(held) + len(tier.orphans)
 
 
 # ============================================================================ round trips
@@ -148,13 +155,13 @@ def test_eviction_demotes_to_disk_and_a_hit_there_promotes_back(tmp_path: Path) 
         a, b = prompt(1), prompt(2)  # 6 blocks each, sharing the first
         store(cache, a)
         store(cache, b)  # memory holds 6 blocks: a's own 5 go down to disk
-        memory, dsk = cache.stats()["tiers"]
-        assert memory["demotions"] == 0 and dsk["demotions"] == 5 and memory["evictions"] == 5
+        memory, dsk = cache.stats().tiers
+        assert memory.demotions == 0 and dsk.demotions == 5 and memory.evictions == 5
         with cache.match(a, CTX) as m:
             assert m.tier_tokens == {"memory": 4, "disk": 20}
         check_tiers(cache)
         assert fetch(cache, a)[1:] == (24, {"memory": 4, "disk": 20})
-        assert cache.stats()["tiers"][0]["promotions"] == 5  # a is back in memory, b went down
+        assert cache.stats().tiers[0].promotions == 5  # a is back in memory, b went down
         assert fetch(cache, a)[1:] == (24, {"memory": 24, "disk": 0})
         assert fetch(cache, b)[2] == {"memory": 4, "disk": 20}
         check_tiers(cache)
@@ -163,13 +170,13 @@ def test_eviction_demotes_to_disk_and_a_hit_there_promotes_back(tmp_path: Path) 
 def test_write_through_copies_below_at_once_so_eviction_writes_nothing(tmp_path: Path) -> None:
     with cache_with(mem(6, write="through"), disk(tmp_path)) as cache:
         store(cache, prompt(1))
-        memory, dsk = cache.stats()["tiers"]
-        assert dsk["blocks"] == 6 and dsk["bytes_written"] > 0
-        written = dsk["bytes_written"]
+        memory, dsk = cache.stats().tiers
+        assert dsk.blocks == 6 and dsk.bytes_written > 0
+        written = dsk.bytes_written
         store(cache, prompt(2))
-        memory, dsk = cache.stats()["tiers"]
-        assert memory["evictions"] == 5 and dsk["demotions"] == 0
-        assert dsk["bytes_written"] == written + 5 * (written // 6)  # b's own blocks, nothing demoted
+        memory, dsk = cache.stats().tiers
+        assert memory.evictions == 5 and dsk.demotions == 0
+        assert dsk.bytes_written == written + 5 * (written // 6)  # b's own blocks, nothing demoted
         assert fetch(cache, prompt(1))[1] == 24
         check_tiers(cache)
 
@@ -180,7 +187,7 @@ def test_a_block_leaves_the_last_tier_only_as_a_leaf_and_then_leaves_the_tree(tm
             store(cache, prompt(i))
             check_tiers(cache)
         assert len(cache) <= 8
-        assert cache.stats()["evictions"] > 0
+        assert cache.stats().evictions > 0
         for i in range(5):
             fetch(cache, prompt(i))  # whatever is left loads exactly
         check_tiers(cache)
@@ -193,8 +200,8 @@ def test_stale_blocks_are_reclaimed_before_live_ones_are_evicted() -> None:
         cache.bump_epoch("m")
         store(cache, prompt(3))
         stats = cache.stats()
-        assert stats["stale_reclaimed"] == 6 and stats["evictions"] == 0
-        assert stats["tiers"][0]["evictions"] == 0
+        assert stats.removed(RemovalReason.STALE) == 6 and stats.evictions == 0
+        assert stats.tiers[0].evictions == 0
         assert fetch(cache, prompt(3))[1] == 24 and fetch(cache, prompt(1))[1] == 4
 
 
@@ -278,9 +285,9 @@ def damage(cache: PrefixCache, tokens: list[int], block: int, how: str) -> None:
     """Damage the disk file of the ``block``-th block of ``tokens``."""
     with cache.match(tokens, CTX) as m:
         key = m.block_keys[block]
-    tiers = cache._tiers
-    assert tiers is not None
-    store_ = tiers.tiers[-1].store
+    books = cache._ledger.books
+    assert books is not None
+    store_ = books.tiers[-1].store
     path = store_._path(key)  # type: ignore[attr-defined]
     if how == "flip":
         data = bytearray(path.read_bytes())
@@ -301,9 +308,9 @@ def test_a_damaged_disk_block_shortens_the_match_and_is_counted(tmp_path: Path, 
         damage(cache, a, 3, how)
         cached, loaded, _ = fetch(cache, a)
         assert cached == 24 and loaded == 12  # blocks 0-2 good, block 3 bad: the true length
-        errors = cache.stats()["tiers"][1]["errors"]
+        errors = cache.stats().tiers[1].errors
         assert sum(errors.values()) >= 1
-        assert cache.stats()["lost"] >= 1
+        assert cache.stats().removed(RemovalReason.LOST) >= 1
         assert fetch(cache, a)[:2] == (12, 12)  # the bad block and its children are gone
         store(cache, a)
         assert fetch(cache, a)[:2] == (24, 24)
@@ -316,8 +323,8 @@ def test_a_full_disk_declines_blocks_and_never_serves_wrong_bytes(tmp_path: Path
             store(cache, prompt(i))
         for i in range(6):
             fetch(cache, prompt(i))
-        tiers = cache.stats()["tiers"]
-        assert tiers[1]["used_bytes"] <= tiers[1]["capacity_bytes"]
+        tiers = cache.stats().tiers
+        assert tiers[1].used_bytes <= tiers[1].capacity_bytes
         check_tiers(cache)
 
 
@@ -382,7 +389,7 @@ def test_redis_killed_mid_run_is_a_shorter_match_and_counted(redis_server: Redis
         redis_server.kill()
         cached, loaded, _ = fetch(cache, prompt(1))
         assert cached == 24 and loaded < 24
-        assert sum(cache.stats()["tiers"][1]["errors"].values()) >= 1
+        assert sum(cache.stats().tiers[1].errors.values()) >= 1
         assert fetch(cache, prompt(2))[1] >= 4  # memory still serves what it holds
         store(cache, prompt(3))  # the write-through fails, counted; the insert still works
         assert fetch(cache, prompt(3))[1] >= 4
@@ -395,7 +402,7 @@ def test_redis_unreachable_at_start_still_serves_from_memory() -> None:
     with cache_with(mem(64, write="through"), rds(url)) as cache:
         store(cache, prompt(1))
         assert fetch(cache, prompt(1))[:2] == (24, 24)
-        assert sum(cache.stats()["tiers"][1]["errors"].values()) >= 1
+        assert sum(cache.stats().tiers[1].errors.values()) >= 1
 
 
 @needs_redis
@@ -412,7 +419,7 @@ def test_a_stalled_redis_read_is_abandoned_at_its_deadline(redis_server: RedisSe
             cached, loaded, _ = fetch(cache, prompt(1))
             assert time.monotonic() - started < 2.0
             assert cached == 24 and loaded == 4
-            assert cache.stats()["tiers"][1]["errors"].get("timeout", 0) >= 1
+            assert cache.stats().tiers[1].errors.get("timeout", 0) >= 1
     finally:
         proxy.stop()
 
@@ -425,7 +432,7 @@ def test_flushall_mid_run_is_misses_never_wrong_bytes(redis_server: RedisServer)
         redis.Redis.from_url(redis_server.url).flushall()
         cached, loaded, _ = fetch(cache, prompt(1))
         assert cached == 24 and loaded == 4
-        assert cache.stats()["tiers"][1]["errors"]["missing"] >= 1
+        assert cache.stats().tiers[1].errors["missing"] >= 1
         check_tiers(cache, reachable=False)  # redis lost keys behind the tree's back: found out on load
 
 
@@ -444,7 +451,7 @@ def test_redis_evicting_under_maxmemory_serves_only_right_bytes(tmp_path: Path) 
             # NOTE: redis's LRU is sampled, so which blocks of a prompt survive is close to
             # random: a prompt may keep a prefix of its blocks, and none need keep all 8.
             assert sum(loaded) > 0 and sum(n < 32 for n in loaded) > 0  # redis kept some, dropped some
-            assert cache.stats()["tiers"][1]["errors"]["missing"] > 0
+            assert cache.stats().tiers[1].errors["missing"] > 0
     finally:
         srv.stop()
 
@@ -482,8 +489,10 @@ def test_bad_calls_are_clear_errors() -> None:
     ],
 )
 def test_bad_tier_configs_are_refused(kwargs: dict[str, object], message: str) -> None:
+    """Tiers without a KV layout are a valid configuration (a server fills the layout in
+    from its model) but not a cache that can be opened."""
     with pytest.raises(ValueError, match=message):
-        CacheConfig(**kwargs)  # type: ignore[arg-type]
+        PrefixCache(CacheConfig(**kwargs))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -529,18 +538,18 @@ def test_stats_report_each_tier_with_a_latency_histogram(tmp_path: Path) -> None
         store(cache, prompt(1))
         store(cache, prompt(2))
         fetch(cache, prompt(1))
-        memory, dsk = cache.stats()["tiers"]
-        assert (memory["name"], memory["kind"], dsk["kind"]) == ("memory", "memory", "disk")
-        assert dsk["hits"] == 5 and memory["hits"] == 1
-        hist = dsk["load_seconds"]
-        assert hist["count"] == 1 and hist["buckets"][-1] == [float("inf"), 1] and hist["sum"] > 0
+        memory, dsk = cache.stats().tiers
+        assert (memory.name, memory.kind, dsk.kind) == ("memory", "memory", "disk")
+        assert dsk.hits == 5 and memory.hits == 1
+        hist = dsk.load_seconds
+        assert hist.count == 1 and hist.buckets[-1] == (float("inf"), 1) and hist.sum > 0
 
 
 def test_latency_histogram_uses_le_buckets() -> None:
     hist = LatencyHistogram((0.1, 1.0))
     for seconds in (0.05, 0.1, 0.5, 2.0):
         hist.observe(seconds)
-    assert hist.snapshot() == {"buckets": [[0.1, 2], [1.0, 3], [float("inf"), 4]], "sum": 2.65, "count": 4}
+    assert hist.snapshot() == Histogram(((0.1, 2), (1.0, 3), (float("inf"), 4)), 2.65, 4)
 
 
 def test_torch_tensors_are_accepted_as_kv() -> None:
@@ -567,9 +576,9 @@ def test_a_match_that_probes_a_tier_searches_the_tree_once(tmp_path: Path) -> No
         other = CacheContext(tenant="someone-else", model="m")  # a root of another length: no key shared
         first.insert([9, 9, 9, 9], other, kv=kv_for([9, 9, 9, 9]))  # one block, left on disk
     with weak("back") as cache:  # P stays in memory: the probe finds nothing
-        assert cache._tiers is not None and any(t.probes for t in cache._tiers.tiers)
+        assert cache._ledger.books is not None and any(t.probes for t in cache._ledger.books.tiers)
         cache.insert(p, CTX, kv=kv_for(p))
-        assert any(t.probes for t in cache._tiers.tiers)  # the orphan is still there to probe for
+        assert any(t.probes for t in cache._ledger.books.tiers)  # the orphan is still there to probe for
         with cache.match(q, CTX) as m:  # P's keys collide with Q's: caught, Q gets the shared block
             assert m.cached_tokens == BLOCK
-        assert cache.stats()["collisions"] == 1
+        assert cache.stats().collisions == 1

@@ -99,11 +99,11 @@ def test_a_cache_sized_in_bytes_holds_at_most_that_many_tokens() -> None:
     ctx = CacheContext(tenant="acme")
     for i in range(40):
         cache.insert(range(i * 100, i * 100 + 16), ctx)
-        assert cache.stats()["used_tokens"] <= 100
+        assert cache.stats().used_tokens <= 100
     stats = cache.stats()
-    assert stats["capacity_tokens"] == 100
-    assert stats["used_tokens"] == 96  # 12 blocks of 8: the most that fit in 100 tokens
-    assert stats["evictions"] > 0
+    assert stats.capacity_tokens == 100
+    assert stats.used_tokens == 96  # 12 blocks of 8: the most that fit in 100 tokens
+    assert stats.evictions > 0
 
 
 # --- partitioned quotas ----------------------------------------------------------

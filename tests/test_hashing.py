@@ -350,7 +350,7 @@ def test_every_registered_hash_gives_a_working_cache(name: str) -> None:
     assert hit(cache, PROMPT, CTX) == 48
     assert hit(cache, PROMPT[:40], CTX) == 32
     assert hit(cache, [*PROMPT[:20], 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], CTX) == 16
-    assert cache.stats()["collisions"] == 0
+    assert cache.stats().collisions == 0
 
 
 def test_registered_hashes_give_different_keys() -> None:
@@ -508,7 +508,7 @@ def test_segments_share_kv_only_before_the_segment() -> None:
     two = [Segment(60, 70, b"y"), Segment(40, 50, b"x")]
     cache.insert(SEG_PROMPT, CTX, two)
     assert hit(cache, SEG_PROMPT, CTX, list(reversed(two))) == 96
-    assert cache.stats()["collisions"] == 0
+    assert cache.stats().collisions == 0
 
 
 def test_segment_without_segments_then_with() -> None:
@@ -642,7 +642,7 @@ def test_empty_prompt(cache: PrefixCache, empty: Any) -> None:
     m = cache.match(empty, CTX)
     assert (m.cached_tokens, m.num_blocks, m.partial_tokens, m.block_keys) == (0, 0, 0, ())
     m.release()
-    assert cache.stats()["lookups"] == 1
+    assert cache.stats().lookups == 1
 
 
 @pytest.mark.parametrize("raw", [b"abcd", bytearray(b"abcd"), "abcd", memoryview(b"abcd")])

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache import CacheConfig, CacheContext, PrefixCache, Segment
-from prefixcache.cache.tree import Block, BlockTree, common_tokens, path_to, postorder
+from prefixcache.cache.tree import Block, BlockTree, Root, common_tokens, path_to, postorder
 from support import lcp
 
 A = CacheContext(tenant="a", model="m")
@@ -83,7 +83,7 @@ def test_common_tokens_matches_a_reference_loop(a: list[int], b: list[int], shar
 # ============================================================================ postorder
 
 
-def _hand_tree() -> tuple[Block, dict[str, Block], BlockTree]:
+def _hand_tree() -> tuple[Root, dict[str, Block], BlockTree]:
     r"""
     root
       |-- x --- xa --- xaa
@@ -91,7 +91,7 @@ def _hand_tree() -> tuple[Block, dict[str, Block], BlockTree]:
       \-- y
     """
     tree = BlockTree()
-    root = Block(b"root", None, b"", None, "", True)
+    root = Root(b"root", "", True)
     blocks: dict[str, Block] = {}
     for name, parent in [("x", None), ("xa", "x"), ("xaa", "xa"), ("xb", "x"), ("y", None)]:
         up = root if parent is None else blocks[parent]
@@ -121,7 +121,7 @@ def test_postorder_children_before_parents_and_never_the_root() -> None:
     assert {b.key for b in sub} == {b"x", b"xa", b"xaa", b"xb"}
     _assert_children_first(sub)
     assert list(postorder(blocks["xaa"])) == [blocks["xaa"]]
-    assert list(postorder(Block(b"lonely", None, b"", None, "", True))) == []
+    assert list(postorder(Root(b"lonely", "", True))) == []
     assert blocks["xaa"].end == 3 * 2 and path_to(blocks["xaa"]) == []  # hand-built: no runs
 
     # removal in postorder never detaches a block that still has children
@@ -134,12 +134,12 @@ def test_postorder_on_a_cache_built_tree() -> None:
     cache = PrefixCache(CacheConfig(block_size=2, capacity_tokens=ROOMY))
     for prompt in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 9], [1, 2, 7, 7], [8, 8, 8, 8]):
         cache.insert(prompt, A)
-    roots = {id(b.root): b.root for b in cache._tree.nodes.values()}
+    roots = {id(b.root): b.root for b in cache._ledger.tree.nodes.values()}
     assert len(roots) == 1
     (root,) = roots.values()
     order = list(postorder(root))
     assert all(not b.is_root for b in order)
-    assert {b.key for b in order} == set(cache._tree.nodes)
+    assert {b.key for b in order} == set(cache._ledger.tree.nodes)
     assert len(order) == len(cache) == 7
     _assert_children_first(order)
 
@@ -174,7 +174,7 @@ def test_match_finds_the_longest_cached_prefix(
             assert m.num_blocks == shared // block_size
             assert len(m.block_keys) == m.num_blocks + (m.partial_tokens > 0)
         assert hit(cache, query, B) == 0
-    assert cache.stats()["collisions"] == 0
+    assert cache.stats().collisions == 0
 
 
 def test_match_at_every_depth() -> None:
@@ -201,17 +201,17 @@ def test_weak_hash_collisions_are_caught_and_counted(partial: bool) -> None:
     config = CacheConfig(block_size=4, capacity_tokens=ROOMY, partial_blocks=partial)
     weak = PrefixCache(config, hash_factory=LengthHash)
     weak.insert(P, A)
-    assert weak.stats()["collisions"] == 0
+    assert weak.stats().collisions == 0
     assert hit(weak, P, A) == 12
 
     assert hit(weak, Q, A) == 4  # every key of Q collides with P's; only the shared block is served
-    assert weak.stats()["collisions"] == 1
+    assert weak.stats().collisions == 1
     assert hit(weak, R, A) == 0
-    assert weak.stats()["collisions"] == 2
+    assert weak.stats().collisions == 2
 
     # inserting the colliding prompt never aliases P's blocks
     weak.insert(Q, A)
-    assert weak.stats()["collisions"] > 2
+    assert weak.stats().collisions > 2
     assert hit(weak, P, A) == 12
     assert hit(weak, Q, A) == 4
     with weak.match(Q, A) as m:
@@ -222,7 +222,7 @@ def test_weak_hash_collisions_are_caught_and_counted(partial: bool) -> None:
     assert (hit(real, P, A), hit(real, Q, A), hit(real, R, A)) == (12, 4, 0)
     real.insert(Q, A)
     assert (hit(real, P, A), hit(real, Q, A)) == (12, 12)
-    assert real.stats()["collisions"] == 0
+    assert real.stats().collisions == 0
 
 
 def test_weak_hash_never_crosses_namespaces() -> None:
@@ -235,8 +235,8 @@ def test_weak_hash_never_crosses_namespaces() -> None:
         assert hit(cache, [*P, 1, 2], A) == (14 if partial else 12)
         for query in ([*P, 1, 2], P, P[:8], P[:6], P[:2]):
             assert hit(cache, query, B) == 0, query
-        assert cache.stats()["collisions"] >= 1
-        assert cache.stats()["per_tenant"]["b"]["hit_tokens"] == 0
+        assert cache.stats().collisions >= 1
+        assert cache.stats().tenants["b"].hit_tokens == 0
         # and B's own inserts cannot be served to A either
         cache.insert(R, B)
         assert hit(cache, R, A) == 0
@@ -255,7 +255,7 @@ def test_private_continuation_of_a_public_prefix_stays_private(factory: Any, par
     assert hit(cache, [*system, *secret], A) == (17 if partial else 16)
     for query in ([*system, *secret], [*system, *secret[:6]], [*system, *secret[:2]], [*system, 90]):
         assert hit(cache, query, B) == 8, query  # the public prefix, and not one token more
-    assert cache.stats()["per_tenant"]["b"]["hit_tokens"] == 8 * 4
+    assert cache.stats().tenants["b"].hit_tokens == 8 * 4
 
 
 def test_weak_hash_never_ignores_segments() -> None:
@@ -265,7 +265,7 @@ def test_weak_hash_never_ignores_segments() -> None:
     assert cache.insert(prompt, A, img_a) == 96
     assert hit(cache, prompt, A, img_a) == 96
     assert hit(cache, prompt, A, img_b) == 32
-    assert cache.stats()["collisions"] >= 1
+    assert cache.stats().collisions >= 1
     assert hit(cache, prompt, A, [Segment(40, 80, b"hash-a")]) == 96
 
 
@@ -315,8 +315,8 @@ def test_partial_block_match_is_token_granular() -> None:
     with off.match(query, A) as m:
         assert (m.cached_tokens, m.num_blocks, m.partial_tokens) == (16, 1, 0)
         assert len(m.block_keys) == 1
-    assert on.stats()["partial_hit_tokens"] == 4
-    assert off.stats()["partial_hit_tokens"] == 0
+    assert on.stats().partial_hit_tokens == 4
+    assert off.stats().partial_hit_tokens == 0
 
 
 def test_partial_block_within_the_first_block() -> None:
@@ -339,7 +339,7 @@ def test_tail_of_a_cached_prompt_is_matched() -> None:
         assert (m.cached_tokens, m.num_blocks, m.partial_tokens) == (36, 2, 4)
         tail_key = m.block_keys[-1]
         assert len(m.block_keys) == 3
-    (tail,) = (b for b in on._tree.nodes.values() if b.end == 36)
+    (tail,) = (b for b in on._ledger.tree.nodes.values() if b.end == 36)
     assert tail.key == tail_key and tail.num_tokens == 4
     with on.match(prompt[:34], A) as m:
         assert (m.cached_tokens, m.partial_tokens) == (34, 2)
@@ -350,7 +350,7 @@ def test_tail_of_a_cached_prompt_is_matched() -> None:
 
     # inserting it again stores nothing and is not a collision
     assert on.insert(prompt, A) == 0
-    assert on.stats()["collisions"] == 0
+    assert on.stats().collisions == 0
     # a longer prompt replaces the tail with a full block
     assert on.insert(LONG, A) == 16
     assert hit(on, prompt, A) == 36
@@ -383,7 +383,7 @@ def test_partial_block_respects_segments() -> None:
 
 
 def _pins(cache: PrefixCache) -> int:
-    return sum(b.pins for b in cache._tree.nodes.values())
+    return sum(b.pins for b in cache._ledger.tree.nodes.values())
 
 
 def test_match_release_is_idempotent_and_unpins() -> None:
@@ -435,4 +435,4 @@ def test_match_tenant_and_counters() -> None:
     with cache.match(LONG[:40], A) as m:
         assert m.tenant == "a"
     stats: dict[str, Any] = cache.stats()
-    assert (stats["lookups"], stats["lookup_tokens"], stats["hit_tokens"], stats["hit_requests"]) == (1, 40, 32, 1)
+    assert (stats.lookups, stats.lookup_tokens, stats.hit_tokens, stats.hit_requests) == (1, 40, 32, 1)

@@ -241,7 +241,7 @@ class CacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         cache = self.cache
-        nodes = cache._tree.nodes
+        nodes = cache._ledger.tree.nodes
         live: set[int] = set()
         for key, block in nodes.items():
             assert block.key == key and block.pool is not None and not block.doomed
@@ -257,17 +257,17 @@ class CacheMachine(RuleBasedStateMachine):
                 used_by_pool[name] = used_by_pool.get(name, 0) + child.num_tokens  # type: ignore[attr-defined]
                 visit(child.children)  # type: ignore[attr-defined]
 
-        roots = {id(r): r for r, _ in cache._roots.values()}
+        roots = {id(r): r for r in cache._ledger.contexts.roots()}
         held = [m._block for m, _ in self.held if m._block is not None]
         for block in held:  # purged or stale while pinned: still accounted, reachable only from here
             roots[id(block.root)] = block.root
             top = block
-            while top.parent is not None:
+            while not top.is_root:
                 top = top.parent
             roots[id(top)] = top
         for block in nodes.values():
             top = block
-            while top.parent is not None:
+            while not top.is_root:
                 # No orphans: every ancestor of a findable block is still in the tree.
                 assert top.pool is not None
                 assert top.parent.children.get(top.key) is top or top.doomed
@@ -280,7 +280,7 @@ class CacheMachine(RuleBasedStateMachine):
             # re-inserted block of the same key: it is in flight, still accounted, and
             # freed on release (checked by the accounting below).
             node: Any = block
-            while node is not None and node.parent is not None:
+            while not node.is_root:
                 if node.pool is not None and id(node) not in seen:
                     assert node.doomed
                     seen.add(id(node))
@@ -289,14 +289,14 @@ class CacheMachine(RuleBasedStateMachine):
         assert live <= seen
         # Accounting: pools add up to what the tree holds; capacity never exceeded.
         total = 0
-        for name, pool in cache._tenancy.pools.items():
+        for name, pool in cache._ledger.tenancy.pools.items():
             assert pool.used == used_by_pool.get(name, 0), (name, pool.used, used_by_pool)
             total += pool.used
             linked = [b for b in nodes.values() if b.pool is pool]
             assert len(pool.policy) == len(linked)
         assert cache.used_tokens == total <= self.config.capacity
         # With a real 128-bit hash no verification ever fails.
-        assert cache.stats()["collisions"] == 0
+        assert cache.stats().collisions == 0
 
     @invariant()
     def pinned_never_evicted(self) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from prefixcache import CacheConfig, CacheContext, PrefixCache, PrefixPromoted, PromotionConfig
+from prefixcache.cache.stats import PoolStats
 
 
 def seq(base: int, n: int) -> list[int]:
@@ -43,7 +44,7 @@ def test_shared_mode_reuses_across_tenants(partial_blocks: bool) -> None:
     assert hit(cache, seq(0, 16), "b") == 16
     assert hit(cache, seq(0, 12) + seq(900, 4), "b") == 12
     assert cache.insert(seq(0, 20), ctx("b")) == 4  # builds on a's blocks
-    assert cache.stats()["used_tokens"] == 20
+    assert cache.stats().used_tokens == 20
     assert hit(cache, seq(0, 16), "b", model="other") == 0  # models never share
 
 
@@ -62,8 +63,8 @@ def test_isolated_modes_never_share_between_tenants(isolation: str, partial_bloc
     assert hit(cache, a_prompt, "b") == 8
     assert hit(cache, a_prompt, "a") == (18 if partial_blocks else 16)
     stats = cache.stats()
-    assert stats["per_tenant"]["a"]["hit_tokens"] == (18 if partial_blocks else 16)
-    assert stats["per_tenant"]["b"]["hit_requests"] == 2
+    assert stats.tenants["a"].hit_tokens == (18 if partial_blocks else 16)
+    assert stats.tenants["b"].hit_requests == 2
 
 
 def test_tenant_names_that_concatenate_alike_do_not_share() -> None:
@@ -83,64 +84,64 @@ def test_a_tenant_burst_never_evicts_another_tenants_blocks() -> None:
         cache.insert(p, ctx("b"))
     for i in range(30):
         cache.insert(seq(100 * i, 8), ctx("a"))
-        pools = cache.stats()["pools"]
-        assert pools["a"]["used_tokens"] <= 32, i
-        assert pools["b"]["used_tokens"] == 16, i
+        pools = cache.stats().pools
+        assert pools["a"].used_tokens <= 32, i
+        assert pools["b"].used_tokens == 16, i
         assert all(hit(cache, p, "b") == 8 for p in b_prompts), i
-    pools = cache.stats()["pools"]
-    assert pools["a"] == {"quota_tokens": 32, "used_tokens": 32, "blocks": 8, "evictions": 26 * 2}
-    assert pools["b"] == {"quota_tokens": 32, "used_tokens": 16, "blocks": 4, "evictions": 0}
+    pools = cache.stats().pools
+    assert pools["a"] == PoolStats(32, 32, 8, 26 * 2)
+    assert pools["b"] == PoolStats(32, 16, 4, 0)
     assert sum(hit(cache, seq(100 * i, 8), "a") == 8 for i in range(30)) == 4
-    assert cache.stats()["per_tenant"]["a"]["used_tokens"] == 32
+    assert cache.stats().tenants["a"].used_tokens == 32
 
 
 def test_a_prompt_above_its_quota_is_cut_at_the_quota() -> None:
     cache = make(isolation="partitioned", capacity_tokens=64, quotas={"a": 16, "b": 48})
     assert cache.insert(seq(0, 40), ctx("a")) == 16
     assert hit(cache, seq(0, 40), "a") == 16
-    assert cache.stats()["pools"]["a"]["used_tokens"] == 16
-    assert cache.stats()["declined_tokens"] == 24
+    assert cache.stats().pools["a"].used_tokens == 16
+    assert cache.stats().declined_tokens == 24
 
 
 def test_default_equal_shares_shrink_and_over_share_tenants_give_back() -> None:
     cache = make(isolation="partitioned", capacity_tokens=96)
-    assert cache.stats()["pools"] == {}
+    assert cache.stats().pools == {}
     for i in range(12):
         cache.insert(seq(100 * i, 8), ctx("a"))
-    pools = cache.stats()["pools"]
-    assert pools == {"a": {"quota_tokens": 96, "used_tokens": 96, "blocks": 24, "evictions": 0}}
+    pools = cache.stats().pools
+    assert pools == {"a": PoolStats(96, 96, 24, 0)}
 
     cache.insert(seq(50_000, 8), ctx("b"))  # a newcomer: shares are 48 each, a is over
-    pools = cache.stats()["pools"]
-    assert (pools["a"]["quota_tokens"], pools["b"]["quota_tokens"]) == (48, 48)
-    assert (pools["a"]["used_tokens"], pools["b"]["used_tokens"]) == (88, 8)
-    assert pools["a"]["evictions"] == 2 and pools["b"]["evictions"] == 0
+    pools = cache.stats().pools
+    assert (pools["a"].quota_tokens, pools["b"].quota_tokens) == (48, 48)
+    assert (pools["a"].used_tokens, pools["b"].used_tokens) == (88, 8)
+    assert pools["a"].evictions == 2 and pools["b"].evictions == 0
     for i in range(1, 12):
         cache.insert(seq(50_000 + 100 * i, 8), ctx("b"))
-        pools = cache.stats()["pools"]
-        assert pools["a"]["used_tokens"] >= 48  # never below its share
-        assert cache.stats()["used_tokens"] <= 96
-    assert (pools["a"]["used_tokens"], pools["b"]["used_tokens"]) == (48, 48)
-    assert pools["b"]["evictions"] > 0  # b, at its share, now evicts its own
+        pools = cache.stats().pools
+        assert pools["a"].used_tokens >= 48  # never below its share
+        assert cache.stats().used_tokens <= 96
+    assert (pools["a"].used_tokens, pools["b"].used_tokens) == (48, 48)
+    assert pools["b"].evictions > 0  # b, at its share, now evicts its own
 
     cache.insert(seq(90_000, 8), ctx("c"))
-    pools = cache.stats()["pools"]
-    assert [pools[t]["quota_tokens"] for t in "abc"] == [32, 32, 32]
+    pools = cache.stats().pools
+    assert [pools[t].quota_tokens for t in "abc"] == [32, 32, 32]
     for i in range(1, 4):
         cache.insert(seq(90_000 + 100 * i, 8), ctx("c"))
-    pools = cache.stats()["pools"]
-    assert [pools[t]["used_tokens"] for t in "abc"] == [32, 32, 32]
-    assert sum(p["used_tokens"] for p in pools.values()) == cache.stats()["used_tokens"]
+    pools = cache.stats().pools
+    assert [pools[t].used_tokens for t in "abc"] == [32, 32, 32]
+    assert sum(p.used_tokens for p in pools.values()) == cache.stats().used_tokens
 
 
 def test_fixed_quotas_and_equal_shares_of_the_rest() -> None:
     cache = make(isolation="partitioned", capacity_tokens=100, quotas={"a": 40})
     for tenant in ("a", "b", "c"):
         cache.insert(seq(0, 8), ctx(tenant))
-    pools = cache.stats()["pools"]
-    assert [pools[t]["quota_tokens"] for t in "abc"] == [40, 30, 30]
-    per_tenant = cache.stats()["per_tenant"]
-    assert [per_tenant[t]["used_tokens"] for t in "abc"] == [8, 8, 8]
+    pools = cache.stats().pools
+    assert [pools[t].quota_tokens for t in "abc"] == [40, 30, 30]
+    per_tenant = cache.stats().tenants
+    assert [per_tenant[t].used_tokens for t in "abc"] == [8, 8, 8]
 
 
 def test_quotas_in_bytes() -> None:
@@ -153,9 +154,9 @@ def test_quotas_in_bytes() -> None:
     )
     for i in range(10):
         cache.insert(seq(100 * i, 8), ctx("a"))
-    pools = cache.stats()["pools"]
-    assert pools["a"]["quota_tokens"] == 32
-    assert pools["a"]["used_tokens"] == 32
+    pools = cache.stats().pools
+    assert pools["a"].quota_tokens == 32
+    assert pools["a"].used_tokens == 32
 
 
 # ====================================================================== promotion
@@ -193,7 +194,7 @@ def test_a_prefix_sent_by_three_tenants_becomes_public(isolation: str, partial_b
     events = promoted(cache)
     assert len(events) == 1
     assert (events[0].tenants, events[0].num_tokens, len(events[0].keys), events[0].model) == (3, 64, 4, "m")
-    assert cache.stats()["promoted_blocks"] == 4
+    assert cache.stats().published_blocks == 4
 
     assert hit(cache, SYSTEM + suffix(4), "t4") == 64
     for i in (1, 2, 3):
@@ -203,10 +204,10 @@ def test_a_prefix_sent_by_three_tenants_becomes_public(isolation: str, partial_b
         assert hit(cache, SYSTEM + suffix(i), f"t{i}") == own
     assert hit(cache, SYSTEM, "t4", model="other") == 0
     if isolation == "partitioned":
-        pools = cache.stats()["pools"]
-        assert pools[""]["used_tokens"] == 64
-        assert pools[""]["blocks"] == 4
-        assert pools["t3"]["used_tokens"] == own - 64  # t3's suffix, stored under the public blocks
+        pools = cache.stats().pools
+        assert pools[""].used_tokens == 64
+        assert pools[""].blocks == 4
+        assert pools["t3"].used_tokens == own - 64  # t3's suffix, stored under the public blocks
 
 
 @pytest.mark.parametrize("isolation", ["namespace", "partitioned"])
@@ -219,7 +220,7 @@ def test_one_tenant_never_promotes_alone(isolation: str) -> None:
         cache.insert(SYSTEM + suffix(i), ctx("t2"))
     assert hit(cache, SYSTEM, "t3") == 0
     assert promoted(cache) == []
-    assert cache.stats()["promoted_blocks"] == 0
+    assert cache.stats().published_blocks == 0
 
 
 @pytest.mark.parametrize("isolation", ["namespace", "partitioned"])
@@ -251,16 +252,16 @@ def test_suffixes_shared_by_fewer_tenants_stay_private(isolation: str) -> None:
 
 def test_promoted_blocks_live_in_the_public_pool() -> None:
     cache = promo_cache("partitioned", capacity_tokens=1200)
-    assert "" in cache.stats()["pools"]
+    assert "" in cache.stats().pools
     for i in range(1, 4):
         cache.insert(SYSTEM + suffix(i), ctx(f"t{i}"))
-    pools = cache.stats()["pools"]
+    pools = cache.stats().pools
     assert set(pools) == {"", "t1", "t2", "t3"}
-    assert all(p["quota_tokens"] == 300 for p in pools.values())
-    assert pools[""]["used_tokens"] == 64
-    assert pools["t1"]["used_tokens"] == 80
-    assert pools["t2"]["used_tokens"] == 80
-    assert pools["t3"]["used_tokens"] == 16
+    assert all(p.quota_tokens == 300 for p in pools.values())
+    assert pools[""].used_tokens == 64
+    assert pools["t1"].used_tokens == 80
+    assert pools["t2"].used_tokens == 80
+    assert pools["t3"].used_tokens == 16
 
 
 # ====================================================================== declare_public
@@ -290,11 +291,11 @@ def test_a_declared_prefix_sent_first_by_a_new_tenant(isolation: str) -> None:
     assert hit(cache, SYSTEM + suffix(1), "b") == 64
     assert hit(cache, SYSTEM + suffix(1), "a") == 80
     stats = cache.stats()
-    assert stats["used_tokens"] == 80  # stored once: 64 public, 16 private
-    assert (stats["inserted_tokens"], stats["promoted_blocks"]) == (80, 4)
+    assert stats.used_tokens == 80  # stored once: 64 public, 16 private
+    assert (stats.inserted_tokens, stats.published_blocks) == (80, 4)
     if isolation == "partitioned":
-        assert stats["pools"][""]["used_tokens"] == 64
-        assert stats["pools"]["a"]["used_tokens"] == 16
+        assert stats.pools[""].used_tokens == 64
+        assert stats.pools["a"].used_tokens == 16
 
 
 def test_declare_public_in_shared_mode_is_an_error() -> None:
@@ -321,6 +322,6 @@ def test_private_blocks_under_a_promoted_prefix_survive_their_root_being_emptied
     cache.insert([0, 1, 2, 0, 1, 2], b)
     assert cache.insert(prompt, b) == 12  # 8 promoted + 4 private under them
     assert cache.insert(prompt, b) == 0
-    assert cache.stats()["collisions"] == 0
+    assert cache.stats().collisions == 0
     with cache.match(prompt, b) as m:
         assert m.cached_tokens == 12

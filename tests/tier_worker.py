@@ -61,6 +61,10 @@ def frame_bytes(dtype: str = "float16") -> int:
 
 
 def cache_with(*tiers: TierConfig, dtype: str = "float16", **kwargs: object) -> PrefixCache:
+    """A cache of ``tiers`` whose writes are done when each call returns (``inline``), so
+    that what a test sees does not depend on a writer thread's timing; the tests of the
+    writer itself pass ``writer=``."""
+    kwargs.setdefault("writer", "inline")
     config = CacheConfig(block_size=BLOCK, seed=SEED, kv_layout=layout(dtype), tiers=tiers, **kwargs)  # type: ignore[arg-type]
     return PrefixCache(config)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
+from typing import Any, NoReturn
 
 from prefixcache.hashing import get_hash
 from prefixcache.policies import POLICIES
@@ -17,8 +17,32 @@ from prefixcache.storage.codec import WIRE_DTYPES
 ISOLATION_MODES = ("shared", "namespace", "partitioned")
 DEFAULT_CAPACITY_TOKENS = 1 << 20
 TIER_KINDS = ("device", "memory", "disk", "redis")
-WRITE_MODES = ("back", "through")
+WRITE_MODES = ("back", "through", "selective")
+WRITERS = ("background", "inline", "deferred")
+LEVELS = {"device": "L0", "memory": "L1"}  # every other kind (disk, redis) is L2
 KV_DTYPES = {label: dtype.itemsize for label, dtype in WIRE_DTYPES.items()}  # bytes per value
+
+
+class FrozenMap(dict[str, int]):
+    """A mapping a frozen configuration can hold: it refuses changes, hashes by its
+    items, and ``dataclasses.asdict`` and settings libraries copy it like a dict."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError("a configuration's mapping is read-only")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(frozenset(self.items()))
+
+    def __reduce__(self) -> tuple[type[FrozenMap], tuple[dict[str, int]]]:
+        return FrozenMap, (dict(self),)
+
+    def __copy__(self) -> FrozenMap:
+        return self
+
+    def __deepcopy__(self, memo: object) -> FrozenMap:
+        return self
 
 
 def check_int(name: str, value: object, minimum: int) -> None:
@@ -78,8 +102,10 @@ class TierConfig:
     """One storage tier, listed fast to slow in ``CacheConfig.tiers``.
 
     ``write`` says when a block reaches the next slower tier: ``"back"`` when this tier
-    evicts it (demotion), ``"through"`` as soon as it is stored here. ``policy`` (default:
-    the cache's) picks this tier's victims. ``path`` is the disk tier's directory;
+    evicts it (demotion), ``"through"`` as soon as it is stored here, ``"selective"``
+    once it has been loaded ``write_after_hits`` times (a colder block is dropped when
+    evicted, never written). The copies are made by the cache's writer (``writer``).
+    ``policy`` (default: the cache's) picks this tier's victims. ``path`` is the disk tier's directory;
     ``url`` and ``namespace`` (default: the cache's seed) the Redis tier's server and key
     prefix; ``device`` the torch device of a device tier (``"cpu"``, ``"cuda:0"``).
     ``verify_payload`` hashes every payload read from a memory or device tier too (disk
@@ -90,6 +116,7 @@ class TierConfig:
     capacity_bytes: int
     policy: str | None = None
     write: str = "back"
+    write_after_hits: int = 2
     name: str | None = None
     path: str | None = None
     fsync: str = "data"
@@ -108,6 +135,7 @@ class TierConfig:
             raise ValueError(f"unknown tier policy {self.policy!r}; valid: {', '.join(sorted(POLICIES))}")
         if self.write not in WRITE_MODES:
             raise ValueError(f"unknown write mode {self.write!r}; valid: {', '.join(WRITE_MODES)}")
+        check_int(f"tiers[{self.kind}].write_after_hits", self.write_after_hits, 1)
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
             raise ValueError("a tier name must be a non-empty string")
         if self.kind == "disk" and not self.path:
@@ -123,6 +151,13 @@ class TierConfig:
     def label(self) -> str:
         return self.name if self.name is not None else self.kind
 
+    @property
+    def level(self) -> str:
+        """What the alerts and runbook call it, from what it is made of: ``L0`` device
+        memory, ``L1`` host RAM, ``L2`` disk and Redis (by kind, not position, so that a
+        deployment without a device tier has no "L0" that is really host RAM)."""
+        return LEVELS.get(self.kind, "L2")
+
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
@@ -135,7 +170,11 @@ class CacheConfig:
     With ``tiers`` (fast to slow) the cache holds the blocks' KV bytes, laid out as
     ``kv_layout`` says; each tier's byte capacity bounds what it holds, and the capacity
     above (default: what all tiers hold together) bounds the blocks cached in any tier.
-    ``io_threads`` load from several tiers at once and run ``prefetch``.
+    ``io_threads`` load from several tiers at once. Writes to slower tiers (write-through
+    copies, demotions, deletes) are queued in decision order, up to ``write_queue_bytes``
+    of frames (a write beyond that is dropped and counted, never waited for), and run by
+    ``writer``: ``"background"`` (a thread of their own), ``"inline"`` (by the thread that
+    queued them, before its call returns) or ``"deferred"`` (only on ``flush``).
     """
 
     block_size: int = 16
@@ -156,6 +195,8 @@ class CacheConfig:
     tiers: tuple[TierConfig, ...] = ()
     kv_layout: KVLayout | None = None
     io_threads: int = 4
+    writer: str = "background"
+    write_queue_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, 1)
@@ -184,11 +225,12 @@ class CacheConfig:
         names = [t.label for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique (give each a name=), got {names}")
-        if self.tiers and self.kv_layout is None:
-            raise ValueError("tiers need kv_layout (the model's layers, kv_heads, head_dim and dtype)")
         if self.kv_layout is not None and not isinstance(self.kv_layout, KVLayout):
             raise ValueError(f"kv_layout must be a KVLayout, got {type(self.kv_layout).__name__}")
         check_int("io_threads", self.io_threads, 1)
+        if self.writer not in WRITERS:
+            raise ValueError(f"unknown writer {self.writer!r}; valid: {', '.join(WRITERS)}")
+        check_int("write_queue_bytes", self.write_queue_bytes, 0)
 
     def _check_capacity(self) -> None:
         if self.capacity_tokens is not None and self.capacity_bytes is not None:
@@ -205,7 +247,7 @@ class CacheConfig:
     def _check_tenancy(self) -> None:
         if not isinstance(self.quotas, Mapping):
             raise ValueError("quotas must be a mapping of tenant -> quota")
-        object.__setattr__(self, "quotas", MappingProxyType(dict(self.quotas)))
+        object.__setattr__(self, "quotas", FrozenMap(self.quotas))
         partitioned = self.isolation == "partitioned"
         if (self.quotas or self.shared_quota is not None) and not partitioned:
             raise ValueError("quotas and shared_quota apply to isolation='partitioned' only")

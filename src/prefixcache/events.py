@@ -3,7 +3,7 @@
 The way vLLM publishes KV events: a router learns which blocks a node holds, the
 metrics learn why blocks left, without either reaching into the cache's internals.
 The buffer is bounded; when a consumer falls behind, the oldest events are dropped
-and counted (``stats()["events_dropped"]``), so a forgotten consumer never grows
+and counted (``stats().events_dropped``), so a forgotten consumer never grows
 memory without bound.
 """
 
@@ -15,12 +15,29 @@ from enum import StrEnum
 
 
 class RemovalReason(StrEnum):
-    EVICTED = "evicted"  # capacity pressure, chosen by the pool's policy
+    """Why a block left the cache (or a tier); ``label`` is how metrics name it."""
+
+    EVICTED = "evicted"  # capacity pressure, chosen by the pool's (or the last tier's) policy
     STALE = "stale"  # its model or adapter epoch was bumped
     EXPIRED = "expired"  # its TTL ran out
     PURGED = "purged"  # an operator purged its tenant or prefix
     REPLACED = "replaced"  # a partial tail block superseded by a longer block
     LOST = "lost"  # a tier lost its bytes or returned bad ones (with what hung below it)
+
+    @property
+    def label(self) -> str:
+        """The ``reason`` label of ``prefixcache_evictions_total`` and ``prefixcache_tier_evictions_total``."""
+        return _LABELS[self]
+
+
+_LABELS = {
+    RemovalReason.EVICTED: "capacity",
+    RemovalReason.STALE: "stale",
+    RemovalReason.EXPIRED: "ttl",
+    RemovalReason.PURGED: "purge",
+    RemovalReason.REPLACED: "replaced",
+    RemovalReason.LOST: "lost",
+}
 
 
 @dataclass(frozen=True, slots=True)

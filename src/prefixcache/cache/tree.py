@@ -2,7 +2,7 @@
 
 ::
 
-    Root(ctx A, ns "")          Root(ctx A, ns "acme")        <- one sentinel per context root
+    Root(ctx A, ns "")          Root(ctx A, ns "acme")        <- one sentinel per context root (``Root``)
       |-- b0 [public] --- b1 [public] --- b2 [acme] --- b3 [acme]
       |                              \\-- b2' [globex]
       \\-- ...
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Union
 
 from prefixcache.hashing import KeyChain, Segments
 
@@ -31,41 +31,99 @@ if TYPE_CHECKING:
 _extra_of = attrgetter("extra")
 
 
+class Root:
+    """A context root: the sentinel every block of one context (model, adapter, tokenizer,
+    namespace, epochs) hangs under, so that every real block has a parent.
+
+    ``members`` counts the blocks that name it as their root: an empty, unpinned root
+    leaves the root table (``contexts.py``), so contexts seen once do not accumulate."""
+
+    __slots__ = ("children", "ctx_enc", "ctx_name", "key", "members", "owner", "pins", "public", "stale")
+
+    is_root = True
+    parent = None
+    end = 0
+    n_segments = 0
+    run = None
+    num_tokens = 0
+
+    def __init__(
+        self, key: bytes, namespace: str, public: bool, ctx_name: tuple[object, ...] = (), ctx_enc: bytes = b""
+    ):
+        self.key = key
+        self.children: dict[bytes, Block] = {}
+        self.owner = namespace  # the namespace its blocks live in ("" for the public one)
+        self.public = public
+        self.pins = 0
+        self.members = 0
+        self.stale = False  # its epoch was bumped
+        self.ctx_name = ctx_name  # its name in the root table
+        self.ctx_enc = ctx_enc  # the exact encoding of its context (epochs included)
+
+    @property
+    def root(self) -> Root:
+        return self
+
+    def __repr__(self) -> str:
+        return f"Root({self.key.hex()[:12]}, ns={self.owner!r}, members={self.members}, pins={self.pins})"
+
+
+class Residency:
+    """Where a block's KV bytes are, for a cache with storage tiers (``cache/residency.py``).
+
+    ``held`` has bit k set when tier k holds the block's frame, ``pending`` when a write
+    of it to tier k is queued (its bytes are then read from the queue); ``kids`` counts
+    the children by the fastest tier they can be loaded from, and ``hits`` the loads
+    that used the block (the ``selective`` write policy counts them)."""
+
+    __slots__ = ("held", "hits", "kids", "pending")
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.pending = 0
+        self.kids: list[int] | None = None
+        self.hits = 0
+
+    @property
+    def avail(self) -> int:
+        return self.held | self.pending
+
+
+Node = Union["Block", Root]
+
+
 class Block:
-    """A node of the tree. A context root is a ``Block`` too (a sentinel with no tokens
-    and no pool), so that every real block has a parent."""
+    """A node of the tree: the KV of ``block_size`` tokens (fewer for a partial tail)
+    that extends its parent's prefix."""
 
     __slots__ = (
         "children",
-        "ctx_enc",
-        "ctx_name",
         "doomed",
         "end",
         "extra",
         "key",
-        "kid_tops",
         "last_access",
-        "members",
         "n_segments",
         "owner",
         "parent",
         "pins",
         "pool",
         "public",
+        "res",
         "root",
         "run",
         "run_index",
-        "stale",
-        "tiers",
         "tokens",
     )
+
+    is_root = False
 
     def __init__(
         self,
         key: bytes,
-        parent: Block | None,
+        parent: Node,
         tokens: bytes,
-        root: Block | None,
+        root: Root,
         owner: str,
         public: bool,
         extra: bytes = b"",
@@ -76,38 +134,53 @@ class Block:
         self.children: dict[bytes, Block] = {}
         self.tokens = tokens  # little-endian uint32 token ids of this block only
         self.extra = extra  # encoding of the segments that start in this block
+        self.root = root
         self.owner = owner  # the tenant that stored it ("" for public blocks)
         self.public = public
-        self.end: int = end if end is not None else (parent.end if parent is not None else 0) + len(tokens) // 4
+        self.end: int = end if end is not None else parent.end + len(tokens) // 4
         self.n_segments = 0  # segments starting in the prefix up to ``end``
         self.pins = 0
-        self.pool: Pool | None = None  # None for a root sentinel and after removal
+        self.pool: Pool | None = None  # None until stored, and after removal
         self.last_access = 0.0
         self.doomed = ""  # why it was removed while pinned (a RemovalReason): unlinked, freed on release
-        self.run: Run | None = None  # the chain stored with it (None on a root)
+        self.run: Run | None = None  # the chain stored with it
         self.run_index = 0
-        self.tiers = 0  # bit k set: tier k holds this block's KV (``tiered``)
-        self.kid_tops: list[int] | None = None  # children counted by their fastest tier (``tiered``)
-        if root is not None:
-            self.root: Block = root
-            return
-        # A context root: these fields exist on roots only (blocks never read them).
-        self.root = self
-        self.stale = False  # its epoch was bumped
-        self.ctx_name: tuple[object, ...] = ()  # its name in the cache's root table
-        self.ctx_enc = b""  # the exact encoding of its context (epochs included)
-        self.members = 0  # how many blocks name it as their root
+        self.res: Residency | None = None  # with storage tiers: where its bytes are
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens) // 4
 
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
     def __repr__(self) -> str:
         return f"Block({self.key.hex()[:12]}, end={self.end}, owner={self.owner!r}, pins={self.pins})"
+
+
+class Pin:
+    """Pins on some nodes: pinned blocks are never evicted (invariant 5), a pinned root
+    never leaves the root table. Taken at construction, released once: by ``release``
+    (the ledger's ``unpin`` frees what was removed meanwhile) or at the end of a
+    ``with`` block, for pins that live inside one hold of the cache's lock."""
+
+    __slots__ = ("nodes", "released")
+
+    def __init__(self, nodes: Sequence[Node]) -> None:
+        self.nodes = tuple(nodes)
+        self.released = False
+        for node in self.nodes:
+            node.pins += 1
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            for node in self.nodes:
+                node.pins -= 1
+                assert node.pins >= 0
+
+    def __enter__(self) -> Pin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 class Run:
@@ -123,7 +196,7 @@ class Run:
 
     __slots__ = ("begin", "blocks", "keys", "parent", "src")
 
-    def __init__(self, parent: Block, blocks: list[Block], src: bytes) -> None:
+    def __init__(self, parent: Node, blocks: list[Block], src: bytes) -> None:
         self.parent = parent
         self.begin = parent.end  # token offset of the run's first block
         self.blocks = blocks
@@ -142,7 +215,7 @@ class Run:
 RunSpan = tuple[Run, int]  # a run and how many of its leading blocks are on a path
 
 
-def runs_to(block: Block | None) -> list[RunSpan]:
+def runs_to(block: Node | None) -> list[RunSpan]:
     """The runs of the path from the root down to ``block``, deepest first."""
     spans: list[RunSpan] = []
     while block is not None and block.run is not None:
@@ -173,20 +246,20 @@ def always_alive(_block: Block) -> bool:
     return True
 
 
-def path_to(block: Block) -> list[Block]:
+def path_to(block: Node) -> list[Block]:
     """The blocks from the root (excluded) down to ``block``, root-most first."""
     return blocks_of(runs_to(block))
 
 
-def postorder(top: Block) -> Iterator[Block]:
+def postorder(top: Node) -> Iterator[Block]:
     """Every block under ``top`` (and ``top`` itself unless it is a root), children
     before parents: the only order in which a subtree can be removed without orphans."""
-    stack: list[tuple[Block, bool]] = [(top, False)]
+    stack: list[tuple[Node, bool]] = [(top, False)]
     while stack:
         node, expanded = stack.pop()
         if expanded:
-            if node.parent is not None:
-                yield node
+            if not node.is_root:
+                yield node  # type: ignore[misc]
             continue
         stack.append((node, True))
         stack.extend((child, False) for child in list(node.children.values()))
@@ -213,7 +286,7 @@ class Lookup:
 
     __slots__ = ("chains", "data", "roots", "segments", "visible")
 
-    def __init__(self, data: bytes, segments: Segments, chains: Sequence[KeyChain], roots: Sequence[Block]):
+    def __init__(self, data: bytes, segments: Segments, chains: Sequence[KeyChain], roots: Sequence[Root]):
         self.data = data
         self.segments = segments
         self.chains = chains
@@ -238,7 +311,6 @@ class BlockTree:
 
     def link(self, block: Block) -> None:
         """Make ``block`` findable and attach it under its parent."""
-        assert block.parent is not None
         self.nodes[block.key] = block
         block.parent.children[block.key] = block
 
@@ -253,7 +325,7 @@ class BlockTree:
         key, nodes, parent = block.key, self.nodes, block.parent
         if nodes.get(key) is block:
             del nodes[key]
-        if parent is not None and parent.children.get(key) is block:
+        if parent.children.get(key) is block:
             del parent.children[key]
 
     # ----------------------------------------------------------------- search
@@ -282,7 +354,7 @@ class BlockTree:
             return True
         last_run, n = spans[0]
         deepest = last_run.blocks[n - 1]
-        if not lookup.can_see(deepest) or spans[-1][0].parent.ctx_enc not in lookup.visible:
+        if not lookup.can_see(deepest) or spans[-1][0].parent.root.ctx_enc not in lookup.visible:
             return False
         data = lookup.data
         for run, n in spans:
@@ -301,7 +373,7 @@ class BlockTree:
         fast path (a hash collision): it stops at the first block that is missing or
         whose parent, tokens, segments or namespace do not match."""
         path: list[Block] = []
-        parent: Block | None = None  # None: the first block must hang under a visible root
+        parent: Node | None = None  # None: the first block must hang under a visible root
         ends = [block_size * (i + 1) for i in range(n_blocks)]
         per_chain = [chain.many(ends) for chain in lookup.chains]
         data, segs = lookup.data, lookup.segments
@@ -315,11 +387,10 @@ class BlockTree:
                     node is not None
                     and alive(node)
                     and lookup.can_see(node)
-                    and node.parent is not None
                     and (
                         node.parent is parent
                         if parent is not None
-                        else node.parent.parent is None and node.parent.ctx_enc in lookup.visible
+                        else node.parent.is_root and node.parent.ctx_enc in lookup.visible  # type: ignore[union-attr]
                     )
                     and node.tokens == chunk
                     and node.extra == extra
@@ -335,7 +406,7 @@ class BlockTree:
     @staticmethod
     def partial(
         lookup: Lookup,
-        parents: Sequence[Block],
+        parents: Sequence[Node],
         begin: int,
         block_size: int,
         alive: Callable[[Block], bool],

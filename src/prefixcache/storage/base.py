@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -54,6 +54,9 @@ class TierStore(ABC):
     # encoded or a verifying store read: no medium or network between write and read, so a
     # loader may skip the payload checksum (the header, key and token checks still run).
     private: ClassVar[bool] = False
+    # Whether a write is a copy into this process's memory: the cache then writes (and
+    # frees) here from the thread that decided it, not through its write queue.
+    sync: ClassVar[bool] = False
 
     def __init__(self, capacity_bytes: int) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
@@ -100,6 +103,11 @@ class TierStore(ABC):
             else:
                 hi = mid - 1
         return lo
+
+    def detach(self, key: bytes) -> Callable[[], Frame | None] | None:
+        """For a ``sync`` store: unname ``key``'s frame but keep its bytes, returning a call
+        that reads them once and then frees them (see ``MemoryStore.detach``)."""
+        raise NotImplementedError(f"a {self.kind} store cannot detach a frame")
 
     def close(self) -> None:
         """Release the medium (files, connections). Idempotent."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -93,8 +94,8 @@ class DiskStore(TierStore):
 
     NOTE: one store per directory. A second store opened on a live directory deletes the
     first one's temp files as crash leftovers; its writes then fail (counted ``io``), which
-    is safe but useless. Like the other stores it is not thread-safe: the cache serializes
-    calls to it.
+    is safe but useless. Reads may run beside writes (the cache's writer thread): the
+    index has a lock of its own, never held during file I/O.
     """
 
     kind: ClassVar[str] = "disk"
@@ -112,6 +113,7 @@ class DiskStore(TierStore):
         self._quarantine = self.directory / "quarantine"
         self._index: dict[bytes, int] = {}
         self._used = 0
+        self._lock = threading.Lock()  # the index and its byte count
         self._closed = False
         for path in (self._blocks, self._tmp, self._quarantine):
             path.mkdir(parents=True, exist_ok=True)
@@ -138,7 +140,8 @@ class DiskStore(TierStore):
 
     def keys(self) -> list[bytes]:
         """Keys held now: what a restarted cache may find here (the warm restart)."""
-        return list(self._index)
+        with self._lock:
+            return list(self._index)
 
     def __contains__(self, key: object) -> bool:
         return key in self._index
@@ -151,7 +154,8 @@ class DiskStore(TierStore):
         return self._blocks / name[:2] / f"{name}{_SUFFIX}"
 
     def _forget(self, key: bytes) -> None:
-        self._used -= self._index.pop(key, 0)
+        with self._lock:
+            self._used -= self._index.pop(key, 0)
 
     # ------------------------------------------------------------------ write
 
@@ -165,7 +169,8 @@ class DiskStore(TierStore):
         if self._closed:
             raise TierError("disk store is closed")
         size = view.nbytes
-        after = self._used - self._index.get(key, 0) + size
+        with self._lock:
+            after = self._used - self._index.get(key, 0) + size
         if after > self.capacity_bytes:
             raise TierFull(f"a {size}-byte frame would bring the store to {after} of {self.capacity_bytes} bytes")
         path = self._path(key)
@@ -186,11 +191,11 @@ class DiskStore(TierStore):
                 self._remove(path)
                 self._forget(key)
             raise TierError(f"disk write failed: {exc}") from exc
-        self._forget(key)
-        self._index[key] = size
-        self._used += size
-        self.stats.puts += 1
-        self.stats.bytes_written += size
+        with self._lock:
+            self._used += size - self._index.get(key, 0)
+            self._index[key] = size
+            self.stats.puts += 1
+            self.stats.bytes_written += size
 
     def _check_frame(self, key: bytes, frame: Frame) -> memoryview:
         """A frame that is not a whole codec frame of ``key`` is a caller bug (ValueError):
@@ -248,10 +253,12 @@ class DiskStore(TierStore):
             return None
         # NOTE: a whole, verified frame of this key whose length differs from the index's
         # (replaced behind our back) is still right to serve; only the accounting follows it.
-        self._used += len(data) - self._index[key]
-        self._index[key] = len(data)
-        self.stats.hits += 1
-        self.stats.bytes_read += len(data)
+        with self._lock:
+            if key in self._index:
+                self._used += len(data) - self._index[key]
+                self._index[key] = len(data)
+            self.stats.hits += 1
+            self.stats.bytes_read += len(data)
         return data
 
     def _miss(self, key: bytes, kind: str, bad: Path | None = None) -> None:
@@ -285,8 +292,9 @@ class DiskStore(TierStore):
     def close(self) -> None:
         """Forget the index (the files stay: the next open finds them). Idempotent."""
         self._closed = True
-        self._index.clear()
-        self._used = 0
+        with self._lock:
+            self._index.clear()
+            self._used = 0
 
     # ------------------------------------------------------------------ open
 

@@ -21,7 +21,8 @@ A store holds no policy (``storage/base.py``): when no slot is free ``put`` rais
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import ClassVar, Final
 
 import numpy as np
@@ -63,6 +64,7 @@ class MemoryStore(TierStore):
 
     kind: ClassVar[str] = "memory"
     private: ClassVar[bool] = True
+    sync: ClassVar[bool] = True
 
     def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
         super().__init__(capacity_bytes)
@@ -75,6 +77,7 @@ class MemoryStore(TierStore):
         self._slab, self._readonly = self._allocate(self.capacity_bytes)
         self._free = list(range(slots - 1, -1, -1))  # slot 0 on top: low addresses are used first
         self._where: dict[bytes, tuple[int, int]] = {}
+        self._lock = threading.Lock()  # the slot table; never held while bytes are copied
         self._closed = False
 
     def _allocate(self, nbytes: int) -> tuple[np.ndarray, memoryview]:
@@ -108,7 +111,7 @@ class MemoryStore(TierStore):
     @property
     def used_bytes(self) -> int:
         """Whole slots in use times ``slot_bytes``: the memory held, not the sum of frame lengths."""
-        return len(self._where) * self.slot_bytes
+        return (self.slots - len(self._free)) * self.slot_bytes if not self._closed else 0
 
     @property
     def free_slots(self) -> int:
@@ -123,7 +126,10 @@ class MemoryStore(TierStore):
 
         NOTE: a replace writes in place, so a view of the old frame read earlier now shows
         the new bytes (or a mix, mid-copy); the codec's key and checksums catch a reader
-        that kept such a view, and the cache copies out before it replaces or deletes.
+        that kept such a view. The cache never replaces a frame someone may be reading:
+        it puts a key only where no frame of it is held.
+        NOTE: the copy runs outside the store's lock; a new key is findable only once
+        its bytes are in place.
         """
         if not isinstance(key, bytes):
             raise TypeError(f"key must be bytes, got {type(key).__name__}")
@@ -131,49 +137,67 @@ class MemoryStore(TierStore):
         length = view.nbytes
         if length > self.slot_bytes:
             raise ValueError(f"frame of {length} bytes does not fit a {self.slot_bytes}-byte slot")
-        if self._closed:
-            raise TierError("memory store is closed")
-        held = self._where.get(key)
-        if held is not None:
-            slot = held[0]
-        elif self._free:
-            slot = self._free.pop()
-        else:
-            raise TierFull(f"all {self.slots} slots of {self.slot_bytes} bytes are in use")
-        start = slot * self.slot_bytes
-        self._write(start, view)
-        self._where[key] = (slot, length)
-        self.stats.puts += 1
-        self.stats.bytes_written += length
+        with self._lock:
+            if self._closed:
+                raise TierError("memory store is closed")
+            held = self._where.get(key)
+            if held is not None:
+                slot = held[0]
+            elif self._free:
+                slot = self._free.pop()
+            else:
+                raise TierFull(f"all {self.slots} slots of {self.slot_bytes} bytes are in use")
+        self._write(slot * self.slot_bytes, view)
+        with self._lock:
+            self._where[key] = (slot, length)
+            self.stats.puts += 1
+            self.stats.bytes_written += length
 
     def get_many(self, keys: Sequence[bytes]) -> list[Frame | None]:
         """Read-only ``memoryview``s into the slab, one per key (``None`` for a miss).
 
         NOTE: a view is zero-copy and so valid only until its key is deleted or replaced:
-        after that its slot may hold another block's frame. The cache decodes it and
-        copies the tensor into the model's KV before it releases the block.
+        after that its slot may hold another block's frame. The cache pins what it loads
+        until the tensor is copied out of the view.
         """
-        out: list[Frame | None] = []
-        for key in keys:
-            held = self._where.get(key)
-            if held is None:
-                self.stats.misses += 1
-                out.append(None)
-                continue
-            slot, length = held
-            start = slot * self.slot_bytes
-            self.stats.hits += 1
-            self.stats.bytes_read += length
-            out.append(self._read(start, length))
-        return out
+        with self._lock:
+            where = [self._where.get(key) for key in keys]
+            hits = [held for held in where if held is not None]
+            self.stats.hits += len(hits)
+            self.stats.misses += len(where) - len(hits)
+            self.stats.bytes_read += sum(length for _, length in hits)
+        # NOTE: read outside the lock (a device slab's read is a copy to the host)
+        return [None if held is None else self._read(held[0] * self.slot_bytes, held[1]) for held in where]
 
     def delete(self, key: bytes) -> bool:
-        held = self._where.pop(key, None)
+        with self._lock:
+            held = self._where.pop(key, None)
+            if held is None:
+                return False
+            self._free.append(held[0])
+            self.stats.deletes += 1
+            return True
+
+    def detach(self, key: bytes) -> Callable[[], Frame | None] | None:
+        """Unname ``key``'s frame but keep its slot: returns a call that reads the frame
+        once and frees the slot (None when the key is not held). A frame moving to a
+        slower tier is read out this way, after the cache has let go of the key, so that
+        a new frame of the same key can never land in the slot meanwhile."""
+        with self._lock:
+            held = self._where.pop(key, None)
         if held is None:
-            return False
-        self._free.append(held[0])
-        self.stats.deletes += 1
-        return True
+            return None
+        slot, length = held
+
+        def read_and_free() -> Frame | None:
+            data = bytes(self._read(slot * self.slot_bytes, length))
+            with self._lock:
+                self._free.append(slot)
+                self.stats.deletes += 1
+                self.stats.bytes_read += length
+            return data
+
+        return read_and_free
 
     def __contains__(self, key: object) -> bool:
         return key in self._where

@@ -165,6 +165,7 @@ class RedisStore(TierStore):
         )
         self._sizes: dict[bytes, int] = {}  # key -> frame bytes, for what this process put
         self._used = 0
+        self._books = threading.Lock()  # _sizes and _used; never held over a network call
         self._closed = False
 
     # ------------------------------------------------------------------ accounting
@@ -175,7 +176,8 @@ class RedisStore(TierStore):
         return self._used
 
     def _forget(self, key: bytes) -> None:
-        self._used -= self._sizes.pop(key, 0)
+        with self._books:
+            self._used -= self._sizes.pop(key, 0)
 
     def _rkey(self, key: bytes) -> bytes:
         if not isinstance(key, bytes):
@@ -236,8 +238,10 @@ class RedisStore(TierStore):
         batch = {self._rkey(key): (key, _byte_view(frame)) for key, frame in items}
         if not batch:
             return
-        grow = sum(view.nbytes - self._sizes.get(key, 0) for key, view in batch.values())
-        if self._used + grow > self.capacity_bytes:
+        with self._books:
+            grow = sum(view.nbytes - self._sizes.get(key, 0) for key, view in batch.values())
+            used = self._used
+        if used + grow > self.capacity_bytes:
             raise TierFull(f"{self._used} + {grow} bytes would pass the {self.capacity_bytes}-byte budget")
 
         def send(client: redis.Redis) -> None:
@@ -247,12 +251,12 @@ class RedisStore(TierStore):
             pipe.execute()
 
         self._call(send)
-        for key, view in batch.values():
-            self._forget(key)
-            self._sizes[key] = view.nbytes
-            self._used += view.nbytes
-            self.stats.puts += 1
-            self.stats.bytes_written += view.nbytes
+        with self._books:
+            for key, view in batch.values():
+                self._used += view.nbytes - self._sizes.get(key, 0)
+                self._sizes[key] = view.nbytes
+                self.stats.puts += 1
+                self.stats.bytes_written += view.nbytes
 
     def delete(self, key: bytes) -> bool:
         """DEL the key; ``False`` when it was not there or Redis failed (counted)."""

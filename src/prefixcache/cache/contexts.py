@@ -1,0 +1,116 @@
+"""Context roots and epochs: which root a request's blocks hang under, and the key
+chains its search follows.
+
+A root names one context (namespace, model, adapter, tokenizer, extra key) at its
+current epochs; its encoding seeds every block key below it (``hashing``). Bumping an
+epoch takes the roots of that model (or adapter) out of the table: no request can
+reach them again, and the ledger reclaims their blocks, children first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from prefixcache.cache.tree import Lookup, Root
+from prefixcache.hashing import (
+    CacheContext,
+    Hasher,
+    HashFactory,
+    KeyChain,
+    Segment,
+    Segments,
+    root_encoding,
+    token_bytes,
+)
+from prefixcache.tenancy import PUBLIC
+
+__all__ = ["Contexts", "context_name"]
+
+Tokens = Sequence[int] | np.ndarray
+
+
+def context_name(ctx: CacheContext) -> tuple[object, ...]:
+    """A context without its namespace: what an operator declares a prefix public for."""
+    return (ctx.model, ctx.adapter, ctx.tokenizer, ctx.extra_key)
+
+
+class Contexts:
+    """The root table and the epochs of every model and adapter."""
+
+    def __init__(
+        self, seed: str, hash_factory: HashFactory, oneshot: Callable[[bytes], bytes] | None, vocab_size: int | None
+    ) -> None:
+        self._seed = seed
+        self._hash = hash_factory
+        self._oneshot = oneshot  # the same hash in one call, for short prefixes (``hashing.ONESHOT``)
+        self._vocab = vocab_size
+        self._epochs: dict[tuple[str, str | None], int] = {}
+        self._roots: dict[tuple[object, ...], tuple[Root, Hasher]] = {}
+
+    def __len__(self) -> int:
+        return len(self._roots)
+
+    def roots(self) -> Iterator[Root]:
+        return (root for root, _ in self._roots.values())
+
+    def root(self, ctx: CacheContext, namespace: str, create: bool = True) -> tuple[Root, Hasher] | None:
+        name = (namespace, ctx.model, ctx.adapter, ctx.tokenizer, ctx.extra_key)
+        entry = self._roots.get(name)
+        if entry is None and create:
+            model_epoch = self._epochs.get((ctx.model, None), 0)
+            adapter_epoch = self._epochs.get((ctx.model, ctx.adapter), 0) if ctx.adapter is not None else 0
+            enc = root_encoding(self._seed, ctx, namespace, model_epoch, adapter_epoch)
+            hasher = self._hash()
+            hasher.update(enc)
+            root = Root(hasher.copy().digest(), namespace, namespace == PUBLIC, name, enc)
+            entry = self._roots[name] = (root, hasher)
+        return entry
+
+    def drop_if_empty(self, root: Root) -> None:
+        """Forget a root that no block belongs to, so that contexts seen once (a tenant
+        that never inserts, a one-off ``extra``) do not accumulate."""
+        if not root.members and not root.pins and self._roots.get(root.ctx_name, (None,))[0] is root:
+            del self._roots[root.ctx_name]
+
+    def lookup(
+        self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None, namespace: str, public: bool
+    ) -> Lookup:
+        """The request's own chain (in ``namespace``), then, with ``public``, the public
+        one when anything hangs there."""
+        if not isinstance(ctx, CacheContext):
+            raise TypeError(f"ctx must be a CacheContext, got {type(ctx).__name__}")
+        data = token_bytes(tokens, self._vocab)
+        segs = Segments.of(segments, len(data) // 4)
+        own = self.root(ctx, namespace)
+        assert own is not None
+        entries = [own]
+        if public:
+            shared = self.root(ctx, PUBLIC, create=False)
+            if shared is not None and shared[0].children:
+                entries.append(shared)
+        chains = [KeyChain(hasher, data, segs, root.ctx_enc, self._oneshot) for root, hasher in entries]
+        return Lookup(data, segs, chains, [root for root, _ in entries])
+
+    def chain(self, entry: tuple[Root, Hasher], lookup: Lookup) -> KeyChain:
+        """Another root's chain over the same tokens (the public copy of a prefix)."""
+        root, hasher = entry
+        return KeyChain(hasher, lookup.data, lookup.segments, root.ctx_enc, self._oneshot)
+
+    def bump(self, model: str, adapter: str | None) -> tuple[int, list[Root]]:
+        """A new epoch for ``model`` (or one adapter of it): returns it and the roots it
+        made stale, now out of the table."""
+        epoch = self._epochs.get((model, adapter), 0) + 1
+        self._epochs[(model, adapter)] = epoch
+        stale = []
+        for name, (root, _) in list(self._roots.items()):
+            _, root_model, root_adapter = name[:3]
+            if root_model == model and (adapter is None or root_adapter == adapter):
+                del self._roots[name]
+                root.stale = True
+                stale.append(root)
+        return epoch, stale
+
+    def tokens(self, tokens: Tokens) -> bytes:
+        return token_bytes(tokens, self._vocab)

@@ -1,0 +1,266 @@
+"""How blocks leave: room in pools and tiers, removal for every reason, stale and
+expired reclaim, purges and the end of a pin. The ledger's second half (``Ledger``
+inherits it), kept apart because it is the other half of the life of a block.
+
+A block leaves the cache when its pool's policy picks it, when it leaves the last tier
+that held it, or for a reason of its own (``RemovalReason``); always childless and
+unpinned. A pinned block that must go (a purge, a lost frame) is unlinked at once,
+so no request finds it, and freed when its last pin is released.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prefixcache.cache.contexts import Contexts
+from prefixcache.cache.residency import Books
+from prefixcache.cache.stats import Counters
+from prefixcache.cache.tree import Block, BlockTree, Node, Pin, postorder
+from prefixcache.config import CacheConfig
+from prefixcache.events import BlocksRemoved, EventLog, RemovalReason
+from prefixcache.storage.base import Frame
+from prefixcache.storage.queue import FrameSource
+from prefixcache.tenancy import Pool, Tenancy
+
+__all__ = ["Lifecycle"]
+
+
+class Lifecycle:
+    """Room, removal, reclaim and unpinning over the ledger's state."""
+
+    config: CacheConfig
+    contexts: Contexts
+    tree: BlockTree
+    tenancy: Tenancy
+    books: Books | None
+    stale: deque[Iterator[Block]]
+    ttl: OrderedDict[bytes, Block] | None
+    events: EventLog
+    counters: Counters
+    used: int
+    _clock: Callable[[], float]
+
+    # ================================================================ room in a pool
+
+    def _make_room(self, pool: Pool, need: int) -> int:
+        """Evict until ``need`` tokens fit in ``pool`` and in the cache; returns how many
+        tokens fit at most (``need`` when all do). Stale and expired blocks go first."""
+        capacity = self.config.capacity
+        need = min(need, pool.quota, capacity)
+        while True:
+            free = min(pool.quota - pool.used, capacity - self.used)
+            if free >= need:
+                return need
+            if (self.stale or self.ttl) and self.reclaim_one():
+                continue
+            own_quota_binds = pool.used + need > pool.quota
+            if own_quota_binds or not self.tenancy.partitioned:
+                # NOTE: the common case, one pool to evict from: a tight loop, no re-checks.
+                if not self._evict_from(pool, need - free):
+                    return max(free, 0)
+                continue
+            victim = self._over_quota_victim(pool)
+            if victim is None:
+                return max(free, 0)
+            self.remove(victim, RemovalReason.EVICTED, in_policy=False)
+
+    def _evict_from(self, pool: Pool, tokens: int) -> bool:
+        """Evict from ``pool`` until ``tokens`` are freed or nothing is evictable; returns
+        whether anything was."""
+        victim, nodes, evictable, remove = pool.policy.victim, self.tree.nodes, self._evictable, self.remove
+        freed = 0
+        while freed < tokens:
+            key = victim(evictable)
+            if key is None:
+                return freed > 0
+            block = nodes[key]  # type: ignore[index]
+            freed += len(block.tokens) >> 2
+            remove(block, RemovalReason.EVICTED, in_policy=False)
+        return True
+
+    def _evictable(self, key: Any) -> bool:
+        block = self.tree.nodes[key]
+        return block.pins == 0 and not block.children
+
+    def _over_quota_victim(self, pool: Pool) -> Block | None:
+        """When the cache is full but ``pool`` is within its quota: a block of a pool over
+        its quota (a partitioned tenant never loses blocks to another tenant's burst while
+        it stays within its share)."""
+        for candidate in self.tenancy.over_quota() or [pool]:
+            key = candidate.policy.victim(self._evictable)
+            if key is not None:
+                return self.tree.nodes[key]  # type: ignore[index]
+        return None
+
+    # ================================================================ room in a tier
+
+    def tier_room(self, k: int, n: int) -> int:
+        """Make room for ``n`` frames in tier ``k``; returns how many fit. Stale and expired
+        blocks go first (invariant 7); a victim whose only copy is here goes down a tier
+        (or, when it cannot and has no children, out of the cache)."""
+        books = self.books
+        assert books is not None
+        tier = books.tiers[k]
+        while tier.free < n:
+            if (self.stale or self.ttl) and self.reclaim_one():
+                continue
+            picked = books.victim(k)
+            if picked is None:
+                break
+            key, block = picked
+            if block is None:
+                books.drop_orphan(k, key)
+            elif not books.only_copy(k, block):
+                books.leave(k, block)
+            elif not self._demote(k, block):
+                break
+        return min(tier.free, n)
+
+    def _demote(self, k: int, block: Block) -> bool:
+        """``block``'s only copy leaves tier ``k``: down a tier, or out of the cache when it
+        cannot go down and nothing hangs below it; False when it must stay."""
+        books = self.books
+        assert books is not None
+        with Pin([block]):  # NOTE: making room below must not take it out of the tree
+            below = books.may_demote(k, block) and self.tier_room(k + 1, 1) >= 1
+            if below:
+                books.tiers[k + 1].used += 1
+        if below:
+            if not books.demote(k, block):
+                self.lose(block)  # its frame could not be handed on: gone with what hangs below
+            return True
+        if block.children:
+            books.keep(k, block)
+            return False
+        books.leave(k, block)
+        self.remove(block, RemovalReason.EVICTED)
+        return True
+
+    def copy_down(self, block: Block, k: int, frame: Frame) -> None:
+        """Queue a copy of ``block`` (which a faster tier holds) into tier ``k``: adopted
+        instead when that tier found its frame on open; dropped (counted) when the queue
+        or the tier has no room. A block that is stale or going is not copied."""
+        books = self.books
+        assert books is not None
+        tier = books.tiers[k]
+        if block.pool is None or block.doomed or block.root.stale:
+            return
+        if block.key in tier.orphans:  # already there, from before a restart
+            books.adopt(block, k)
+            return
+        with Pin([block]):  # NOTE: making room may reclaim stale blocks: never this one
+            room = books.queue.fits(len(frame)) and self.tier_room(k, 1) >= 1
+        if not room:
+            tier.writes_dropped += 1
+            return
+        tier.used += 1
+        books.queue_put(block, k, FrameSource(frame, len(frame)))
+
+    # ================================================================ removing
+
+    def remove(self, block: Block, reason: RemovalReason, in_policy: bool = True) -> None:
+        pool, key = block.pool, block.key
+        assert pool is not None and block.pins == 0 and not block.children
+        self.tree.detach(block)
+        if self.books is not None:
+            self.books.forget(block, reason)
+        if block.run is not None:
+            block.run.truncate(block.run_index)
+        if in_policy and not block.doomed:
+            pool.policy.remove(key)
+        if self.ttl is not None and self.ttl.get(key) is block:
+            del self.ttl[key]
+        n = len(block.tokens) >> 2
+        pool.used -= n
+        pool.blocks -= 1
+        self.used -= n
+        block.pool = None
+        root = block.root
+        root.members -= 1
+        if not root.members:
+            self.contexts.drop_if_empty(root)
+        self.counters.removals[reason] += 1
+        if reason is RemovalReason.EVICTED:
+            pool.evictions += 1
+            self.counters.evicted_tokens += n
+        if self.events.capacity:
+            self.events.record(BlocksRemoved((block.key,), n, reason, pool.name))
+
+    def reclaim_one(self) -> bool:
+        """Free one stale or expired block, if any can be freed now."""
+        while self.stale:
+            for block in self.stale[0]:
+                if block.pool is not None and block.pins == 0 and not block.children:
+                    self.remove(block, RemovalReason.STALE)
+                    return True
+            self.stale.popleft()
+        if self.ttl:
+            ttl = self.config.ttl_seconds
+            assert ttl is not None
+            horizon = self._clock() - ttl
+            for block in self.ttl.values():
+                if block.last_access >= horizon:
+                    break
+                if block.pins == 0 and not block.children:
+                    self.remove(block, RemovalReason.EXPIRED)
+                    return True
+        return False
+
+    def unpin(self, pin: Pin) -> None:
+        """Release ``pin``; what was removed (or made stale) while pinned is freed now,
+        from the deepest pinned block up."""
+        if pin.released:
+            return
+        pin.release()
+        deepest = next((node for node in reversed(pin.nodes) if not node.is_root), None)
+        block: Node | None = deepest
+        while (
+            isinstance(block, Block)
+            and block.pins == 0
+            and block.pool is not None
+            and not block.children
+            and (block.doomed or block.root.stale)
+        ):
+            parent = block.parent
+            self.remove(block, RemovalReason(block.doomed) if block.doomed else RemovalReason.STALE)
+            block = parent
+        for node in pin.nodes:
+            if node.is_root:
+                self.contexts.drop_if_empty(node)  # type: ignore[arg-type]
+
+    def lose(self, block: Block) -> None:
+        """A tier lost ``block``'s bytes (or held bad ones): it and what hangs below it leave
+        the tree, since nothing below can be loaded without it."""
+        self.purge_subtree(block, RemovalReason.LOST)
+
+    def purge_subtree(self, top: Node, reason: RemovalReason = RemovalReason.PURGED) -> int:
+        removed = 0
+        for block in list(postorder(top)):
+            if block.pool is None:
+                continue
+            removed += block.num_tokens
+            if block.pins == 0 and not block.children:
+                self.remove(block, reason)
+            elif not block.doomed:
+                # NOTE: in use right now; make it unmatchable at once and free it on release
+                self.tree.unlink(block)
+                block.pool.policy.remove(block.key)
+                if self.ttl is not None and self.ttl.get(block.key) is block:
+                    del self.ttl[block.key]
+                block.doomed = reason
+        return removed
+
+    def bump_epoch(self, model: str, adapter: str | None) -> int:
+        epoch, stale = self.contexts.bump(model, adapter)
+        for root in stale:
+            self.stale.append(postorder(root))
+        self.counters.epoch_bumps += 1
+        return epoch
+
+    def reclaim(self, max_blocks: int | None) -> int:
+        done = 0
+        while (max_blocks is None or done < max_blocks) and self.reclaim_one():
+            done += 1
+        return done

@@ -1,0 +1,233 @@
+"""What ``PrefixCache.stats()`` returns: frozen snapshots, read by the metrics exporter,
+the dashboard, the admin route and the tests, and the counters the ledger keeps.
+
+Removals are keyed by ``RemovalReason`` (one table, whose ``label`` is what metrics
+call each reason); ``to_json`` gives the admin route its plain-JSON view.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from bisect import bisect_left
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from prefixcache.events import RemovalReason
+
+__all__ = [
+    "LATENCY_BUCKETS",
+    "CacheStats",
+    "Counters",
+    "Histogram",
+    "LatencyHistogram",
+    "PoolStats",
+    "TenantCounters",
+    "TenantStats",
+    "TierStats",
+    "WriterStats",
+    "to_json",
+]
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """Cumulative counts per upper bound (Prometheus ``le``; the last bound is +inf)."""
+
+    buckets: tuple[tuple[float, int], ...]
+    sum: float
+    count: int
+
+
+class LatencyHistogram:
+    """Fixed buckets (seconds), so that the exporter reads counts instead of keeping a
+    second copy of every observation."""
+
+    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
+        self.bounds = tuple(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+        self.count += 1
+
+    def snapshot(self) -> Histogram:
+        cumulative, total = [], 0
+        for le, n in zip((*self.bounds, math.inf), self.counts, strict=True):
+            total += n
+            cumulative.append((le, total))
+        return Histogram(tuple(cumulative), self.sum, self.count)
+
+
+# ---------------------------------------------------------------------------- counters (mutable)
+
+
+@dataclass(slots=True)
+class TenantCounters:
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    hit_requests: int = 0
+    inserted_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Counters:
+    """The ledger's running counters (only ever read through ``CacheStats``)."""
+
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    hit_requests: int = 0
+    partial_hit_tokens: int = 0
+    inserted_tokens: int = 0
+    inserted_blocks: int = 0
+    declined_tokens: int = 0
+    evicted_tokens: int = 0
+    collisions: int = 0
+    published_blocks: int = 0
+    epoch_bumps: int = 0
+    purges: int = 0  # operator calls of purge and purge_prefix (the removals count their blocks)
+    kv_bytes_in: int = 0  # KV bytes taken from callers' sources by inserts: the new ranges only
+    removals: Counter[RemovalReason] = field(default_factory=Counter)
+    tenants: dict[str, TenantCounters] = field(default_factory=dict)
+
+    def tenant(self, name: str) -> TenantCounters:
+        counters = self.tenants.get(name)
+        if counters is None:
+            counters = self.tenants[name] = TenantCounters()
+        return counters
+
+    def count_lookup(self, tenant: str, n_tokens: int, hit: int, partial: int) -> None:
+        for c in (self, self.tenant(tenant)):
+            c.lookups += 1
+            c.lookup_tokens += n_tokens
+            c.hit_tokens += hit
+            c.hit_requests += hit > 0
+        self.partial_hit_tokens += partial
+
+
+# ---------------------------------------------------------------------------- snapshots (frozen)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantStats:
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    hit_requests: int = 0
+    inserted_tokens: int = 0
+    used_tokens: int | None = None  # partitioned isolation: what its pool holds now
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    quota_tokens: int
+    used_tokens: int
+    blocks: int
+    evictions: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """One storage tier: what it holds, what it served, what moved, what failed."""
+
+    name: str
+    kind: str
+    level: str  # L0 device, L1 host RAM, L2 disk and Redis (what the alerts and runbook say)
+    write: str  # its write policy: when its blocks are copied to the next slower tier
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    hits: int
+    misses: int
+    bytes_read: int
+    bytes_written: int
+    promotions: int  # blocks copied up into it from a slower tier on a hit
+    demotions: int  # blocks moved down into it when a faster tier evicted them
+    evictions: int  # blocks its own policy sent away to make room
+    removals: Mapping[RemovalReason, int]  # blocks that left the cache while here, by reason
+    errors: Mapping[str, int]  # failed operations by kind (io, checksum, timeout, missing, full, ...)
+    load_seconds: Histogram
+    writes_pending: int  # writes into it queued and not yet done
+    writes_dropped: int  # writes into it refused by the full write queue
+    writes_failed: int  # writes into it the store failed
+
+
+@dataclass(frozen=True, slots=True)
+class WriterStats:
+    """The background writer's queue (puts and deletes for the tiers it serves)."""
+
+    mode: str
+    queued_jobs: int
+    queued_bytes: int
+    limit_bytes: int
+    done: int
+    dropped: int  # writes refused because the queue held ``limit_bytes`` already
+    failed: int
+    abandoned: int  # writes still queued when ``close`` gave up waiting for them
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Counters since start, and occupancy now, overall, per tenant, pool and tier."""
+
+    lookups: int
+    lookup_tokens: int
+    hit_tokens: int
+    hit_requests: int
+    partial_hit_tokens: int
+    inserted_tokens: int
+    inserted_blocks: int
+    declined_tokens: int
+    evicted_tokens: int
+    collisions: int
+    published_blocks: int
+    epoch_bumps: int
+    purges: int
+    kv_bytes_in: int
+    removals: Mapping[RemovalReason, int]
+    capacity_tokens: int
+    used_tokens: int
+    blocks: int
+    stale_roots_pending: int
+    events_dropped: int
+    tenants: Mapping[str, TenantStats]
+    pools: Mapping[str, PoolStats]
+    tiers: tuple[TierStats, ...] = ()
+    writer: WriterStats | None = None
+
+    @property
+    def evictions(self) -> int:
+        """Blocks removed under capacity pressure."""
+        return self.removals.get(RemovalReason.EVICTED, 0)
+
+    def removed(self, reason: RemovalReason) -> int:
+        return self.removals.get(reason, 0)
+
+
+def to_json(value: Any) -> Any:
+    """A snapshot as plain JSON: dataclasses as objects, enum keys and values as their
+    strings, tuples as lists, an infinite bound as the string "+Inf"."""
+    if hasattr(value, "__dataclass_fields__"):
+        return {f.name: to_json(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, Mapping):
+        return {_key(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_json(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, float) and math.isinf(value):
+        return "+Inf"
+    return value
+
+
+def _key(key: object) -> str:
+    return key.value if isinstance(key, enum.Enum) else str(key)

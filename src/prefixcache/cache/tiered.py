@@ -1,0 +1,358 @@
+"""The byte paths of a cache with storage tiers, each in three steps::
+
+    decide   (ledger, under the lock)   what to read, write, demote or drop; pins held
+    move     (transfer, no lock)        reads, checks, copies, writes into memory slots
+    commit   (ledger, under the lock)   residency follows what really happened
+
+A failed or corrupt read shortens the load (invariant 6); a failed write rolls back
+residency; a slow or stalled tier costs its own requests' hits, never the lock.
+Writes to slower tiers go through the write queue (``writer.py``); nothing in
+``storage`` calls back up.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from prefixcache.cache.kv import KVSource, LoadedKV, as_kv_array
+from prefixcache.cache.ledger import Chain, Found, Ledger
+from prefixcache.cache.residency import NONE, Books
+from prefixcache.cache.tree import Block, Lookup, Node, Pin, path_to
+from prefixcache.cache.writer import Writer, fill
+from prefixcache.hashing import CacheContext
+from prefixcache.storage import codec
+from prefixcache.storage.base import Frame, TierError
+from prefixcache.storage.queue import FrameSource
+from prefixcache.storage.transfer import Outcome, Read, Transfer
+
+__all__ = ["Probe", "TieredPath"]
+
+
+@dataclass(eq=False)
+class Probe:
+    """A match's look into the tiers that may hold blocks no local tree knows."""
+
+    found: Found
+    parent: Node | None
+    ends: list[int]
+    keys: list[bytes]
+    tiers: list[int]
+    pin: Pin | None
+
+
+@dataclass(eq=False)
+class LoadPlan:
+    path: list[Block]
+    reads: list[Read]
+    requested: int
+    pin: Pin
+
+
+class TieredPath:
+    """Probes, loads and inserts with KV, for one cache."""
+
+    def __init__(self, lock: threading.RLock, ledger: Ledger, transfer: Transfer, writer: Writer) -> None:
+        assert ledger.books is not None
+        self.lock = lock
+        self.ledger = ledger
+        self.books: Books = ledger.books
+        self.transfer = transfer
+        self.writer = writer
+        self.layout = transfer.layout
+
+    # ================================================================ probe (match)
+
+    def plan_probe(self, lookup: Lookup, found: Found) -> Probe | None:
+        """Under the lock: the keys of this request's chain beyond what the tree holds, and
+        the tiers to ask for them (Redis, or a disk reopened after a restart: keys are the
+        same in every process, invariant 2). None when there is nothing to ask."""
+        books = self.books
+        deepest, own = found[0], lookup.roots[0]
+        if deepest is not None and deepest.root is not own:
+            return None  # matched in the public pool: nothing of ours hangs there
+        parent: Node = deepest if deepest is not None else own
+        bs = self.ledger.config.block_size
+        ends = list(range(parent.end + bs, len(lookup.data) // 4 // bs * bs + 1, bs))
+        limit = books.entry_tier(parent)
+        tiers = [t.index for t in books.tiers if t.index >= limit and t.probes]
+        if not ends or not tiers:
+            return None
+        return Probe(found, parent, ends, lookup.chains[0].many(ends), tiers, Pin([parent, own]))
+
+    def run_probe(self, probe: Probe) -> tuple[int, int]:
+        """No lock: (tier, n) for the first probed tier holding the ``n >= 1`` leading keys."""
+        for k in probe.tiers:
+            try:
+                found = self.transfer.stores[k].contains_prefix(probe.keys)
+            except TierError:
+                continue  # counted by the store
+            if found:
+                return k, found
+        return -1, 0
+
+    def adopt(self, lookup: Lookup, ctx: CacheContext, probe: Probe, tier: int, n: int) -> Found | None:
+        """Under the lock: take the probed blocks into the tree (their bytes are checked
+        against the tokens when loaded, invariant 3). Returns the search to reuse, or
+        None when the tree changed and must be searched again."""
+        ledger = self.ledger
+        assert probe.pin is not None and probe.parent is not None
+        parent, again = probe.parent, None
+        if not n:
+            again = probe.found
+        elif parent.is_root or (parent.pool is not None and not parent.doomed):  # type: ignore[union-attr]
+            shared = ledger.tenancy.mode == "shared"
+            chain = ledger.plan_chain(lookup, 0, parent, probe.ends[:n], ctx, shared, tiers=False)
+            for block in ledger.commit_chain(chain, len(chain.blocks)) if chain is not None else ():
+                self.books.adopt(block, tier)
+        ledger.unpin(probe.pin)  # NOTE: last, so that the root is not dropped as empty before its blocks come
+        return again
+
+    # ================================================================ load
+
+    def plan_load(self, block: Block | None, partial_tokens: int) -> LoadPlan:
+        """Under the lock: where each block of the path to ``block`` is read from, and a
+        pin on the path while it is read (so no frame of it is freed meanwhile)."""
+        path = path_to(block) if block is not None else []
+        books = self.books
+        reads: list[Read] = []
+        requested = 0
+        for i, b in enumerate(path):
+            use = partial_tokens if partial_tokens and i == len(path) - 1 else b.num_tokens
+            requested += use
+            k = books.fastest(b)
+            if k == NONE or len(reads) < i:
+                continue
+            assert b.res is not None
+            reads.append(Read(b.key, b.tokens, use, k, not b.res.held & (1 << k)))
+        return LoadPlan(path, reads, requested, Pin(path))
+
+    def load(self, plan: LoadPlan, out: np.ndarray | None) -> LoadedKV:
+        """No lock, then the commits: read the planned path; promote what came from a
+        slower tier into tier 0; copy down what ``selective`` tiers now owe."""
+        path, reads = plan.path, plan.reads
+        try:
+            dest = self.transfer.destination(plan.requested, out)
+            loaded = self.transfer.load(reads, dest)
+        except BaseException:
+            with self.lock:
+                self.ledger.unpin(plan.pin)
+            raise
+        with self.lock:
+            tier_tokens = self._count(path, reads, loaded.good, loaded.failure, loaded.seconds)
+            promote = self._plan_promotion(path, loaded.good)
+            copies = self._plan_copies(path, reads, loaded.good)
+            copyouts = self.books.take_copyouts()
+        fill(copyouts)
+        frames = loaded.frames
+        done = self._promote(path, promote, frames)
+        owed = [(i, k, bytes(frames[i] or b"")) for i, k in copies]  # NOTE: copied while the path is pinned
+        with self.lock:
+            self._commit_promotion(path, promote, done, frames)
+            for i, k, data in owed:
+                self.books.queue_put(path[i], k, FrameSource(data, len(data)))
+            self.ledger.unpin(plan.pin)
+            copyouts = self.books.take_copyouts()
+        fill(copyouts)
+        self.writer.after_call()
+        tokens = sum(r.use for r in reads[: loaded.good])
+        kv = dest if tokens == plan.requested else np.ascontiguousarray(dest[:, :, :, :tokens, :])
+        return LoadedKV(tokens, kv, tier_tokens, plan.requested)
+
+    def _count(
+        self, path: list[Block], reads: list[Read], good: int, failure: str | None, seconds: dict[int, float]
+    ) -> dict[str, int]:
+        """Hits, misses and latency per tier; policies told of the hits; a block a tier
+        failed to give back is lost, with what hangs below it."""
+        tiers = self.books.tiers
+        tier_tokens = {t.name: 0 for t in tiers}
+        for k, secs in seconds.items():
+            tiers[k].latency.observe(secs)
+        touched: dict[int, list[bytes]] = {}
+        for read, block in zip(reads[:good], path, strict=False):
+            tier = tiers[read.tier]
+            tier.hits += 1
+            tier_tokens[tier.name] += read.use
+            assert block.res is not None
+            block.res.hits += 1
+            if not read.queued:
+                touched.setdefault(read.tier, []).append(block.key)
+        for k, keys in touched.items():
+            tiers[k].policy.access_many(reversed(keys))  # deepest first: ancestors end up more recent
+        if good < len(reads):
+            read, block = reads[good], path[good]
+            tiers[read.tier].misses += 1
+            tiers[read.tier].errors[failure or "missing"] += 1
+            res = block.res
+            # NOTE: a queued frame that could not be read is the writer's to settle (its job fails)
+            if not read.queued and res is not None and res.held & (1 << read.tier) and block.pool is not None:
+                self.ledger.lose(block)
+        return tier_tokens
+
+    def _plan_promotion(self, path: list[Block], good: int) -> list[int]:
+        """The loaded blocks that go up into tier 0, root-most first, while room can be made."""
+        books, top = self.books, self.books.tiers[0]
+        promote = []
+        for i in range(good):
+            if books.avail(path[i]) & top.bit:
+                continue
+            if self.ledger.tier_room(0, 1) < 1:
+                break
+            top.used += 1
+            promote.append(i)
+        return promote
+
+    def _plan_copies(self, path: list[Block], reads: list[Read], good: int) -> list[tuple[int, int]]:
+        """``selective`` tiers: the loaded blocks hit often enough to be copied down now."""
+        books, tiers = self.books, self.books.tiers
+        copies = []
+        for i in range(good):
+            read, res = reads[i], path[i].res
+            below, config = read.tier + 1, tiers[read.tier].config
+            assert res is not None
+            owed = (
+                config.write == "selective"
+                and not read.queued
+                and res.hits >= config.write_after_hits
+                and below < len(tiers)
+                and not books.avail(path[i]) & (1 << below)
+            )
+            if not owed:
+                continue
+            if path[i].key in tiers[below].orphans:  # already there, from before a restart
+                books.adopt(path[i], below)
+            elif self.writer.queue.fits(books.frame_bytes(path[i].num_tokens)) and self.ledger.tier_room(below, 1):
+                tiers[below].used += 1
+                copies.append((i, below))
+        return copies
+
+    def _promote(self, path: list[Block], promote: list[int], frames: Sequence[Frame | None]) -> int:
+        """No lock: put the promoted frames into a memory tier 0 (another kind is queued at
+        the commit). Returns how many leading ones landed."""
+        if not self.books.tiers[0].sync:
+            return len(promote)
+        done = 0
+        for i in promote:
+            frame = frames[i]
+            if frame is None or self.transfer.put(0, path[i].key, frame) is not Outcome.DONE:
+                break
+            done += 1
+        return done
+
+    def _commit_promotion(
+        self, path: list[Block], promote: list[int], done: int, frames: Sequence[Frame | None]
+    ) -> None:
+        books, top = self.books, self.books.tiers[0]
+        for j, i in enumerate(promote):
+            block = path[i]
+            if j >= done:
+                books.release(0)
+            elif top.sync:
+                books.commit_held(block, 0)
+                top.promotions += 1
+            elif (frame := frames[i]) is not None and books.queue_put(block, 0, FrameSource(bytes(frame), len(frame))):
+                top.promotions += 1
+            else:
+                if frame is None:
+                    books.release(0)
+                done = j  # NOTE: the rest would hang under a block that is not there
+
+    # ================================================================ insert
+
+    def insert(self, tokens: object, ctx: CacheContext, segments: object, source: KVSource) -> int:
+        """Store what the cache lacks of ``tokens`` (a published prefix first, when one is
+        owed), reading from ``source`` only the range of the new blocks."""
+        ledger, stored = self.ledger, 0
+        for round_ in range(2):
+            with self.lock:
+                lookup = ledger.lookup(tokens, ctx, segments)
+                if not lookup.data:
+                    return 0
+                chain = ledger.publish(lookup, ctx, tiers=True) if round_ == 0 and ledger.publisher.active else None
+                published = chain is not None
+                if chain is None:
+                    chain = ledger.extend(lookup, ctx, None, tiers=True)
+                copyouts = self.books.take_copyouts()
+            fill(copyouts)
+            if chain is None:
+                break
+            stored += self._write_chain(chain, source)
+            if not published:
+                break
+        self.writer.after_call()
+        return stored
+
+    def _write_chain(self, chain: Chain, source: KVSource) -> int:
+        """No lock: cut the chain's range from ``source``, frame each block, write those
+        entering a memory tier; then commit (the others are queued there)."""
+        try:
+            frames = self._frames(chain, source)
+        except BaseException:
+            with self.lock:
+                self._commit_chain(chain, [], 0)
+            raise
+        landed = 0
+        tiers = self.books.tiers
+        for block, k, frame in zip(chain.blocks, chain.tiers, frames, strict=True):
+            if not tiers[k].sync:
+                break
+            if self.transfer.put(k, block.key, frame) is not Outcome.DONE:
+                tiers[k].errors["write"] += 1
+                break
+            landed += 1
+        with self.lock:
+            stored = self._commit_chain(chain, frames, landed)
+            copyouts = self.books.take_copyouts()
+        fill(copyouts)
+        return stored
+
+    def _frames(self, chain: Chain, source: KVSource) -> list[bytes]:
+        begin, end = chain.begin, chain.end
+        kv = as_kv_array(source.read(begin, end), self.layout, end - begin)
+        label = self.layout.dtype
+        frames = []
+        for block in chain.blocks:
+            lo = block.end - block.num_tokens - begin
+            frames.append(
+                codec.encode(block.key, block.tokens, kv[:, :, :, lo : lo + block.num_tokens, :], dtype=label)
+            )
+        return frames
+
+    def _commit_chain(self, chain: Chain, frames: list[bytes], landed: int) -> int:
+        """Under the lock: link the blocks whose bytes are placed (written to a memory tier,
+        or queued for another), give back the room of the rest, and queue the
+        write-through copies."""
+        books, ledger = self.books, self.ledger
+        tiers = books.tiers
+        n, queued = landed, 0
+        if frames:
+            while n < len(chain.blocks) and not tiers[chain.tiers[n]].sync:
+                queued += len(frames[n])
+                if not self.writer.queue.fits(queued):
+                    tiers[chain.tiers[n]].writes_dropped += 1
+                    break
+                n += 1
+            ledger.counters.kv_bytes_in += (chain.end - chain.begin) * self.layout.bytes_per_token
+        linked = ledger.commit(chain, n)
+        for i, (block, k) in enumerate(zip(chain.blocks, chain.tiers, strict=True)):
+            if i >= len(linked):
+                books.release(k)
+                if i < landed:
+                    books.drop_frame(k, block.key)  # written, but its parent left meanwhile
+            elif tiers[k].sync:
+                books.commit_held(block, k)
+            else:
+                books.queue_put(block, k, FrameSource(frames[i], len(frames[i])))
+        # NOTE: the copies last: the queue's room went to the blocks that have no other copy
+        for i, (block, k) in enumerate(zip(linked, chain.tiers, strict=False)):
+            if tiers[k].sync:
+                self._write_through(block, k, frames[i])
+        return linked[-1].end - chain.parent.end if linked else 0
+
+    def _write_through(self, block: Block, k: int, frame: bytes) -> None:
+        """A ``through`` tier copies a block to the next tier as soon as it holds it."""
+        if self.books.tiers[k].config.write == "through" and k + 1 < len(self.books.tiers):
+            self.ledger.copy_down(block, k + 1, frame)

@@ -1,0 +1,35 @@
+"""The store a tier's configuration names."""
+
+from __future__ import annotations
+
+from prefixcache.config import TierConfig
+from prefixcache.storage.base import TierStore
+from prefixcache.storage.disk import DiskStore
+from prefixcache.storage.memory import MemoryStore
+
+__all__ = ["open_store"]
+
+
+def open_store(config: TierConfig, frame_bytes: int, seed: str) -> TierStore:
+    """The store of ``config``, for frames of up to ``frame_bytes``; Redis keys are
+    prefixed by the tier's namespace (default: the deployment seed)."""
+    slot = MemoryStore.slot_for(frame_bytes)
+    if config.kind == "memory":
+        return MemoryStore(config.capacity_bytes, slot)
+    if config.kind == "device":
+        from prefixcache.storage.device import DeviceStore  # torch only when asked for
+
+        return DeviceStore(config.capacity_bytes, slot, config.device)
+    if config.kind == "disk":
+        assert config.path is not None
+        return DiskStore(config.path, config.capacity_bytes, config.fsync)
+    from prefixcache.storage.redis import RedisStore  # redis-py is an optional dependency
+
+    assert config.url is not None
+    return RedisStore(
+        config.url,
+        config.capacity_bytes,
+        config.namespace or seed,
+        connect_timeout=config.connect_timeout,
+        read_timeout=config.read_timeout,
+    )

@@ -1,0 +1,247 @@
+"""The write queue under any interleaving: inserts, loads (some while inserting), epoch
+bumps and purges, against a writer whose jobs run only when this machine says so, one
+at a time, some of them failing; and restarts (a close that abandons what is queued,
+then a new cache over the same disk).
+
+After every step: invariant 4 over what each block can be loaded from (a held frame or
+a queued one), the room of each tier equal to what it holds, queues and reserves,
+every held frame really in its store, nothing left pinned; and every load bit-exact
+up to its true length (invariant 6). At the end, a flush leaves nothing pending."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from prefixcache.cache import PrefixCache
+from prefixcache.config import CacheConfig, TierConfig
+from prefixcache.hashing import CacheContext
+from prefixcache.storage.base import Frame, TierError, TierStore
+from prefixcache.storage.open import open_store
+from tier_worker import BLOCK, SEED, frame_bytes, kv_for, layout, prompt
+
+TENANTS = ("a", "b")
+
+
+class Flaky(TierStore):
+    """A store whose next ``fail`` writes raise ``TierError`` (a full or broken medium)."""
+
+    def __init__(self, inner: TierStore) -> None:
+        super().__init__(inner.capacity_bytes)
+        self.inner = inner
+        self.fail = 0
+        self.kind = inner.kind  # type: ignore[misc]
+        self.verifies_reads = inner.verifies_reads  # type: ignore[misc]
+        self.private = inner.private  # type: ignore[misc]
+        self.sync = inner.sync  # type: ignore[misc]
+        self.stats = inner.stats
+
+    @property
+    def used_bytes(self) -> int:
+        return self.inner.used_bytes
+
+    def put(self, key: bytes, frame: Frame) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise TierError("injected write failure")
+        self.inner.put(key, frame)
+
+    def get_many(self, keys: Any) -> list[Frame | None]:
+        return self.inner.get_many(keys)
+
+    def delete(self, key: bytes) -> bool:
+        return self.inner.delete(key)
+
+    def detach(self, key: bytes) -> Any:
+        return self.inner.detach(key)
+
+    def contains_prefix(self, keys: Any) -> int:
+        return self.inner.contains_prefix(keys)
+
+    def room_for(self, frame_bytes: int) -> int:
+        return self.inner.room_for(frame_bytes)
+
+    def keys(self) -> list[bytes]:
+        return self.inner.keys()  # type: ignore[attr-defined,no-any-return]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class WriterMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stores: list[Flaky] = []
+
+    @initialize(
+        top=st.tuples(st.integers(2, 6), st.sampled_from(["through", "back", "selective"])),
+        middle=st.one_of(st.none(), st.tuples(st.integers(2, 8), st.sampled_from(["through", "back"]))),
+        disk_blocks=st.integers(3, 16),
+        policy=st.sampled_from(["lru", "s3fifo", "sieve"]),
+        queue_frames=st.sampled_from([1, 3, 1000]),
+        partial=st.booleans(),
+    )
+    def setup(
+        self,
+        top: tuple[int, str],
+        middle: tuple[int, str] | None,
+        disk_blocks: int,
+        policy: str,
+        queue_frames: int,
+        partial: bool,
+    ) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="writer-machine-"))
+        fb = frame_bytes()
+        tiers = [TierConfig(kind="memory", capacity_bytes=top[0] * fb, write=top[1], write_after_hits=2, policy=policy)]
+        if middle is not None:
+            tiers.append(TierConfig(kind="memory", name="ram2", capacity_bytes=middle[0] * fb, write=middle[1]))
+        tiers.append(TierConfig(kind="disk", capacity_bytes=disk_blocks * fb, path=str(self.dir), fsync="none"))
+        self.config = CacheConfig(
+            block_size=BLOCK,
+            seed=SEED,
+            kv_layout=layout(),
+            tiers=tuple(tiers),
+            writer="deferred",
+            write_queue_bytes=queue_frames * fb,
+            partial_blocks=partial,
+        )
+        self.open()
+
+    def open(self) -> None:
+        self.stores = []
+
+        def factory(tc: TierConfig, frame: int, seed: str) -> TierStore:
+            store = Flaky(open_store(tc, frame, seed))
+            self.stores.append(store)
+            return store
+
+        self.cache = PrefixCache(self.config, store_factory=factory)
+
+    def teardown(self) -> None:
+        """The end of a run: a flush settles every queued write, and leaves the books right."""
+        if not hasattr(self, "cache"):
+            return
+        for store in self.stores:
+            store.fail = 0
+        try:
+            assert self.cache.flush()
+            self.books_agree()
+            assert not len(self.cache._writer.queue)  # type: ignore[union-attr]
+            assert not any(b.res.pending for b in self.cache._ledger.tree.nodes.values() if b.res is not None)
+        finally:
+            self.cache.close(timeout=0)
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    # ------------------------------------------------------------ rules
+
+    @rule(i=st.integers(0, 5), n=st.integers(1, 7), tenant=st.sampled_from(TENANTS), cut=st.integers(0, 3))
+    def insert(self, i: int, n: int, tenant: str, cut: int) -> None:
+        tokens = prompt(i, n)[: BLOCK * n - cut]
+        self.cache.insert(tokens, CacheContext(tenant=tenant, model="m"), kv=kv_for(tokens))
+
+    @rule(i=st.integers(0, 5), n=st.integers(1, 7), tenant=st.sampled_from(TENANTS), also=st.booleans())
+    def fetch(self, i: int, n: int, tenant: str, also: bool) -> None:
+        tokens = prompt(i, n)
+        ctx = CacheContext(tenant=tenant, model="m")
+        with self.cache.match(tokens, ctx) as m:
+            if also:  # room is made (and writes queued) while this match pins its blocks
+                other = prompt(i + 1, n)
+                self.cache.insert(other, ctx, kv=kv_for(other))
+            loaded = self.cache.load(m)
+            assert loaded.tokens <= m.cached_tokens == loaded.requested
+            assert np.array_equal(loaded.kv, kv_for(tokens)[:, :, :, : loaded.tokens])
+
+    @rule(n=st.integers(1, 4))
+    def run_writes(self, n: int) -> None:
+        self.cache._writer.run_pending(n)  # type: ignore[union-attr]
+
+    @rule(k=st.integers(0, 2), n=st.integers(1, 3))
+    def fail_writes(self, k: int, n: int) -> None:
+        self.stores[min(k, len(self.stores) - 1)].fail += n
+
+    @rule()
+    def bump(self) -> None:
+        self.cache.bump_epoch("m")
+
+    @rule(tenant=st.sampled_from(TENANTS), i=st.integers(0, 5), n=st.integers(1, 3))
+    def purge_prefix(self, tenant: str, i: int, n: int) -> None:
+        self.cache.purge_prefix(prompt(i, n)[: BLOCK * n - 1], CacheContext(tenant=tenant, model="m"))
+
+    @rule(tenant=st.sampled_from(TENANTS))
+    def purge(self, tenant: str) -> None:
+        self.cache.purge(tenant)
+
+    @precondition(lambda self: hasattr(self, "cache"))
+    @rule(flush=st.booleans())
+    def restart(self, flush: bool) -> None:
+        """A shutdown (a flush, or none: what is queued is abandoned), then a new process
+        over the same disk."""
+        for store in self.stores:
+            store.fail = 0
+        done = self.cache.close(timeout=None if flush else 0)
+        assert done or not flush
+        self.open()
+
+    # ------------------------------------------------------------ invariants
+
+    @invariant()
+    def books_agree(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        ledger = self.cache._ledger
+        books = ledger.books
+        assert books is not None
+        queue = books.queue
+        n = len(books.tiers)
+        blocks = list(ledger.tree.nodes.values())
+        pending = {k: 0 for k in range(n)}
+        for block in blocks:
+            res = block.res
+            assert res is not None and res.held | res.pending, f"{block} is in no tier and no queue"
+            assert block.pins == 0
+            avail = res.held | res.pending
+            for k in range(n):
+                upto = (1 << (k + 1)) - 1
+                if avail & upto and not block.parent.is_root:
+                    parent = block.parent.res  # type: ignore[union-attr]
+                    assert parent is not None and (parent.held | parent.pending) & upto, f"invariant 4, tiers 0..{k}"
+                if res.pending & (1 << k):
+                    pending[k] += 1
+                    assert (k, block.key) in queue._pending, f"{block} pending in tier {k} with no queued write"
+            kids = [0] * n
+            for child in block.children.values():
+                cres = child.res
+                if cres is not None and cres.held | cres.pending:
+                    a = cres.held | cres.pending
+                    kids[(a & -a).bit_length() - 1] += 1
+            assert kids == (res.kids or [0] * n)
+        for tier in books.tiers:
+            held = {b.key for b in blocks if b.res is not None and b.res.held & tier.bit}
+            assert all(key in tier.store for key in held), f"tier {tier.name}: a held frame is not in its store"
+            assert tier.used == len(held) + pending[tier.index] + len(tier.orphans), tier.name
+            assert tier.used <= tier.capacity
+            assert len(tier.policy) == len(held) + len(tier.orphans)
+            assert tier.store.used_bytes <= tier.store.capacity_bytes
+        assert queue.queued_bytes <= queue.limit_bytes
+
+
+WriterMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=35,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestWriterMachine = WriterMachine.TestCase
