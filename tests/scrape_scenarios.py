@@ -4,9 +4,9 @@ Each scenario drives a real ``PrefixCache`` with requests (match, record the req
 in a real ``ServingMetrics``, insert), scrapes a registry that also holds a real
 ``CacheCollector``, drives more requests, and scrapes again: ``NAME.1.prom`` and
 ``NAME.2.prom``, taken "10 seconds" apart (the test passes ``--interval 10``). Where a
-situation needs storage tiers (pressure, a dead or slow L2), the tier entries of
-``stats()["tiers"]`` are written out in the schema the tiered cache reports, beside
-the real cache's own counters. ``_created`` samples (wall-clock times) are left out so
+situation needs storage tiers (pressure, a dead or slow L2), the entries of
+``stats().tiers`` are written out as the tiered cache reports them (``TierStats``),
+beside the real cache's own counters. ``_created`` samples (wall-clock times) are left out so
 that the files are reproducible byte for byte.
 
 Regenerate: ``.venv/bin/python tests/scrape_scenarios.py`` (the test checks that the
@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 from prefixcache import CacheConfig, CacheContext, PrefixCache
-from prefixcache.ops.metrics import CacheCollector, ServingMetrics
+from prefixcache.cache.stats import CacheStats, Histogram, TierStats
+from prefixcache.ops.collector import CacheCollector
+from prefixcache.ops.metrics import RequestRecord, ServingMetrics
 
 OUT = Path(__file__).parent / "data" / "scrapes"
 INTERVAL = 10  # nominal seconds between the two scrapes
@@ -34,7 +37,7 @@ GiB = 1 << 30
 class Server:
     """A cache, its metrics and a registry, driven the way the engine will drive them."""
 
-    def __init__(self, config: CacheConfig, tiers: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, config: CacheConfig, tiers: list[TierStats] | None = None) -> None:
         self.cache = PrefixCache(config)
         self.tiers = tiers
         self.registry = CollectorRegistry()
@@ -42,11 +45,9 @@ class Server:
         self.metrics.set_prefill_seconds_per_token(SECONDS_PER_TOKEN)
         self.registry.register(CacheCollector(self))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> CacheStats:
         stats = self.cache.stats()
-        if self.tiers is not None:
-            stats["tiers"] = self.tiers
-        return stats
+        return replace(stats, tiers=tuple(self.tiers)) if self.tiers is not None else stats
 
     def request(self, tenant: str, prompt: list[int], model: str = "smollm2") -> None:
         ctx = CacheContext(tenant=tenant, model=model)
@@ -54,15 +55,17 @@ class Server:
             cached = m.cached_tokens
         computed = len(prompt) - cached
         self.metrics.record_request(
-            tenant,
-            model,
-            "chat",
-            len(prompt),
-            cached,
-            {"L0": cached} if cached else {},
-            0.002,
-            0.01 + computed * SECONDS_PER_TOKEN,
-            0.5 + computed * SECONDS_PER_TOKEN,
+            RequestRecord(
+                tenant,
+                model,
+                "chat",
+                len(prompt),
+                cached,
+                {"L0": cached} if cached else {},
+                0.002,
+                0.01 + computed * SECONDS_PER_TOKEN,
+                0.5 + computed * SECONDS_PER_TOKEN,
+            )
         )
         self.cache.insert(prompt, ctx)
 
@@ -71,38 +74,38 @@ class Server:
         return "".join(line + "\n" for line in text.splitlines() if "_created" not in line)
 
 
-def tier(name: str, kind: str, capacity: int, used: int, **counters: Any) -> dict[str, Any]:
-    entry: dict[str, Any] = {
-        "name": name,
-        "kind": kind,
-        "capacity_bytes": capacity,
-        "used_bytes": used,
-        "blocks": used // (256 * 1024),
-        "hits": 0,
-        "misses": 0,
-        "bytes_read": 0,
-        "bytes_written": 0,
-        "promotions": 0,
-        "demotions": 0,
-        "evictions": 0,
-        "errors": {},
-        "load_seconds": {
-            "buckets": [[0.001, 0], [0.01, 0], [0.1, 0], [1.0, 0], [float("inf"), 0]],
-            "sum": 0.0,
-            "count": 0,
-        },
-    }
-    return entry | counters
+def tier(name: str, kind: str, capacity: int, used: int, **counters: Any) -> TierStats:
+    entry = TierStats(
+        name=name,
+        kind=kind,
+        level={"device": "L0", "memory": "L1"}.get(kind, "L2"),
+        write="back",
+        capacity_bytes=capacity,
+        used_bytes=used,
+        blocks=used // (256 * 1024),
+        hits=0,
+        misses=0,
+        bytes_read=0,
+        bytes_written=0,
+        promotions=0,
+        demotions=0,
+        evictions=0,
+        removals={},
+        errors={},
+        load_seconds=Histogram(((0.001, 0), (0.01, 0), (0.1, 0), (1.0, 0), (float("inf"), 0)), 0.0, 0),
+        writes_pending=0,
+        writes_dropped=0,
+        writes_failed=0,
+    )
+    return replace(entry, **counters)
 
 
-def load_seconds(fast: int, slow: int) -> dict[str, Any]:
+def load_seconds(fast: int, slow: int) -> Histogram:
     """A load-latency histogram: ``fast`` loads under 1 ms, ``slow`` ones of 50-100 ms."""
     n = fast + slow
-    return {
-        "buckets": [[0.001, fast], [0.01, fast], [0.1, n], [1.0, n], [float("inf"), n]],
-        "sum": 0.0005 * fast + 0.08 * slow,
-        "count": n,
-    }
+    return Histogram(
+        ((0.001, fast), (0.01, fast), (0.1, n), (1.0, n), (float("inf"), n)), 0.0005 * fast + 0.08 * slow, n
+    )
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -118,7 +121,7 @@ def chat_traffic(
         server.request(tenant, systems[tenant] + tokens(rng, rng.randrange(16, 64)))
 
 
-def two_tier(l0_used: float, l1_used: float, **over: dict[str, Any]) -> list[dict[str, Any]]:
+def two_tier(l0_used: float, l1_used: float, **over: dict[str, Any]) -> list[TierStats]:
     return [
         tier("hbm", "device", 8 * GiB, int(l0_used * 8 * GiB), **over.get("hbm", {})),
         tier("ram", "memory", 64 * GiB, int(l1_used * 64 * GiB), **over.get("ram", {})),
@@ -126,7 +129,7 @@ def two_tier(l0_used: float, l1_used: float, **over: dict[str, Any]) -> list[dic
 
 
 def _base(
-    tiers: list[dict[str, Any]] | None = None, capacity: int = 1_000_000, policy: str = "s3fifo"
+    tiers: list[TierStats] | None = None, capacity: int = 1_000_000, policy: str = "s3fifo"
 ) -> tuple[Server, random.Random, dict[str, list[int]]]:
     rng = random.Random(7)
     systems = {t: tokens(rng, 512) for t in ("acme", "globex", "initech")}
@@ -148,9 +151,13 @@ def pressure(level: str) -> tuple[str, str]:
     before = server.scrape()
     chat_traffic(server, rng, list(systems), 60, systems)
     if level == "L0":  # 97% full, 70,000 more evictions in 10 s: 7,000/s
-        tiers[0] |= {"used_bytes": int(0.97 * 8 * GiB), "hits": 90_000, "misses": 40_000, "evictions": 90_000}
+        tiers[0] = replace(
+            tiers[0], **{"used_bytes": int(0.97 * 8 * GiB), "hits": 90_000, "misses": 40_000, "evictions": 90_000}
+        )
     else:  # host RAM 99% full, 2,000 more evictions in 10 s: 200/s
-        tiers[1] |= {"used_bytes": int(0.99 * 64 * GiB), "hits": 4000, "misses": 3000, "evictions": 2_000}
+        tiers[1] = replace(
+            tiers[1], **{"used_bytes": int(0.99 * 64 * GiB), "hits": 4000, "misses": 3000, "evictions": 2_000}
+        )
     return before, server.scrape()
 
 
@@ -187,9 +194,9 @@ def l2(broken: str) -> tuple[str, str]:
     before = server.scrape()
     chat_traffic(server, rng, list(systems), 60, systems)
     if broken == "dead":  # every call refused or skipped by the breaker for 10 s
-        tiers[2] |= {"misses": 1200, "errors": {"connection": 40, "breaker_open": 960}}
+        tiers[2] = replace(tiers[2], misses=1200, errors={"connection": 40, "breaker_open": 960})
     else:  # reachable, but most loads take 50-100 ms
-        tiers[2] |= {"hits": 4000, "misses": 300, "load_seconds": load_seconds(3400, 900)}
+        tiers[2] = replace(tiers[2], hits=4000, misses=300, load_seconds=load_seconds(3400, 900))
     return before, server.scrape()
 
 

@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixcache import CacheConfig, CacheContext, PrefixCache
-from prefixcache.ops.metrics import OTHER, CacheCollector, ServingMetrics, TenantLabels, metric_names
+from prefixcache import CacheConfig, CacheContext, PrefixCache, RemovalReason
+from prefixcache.ops.collector import CacheCollector
+from prefixcache.ops.metrics import OTHER, RequestRecord, ServingMetrics, TenantLabels, metric_names
+from support import WRITER, StatsSource, tier_stats
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -26,7 +28,7 @@ def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str
 
 
 def record(m: ServingMetrics, tenant: str, prompt: int, cached: int = 0, model: str = "m") -> str:
-    return m.record_request(tenant, model, "chat", prompt, cached, {"L0": cached}, 0.01, 0.2, 1.5)
+    return m.record_request(RequestRecord(tenant, model, "chat", prompt, cached, {"L0": cached}, 0.01, 0.2, 1.5))
 
 
 def prompt_tokens(registry: CollectorRegistry, tenant: str) -> float | None:
@@ -41,8 +43,8 @@ def test_record_request_counts_tokens_seconds_and_latency() -> None:
     registry = CollectorRegistry()
     m = ServingMetrics(registry)
     m.set_prefill_seconds_per_token(0.001)
-    m.record_request("acme", "smollm2", "chat", 1000, 640, {"L0": 512, "L2": 128}, 0.02, 0.3, 2.0)
-    m.record_request("acme", "smollm2", "chat", 200, 0, {}, 0.001, 0.05, 0.5, prefill_seconds=0.25)
+    m.record_request(RequestRecord("acme", "smollm2", "chat", 1000, 640, {"L0": 512, "L2": 128}, 0.02, 0.3, 2.0))
+    m.record_request(RequestRecord("acme", "smollm2", "chat", 200, 0, {}, 0.001, 0.05, 0.5, prefill_seconds=0.25))
     labels = {"tenant": "acme", "model": "smollm2", "endpoint": "chat"}
     get = registry.get_sample_value
     assert get("prefixcache_lookups_total", labels) == 2
@@ -80,9 +82,8 @@ def test_nothing_is_saved_on_paper_before_the_prefill_speed_is_measured() -> Non
     [(10, 11, {"L0": 11}), (10, -1, {}), (10, 8, {"L0": 4}), (10, 4, {"L0": 6, "L1": -2})],
 )
 def test_inconsistent_requests_are_refused(prompt: int, cached: int, tiers: dict[str, int]) -> None:
-    m = ServingMetrics(CollectorRegistry())
     with pytest.raises(ValueError):
-        m.record_request("a", "m", "chat", prompt, cached, tiers, 0, 0, 0)
+        RequestRecord("a", "m", "chat", prompt, cached, tiers)
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf")])
@@ -191,16 +192,16 @@ def test_collector_exports_what_a_real_cache_counts() -> None:
     def value(name: str, **labels: str) -> float:
         return got[(name, tuple(sorted(labels.items())))]
 
-    assert value("prefixcache_cache_lookups_total") == stats["lookups"] == 10
-    assert value("prefixcache_cache_hit_tokens_total") == stats["hit_tokens"] == 200
+    assert value("prefixcache_cache_lookups_total") == stats.lookups == 10
+    assert value("prefixcache_cache_hit_tokens_total") == stats.hit_tokens == 200
     assert value("prefixcache_cache_lookup_tokens_total") == 200
-    assert value("prefixcache_evictions_total", reason="capacity") == stats["evictions"] > 0
-    assert value("prefixcache_evictions_total", reason="stale") == stats["stale_reclaimed"] == 16
-    assert value("prefixcache_evictions_total", reason="purge") == stats["purged"] == 4
+    assert value("prefixcache_evictions_total", reason="capacity") == stats.evictions > 0
+    assert value("prefixcache_evictions_total", reason="stale") == stats.removed(RemovalReason.STALE) == 16
+    assert value("prefixcache_evictions_total", reason="purge") == stats.removed(RemovalReason.PURGED) == 4
     assert value("prefixcache_evictions_total", reason="ttl") == 0
     assert value("prefixcache_epoch_bumps_total") == 1
     assert value("prefixcache_capacity_tokens") == 64
-    assert value("prefixcache_used_tokens") == stats["used_tokens"] == 0
+    assert value("prefixcache_used_tokens") == stats.used_tokens == 0
     assert value("prefixcache_hash_collisions_total") == 0
     assert value("prefixcache_promoted_blocks_total") == 0
     assert not any(name.startswith("prefixcache_tier_") for name, _ in got)  # no tiers, no tier series
@@ -216,42 +217,14 @@ def test_collector_reads_the_cache_at_scrape_time() -> None:
     assert registry.get_sample_value("prefixcache_used_tokens") == 12
 
 
-def tier_stats(name: str, kind: str, **over: Any) -> dict[str, Any]:
-    """One entry of ``stats()["tiers"]`` in the schema the tiered cache reports."""
-    base: dict[str, Any] = {
-        "name": name,
-        "kind": kind,
-        "capacity_bytes": 1 << 30,
-        "used_bytes": 1 << 29,
-        "blocks": 100,
-        "hits": 10,
-        "misses": 2,
-        "bytes_read": 4096,
-        "bytes_written": 8192,
-        "promotions": 1,
-        "demotions": 3,
-        "evictions": 5,
-        "errors": {},
-        "load_seconds": {"buckets": [[0.001, 4], [0.01, 9], [float("inf"), 10]], "sum": 0.05, "count": 10},
-    }
-    return base | over
-
-
-class Stats:
-    """A stats source with a fixed ``stats()`` (the collector reads nothing else)."""
-
-    def __init__(self, stats: dict[str, Any]) -> None:
-        self._stats = stats
-
-    def stats(self) -> dict[str, Any]:
-        return self._stats
-
-
 def test_collector_exports_every_tier_with_its_level() -> None:
-    tiers = [tier_stats("hbm", "device"), tier_stats("ram", "memory"), tier_stats("shared", "redis")]
-    tiers[2]["errors"] = {"timeout": 3, "connection": 1}
+    tiers = [
+        tier_stats("hbm", "device"),
+        tier_stats("ram", "memory"),
+        tier_stats("shared", "redis", errors={"timeout": 3, "connection": 1}),
+    ]
     registry = CollectorRegistry()
-    registry.register(CacheCollector(Stats({"tiers": tiers})))
+    registry.register(CacheCollector(StatsSource(tiers=tuple(tiers))))
     get = registry.get_sample_value
     l2 = {"tier": "shared", "kind": "redis", "level": "L2"}
     assert get("prefixcache_tier_used_bytes", {"tier": "hbm", "kind": "device", "level": "L0"}) == 1 << 29
@@ -279,8 +252,8 @@ def test_metric_names_lists_exactly_what_is_exported() -> None:
     m = ServingMetrics(registry)
     m.set_prefill_seconds_per_token(1e-4)
     record(m, "a", 10, 5)
-    full = PrefixCache(CacheConfig()).stats() | {"purges": 1, "tiers": [tier_stats("x", "memory", errors={"io": 1})]}
-    registry.register(CacheCollector(Stats(full)))
+    full = StatsSource(purges=1, tiers=(tier_stats("x", "memory", errors={"io": 1}),), writer=WRITER)
+    registry.register(CacheCollector(full))
     exported = {name for name, _ in samples(registry)}
     assert exported == metric_names()
 
@@ -301,13 +274,13 @@ def test_collector_exports_a_real_tier() -> None:
     cache.insert(prompt, ctx, kv=np.zeros((2, 2, 1, 16, 8), dtype=np.float16))
     with cache.match(prompt, ctx) as m:
         assert cache.load(m) is not None
-    (tier,) = cache.stats()["tiers"]
+    (tier,) = cache.stats().tiers
     registry = CollectorRegistry()
     registry.register(CacheCollector(cache))
-    labels = {"tier": tier["name"], "kind": "memory", "level": "L1"}
-    assert registry.get_sample_value("prefixcache_tier_hits_total", labels) == tier["hits"] == 4
-    assert registry.get_sample_value("prefixcache_tier_used_bytes", labels) == tier["used_bytes"] > 0
-    assert registry.get_sample_value("prefixcache_tier_written_bytes_total", labels) == tier["bytes_written"] > 0
+    labels = {"tier": tier.name, "kind": "memory", "level": "L1"}
+    assert registry.get_sample_value("prefixcache_tier_hits_total", labels) == tier.hits == 4
+    assert registry.get_sample_value("prefixcache_tier_used_bytes", labels) == tier.used_bytes > 0
+    assert registry.get_sample_value("prefixcache_tier_written_bytes_total", labels) == tier.bytes_written > 0
     assert registry.get_sample_value("prefixcache_tier_load_seconds_count", labels) == 1
     cache.bump_epoch("m")
     cache.reclaim()  # the stale blocks leave the tier: counted per tier with their reason

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ from prometheus_client import CollectorRegistry
 
 from prefixcache import CacheConfig, CacheContext, PrefixCache
 from prefixcache.ops.dashboard import dashboard_data
-from prefixcache.ops.metrics import ServingMetrics
+from prefixcache.ops.metrics import RequestRecord, ServingMetrics
+from support import StatsSource, tier_stats
 
 PAGE = Path(__file__).resolve().parent.parent / "src" / "prefixcache" / "server" / "static" / "index.html"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "build" / "test-artifacts"
@@ -33,7 +35,8 @@ def traffic() -> tuple[PrefixCache, ServingMetrics, list[dict[str, Any]]]:
         prompt = list(range(1000, 1200))
         with cache.match(prompt, ctx) as m:
             cached = m.cached_tokens
-        serving.record_request(tenant, "smollm2", "chat", 200, cached, {"L0": cached} if cached else {}, 0, 0.1, 1)
+        tiers = {"L0": cached} if cached else {}
+        serving.record_request(RequestRecord(tenant, "smollm2", "chat", 200, cached, tiers, 0, 0.1, 1))
         cache.insert(prompt, ctx)
         segments = [["L0", cached], ["computed", 200 - cached]] if cached else [["computed", 200]]
         recent.append({"tenant": tenant, "model": "smollm2", "prompt_tokens": 200, "segments": segments})
@@ -57,7 +60,7 @@ def test_dashboard_data_adds_up() -> None:
         ("globex", 400),
         ("other", 200),
     ]
-    assert data["cache"]["used_tokens"] == cache.stats()["used_tokens"]
+    assert data["cache"]["used_tokens"] == cache.stats().used_tokens
     assert set(data["cache"]["evictions"]) == {"capacity", "stale", "purge", "ttl", "replaced", "lost"}
     assert data["tiers"] == []
     assert [r["tenant"] for r in data["recent"]] == ["acme", "initech", "globex", "acme"]
@@ -66,9 +69,9 @@ def test_dashboard_data_adds_up() -> None:
 
 def test_dashboard_data_reports_tiers_by_level() -> None:
     _, serving, _ = traffic()
-    tier = {"name": "ram", "kind": "memory", "capacity_bytes": 100, "used_bytes": 40, "blocks": 2, "hits": 1,
-            "misses": 0, "evictions": 3, "demotions": 1, "errors": {"io": 2, "checksum": 1}}  # fmt: skip
-    data = dashboard_data({"tiers": [tier, tier | {"name": "disk", "kind": "disk"}]}, serving, [])
+    tier = tier_stats("ram", "memory", capacity_bytes=100, used_bytes=40, errors={"io": 2, "checksum": 1})
+    stats = StatsSource(tiers=(tier, replace(tier, name="disk", kind="disk", level="L2"))).stats()
+    data = dashboard_data(stats, serving, [])
     assert [(t["level"], t["name"], t["errors"], t["used_bytes"]) for t in data["tiers"]] == [
         ("L1", "ram", 3, 40),
         ("L2", "disk", 3, 40),
@@ -79,7 +82,7 @@ def test_dashboard_data_reports_tiers_by_level() -> None:
 def test_a_bad_recent_request_is_refused(segments: list[list[Any]]) -> None:
     _, serving, _ = traffic()
     with pytest.raises(ValueError):
-        dashboard_data({}, serving, [{"tenant": "a", "model": "m", "prompt_tokens": 200, "segments": segments}])
+        dashboard_data(None, serving, [{"tenant": "a", "model": "m", "prompt_tokens": 200, "segments": segments}])
 
 
 # ============================================================================ the page in Chromium

@@ -14,8 +14,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from prefixcache import CacheConfig, CacheContext, PrefixCache
 from prefixcache.cli import main
+from prefixcache.ops.collector import CacheCollector
 from prefixcache.ops.diagnose import Scrape, Window, diagnose, run_diagnose
-from prefixcache.ops.metrics import CacheCollector, ServingMetrics
+from prefixcache.ops.metrics import ServingMetrics
 from scrape_scenarios import OUT, SCENARIOS, write
 
 # scenario -> (exit status, the problems it must name; nothing else may be reported)

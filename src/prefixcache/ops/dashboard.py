@@ -13,7 +13,7 @@ computes live rates from the difference of two polls. Shape (version 1)::
       "tier_tokens": {"L0": 30000, "L2": 1000},  # hit tokens served from each tier, since start
       "cache": {"used_tokens": 9000, "capacity_tokens": 1048576, "blocks": 560, "epoch_bumps": 0,
                 "collisions": 0, "promoted_blocks": 0,
-                "evictions": {"capacity": 0, "stale": 0, "purge": 0, "ttl": 0, "replaced": 0}},
+                "evictions": {"capacity": 0, "stale": 0, "ttl": 0, "purge": 0, "replaced": 0, "lost": 0}},
       "tiers": [{"name": "hbm", "kind": "memory", "level": "L0", "used_bytes": 1, "capacity_bytes": 2,
                  "blocks": 1, "hits": 5, "misses": 1, "evictions": 0, "demotions": 0, "errors": 0}],
       "tenants": [{"tenant": "acme", "lookups": 80, "prompt_tokens": 40000, "hit_tokens": 26000,
@@ -34,7 +34,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from prefixcache.ops.metrics import REMOVAL_REASONS, ServingMetrics, tier_level
+from prefixcache.cache.stats import CacheStats
+from prefixcache.events import RemovalReason
+from prefixcache.ops.metrics import ServingMetrics
 
 VERSION = 1
 SOURCES = ("L0", "L1", "L2", "computed")
@@ -78,14 +80,15 @@ def _recent(entry: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def dashboard_data(
-    cache_stats: Mapping[str, Any],
+    cache_stats: CacheStats | None,
     serving: ServingMetrics,
     recent: Sequence[Mapping[str, Any]],
     limit: int = 20,
     clock: Callable[[], float] = time.time,
 ) -> dict[str, Any]:
-    """The page's JSON from ``PrefixCache.stats()``, the server's metrics and its last
-    requests (oldest first; the last ``limit`` are kept)."""
+    """The page's JSON from ``PrefixCache.stats()`` (None: the server runs without a
+    cache), the server's metrics and its last requests (oldest first; the last
+    ``limit`` are kept)."""
     tenants = _tenants(serving)
     lookups = sum(r["lookups"] for r in tenants)
     prompt = sum(r["prompt_tokens"] for r in tenants)
@@ -93,12 +96,22 @@ def dashboard_data(
     snapshot = serving.snapshot().values()
     saved = sum(t.prefill_seconds_saved for t in snapshot)
     spent = sum(t.prefill_seconds for t in snapshot)
+    s = cache_stats
     tiers = [
-        {"name": t["name"], "kind": t["kind"], "level": tier_level(str(t["kind"]))}
-        | {k: t.get(k, 0) for k in TIER_FIELDS}
-        | {"errors": sum(t.get("errors", {}).values())}
-        for t in cache_stats.get("tiers") or []
+        {"name": t.name, "kind": t.kind, "level": t.level}
+        | {k: getattr(t, k) for k in TIER_FIELDS}
+        | {"errors": sum(t.errors.values())}
+        for t in (s.tiers if s is not None else ())
     ]
+    cache: dict[str, Any] = {
+        "used_tokens": s.used_tokens if s else 0,
+        "capacity_tokens": s.capacity_tokens if s else 0,
+        "blocks": s.blocks if s else 0,
+        "epoch_bumps": s.epoch_bumps if s else 0,
+        "collisions": s.collisions if s else 0,
+        "promoted_blocks": s.published_blocks if s else 0,
+        "evictions": {reason.label: s.removed(reason) if s else 0 for reason in RemovalReason},
+    }
     return {
         "version": VERSION,
         "time": clock(),
@@ -113,10 +126,7 @@ def dashboard_data(
             "prefill_seconds_per_token": serving.prefill_seconds_per_token,
         },
         "tier_tokens": dict(serving.tier_tokens),
-        "cache": {k: cache_stats.get(k, 0) for k in ("used_tokens", "capacity_tokens", "blocks")}
-        | {"epoch_bumps": cache_stats.get("epoch_bumps", 0), "collisions": cache_stats.get("collisions", 0)}
-        | {"promoted_blocks": cache_stats.get("promoted_blocks", 0)}
-        | {"evictions": {reason: cache_stats.get(key, 0) for key, reason in REMOVAL_REASONS.items()}},
+        "cache": cache,
         "tiers": tiers,
         "tenants": tenants,
         "recent": [_recent(entry) for entry in list(recent)[-limit:]] if limit > 0 else [],

@@ -45,42 +45,17 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.registry import Collector
+
+from prefixcache.config import LEVELS
 
 OTHER = "other"  # the tenant label of every tenant outside the top N
 
 # Request latencies: a queue of a few ms to a long generation of a minute or more.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, math.inf)
-
-# How the cache's removal counters map to the ``reason`` label of prefixcache_evictions_total.
-REMOVAL_REASONS = {
-    "evictions": "capacity",  # chosen by the pool's policy under capacity pressure
-    "stale_reclaimed": "stale",  # its model or adapter epoch was bumped
-    "purged": "purge",  # an operator purged its tenant or prefix
-    "expired": "ttl",  # unused for longer than ttl_seconds
-    "replaced": "replaced",  # a partial tail block superseded by a longer block
-    "lost": "lost",  # a tier lost its bytes or returned bad ones
-}
-# A tier's ``removals`` are keyed by RemovalReason; the same reasons, as metrics name them.
-TIER_REMOVAL_REASONS = {
-    "evicted": "capacity",
-    "stale": "stale",
-    "purged": "purge",
-    "expired": "ttl",
-    "replaced": "replaced",
-    "lost": "lost",
-}
 
 SERVING_LABELS = ("tenant", "model", "endpoint")
 TIER_LABELS = ("tier", "kind", "level")
@@ -127,6 +102,13 @@ CACHE_METRICS = {
     "prefixcache_tier_evictions_total": "counter",
     "prefixcache_tier_errors_total": "counter",
     "prefixcache_tier_load_seconds": "histogram",
+    "prefixcache_tier_writes_pending": "gauge",
+    "prefixcache_tier_writes_dropped_total": "counter",
+    "prefixcache_tier_writes_failed_total": "counter",
+    "prefixcache_write_queue_bytes": "gauge",
+    "prefixcache_write_queue_limit_bytes": "gauge",
+    "prefixcache_writes_abandoned_total": "counter",
+    "prefixcache_kv_bytes_in_total": "counter",
 }
 
 
@@ -141,14 +123,9 @@ def metric_names() -> set[str]:
     return names
 
 
-TIER_LEVELS = {"device": "L0", "memory": "L1"}  # every other kind (disk, redis) is L2
-
-
 def tier_level(kind: str) -> str:
-    """The level the alerts and runbook name a tier by, from what it is made of: ``L0``
-    device memory (HBM), ``L1`` host RAM, ``L2`` disk and Redis. By kind, not position,
-    so that a deployment without a device tier has no "L0" that is really host RAM."""
-    return TIER_LEVELS.get(kind, "L2")
+    """The level the alerts and runbook name a tier by (``TierConfig.level``)."""
+    return LEVELS.get(kind, "L2")
 
 
 # ============================================================================ tenants
@@ -225,6 +202,36 @@ class PrefillRate:
         rate = seconds / tokens
         self.value = rate if self.value is None else self.value + self.alpha * (rate - self.value)
         return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One finished request, as the server (or a replay) counts it.
+
+    ``cached_tokens`` is what the client was told (the tokens actually loaded);
+    ``tier_tokens`` splits it by tier level (``{"L1": 96, "L2": 32}``) and sums to it.
+    ``prefill_seconds``, when the engine timed this request's prefill, is counted as
+    spent; otherwise the computed tokens at the measured per-token time."""
+
+    tenant: str
+    model: str
+    endpoint: str
+    prompt_tokens: int
+    cached_tokens: int
+    tier_tokens: Mapping[str, int] = field(default_factory=dict)
+    queue_seconds: float = 0.0
+    ttft_seconds: float = 0.0
+    total_seconds: float = 0.0
+    prefill_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cached_tokens <= self.prompt_tokens:
+            raise ValueError(
+                f"cached_tokens must be in [0, prompt_tokens={self.prompt_tokens}], got {self.cached_tokens}"
+            )
+        tiers = self.tier_tokens
+        if any(n < 0 for n in tiers.values()) or sum(tiers.values()) != self.cached_tokens:
+            raise ValueError(f"tier_tokens {dict(tiers)} must be >= 0 and sum to cached_tokens={self.cached_tokens}")
 
 
 @dataclass
@@ -323,57 +330,37 @@ class ServingMetrics:
             self._seconds_per_token = float(seconds)
             self.per_token.set(seconds)
 
-    def record_request(
-        self,
-        tenant: str,
-        model: str,
-        endpoint: str,
-        prompt_tokens: int,
-        cached_tokens: int,
-        tier_tokens: Mapping[str, int],
-        queue_seconds: float,
-        ttft_seconds: float,
-        total_seconds: float,
-        prefill_seconds: float | None = None,
-    ) -> str:
-        """Count one finished request; returns the tenant label it was counted under.
-
-        ``cached_tokens`` is what the client was told (the tokens actually loaded);
-        ``tier_tokens`` splits it by tier (``{"L0": 96, "L2": 32}``) and must sum to it.
-        ``prefill_seconds``, when the engine timed this request's prefill, is counted as
-        spent; otherwise the computed tokens at the measured per-token time.
-        """
-        if not 0 <= cached_tokens <= prompt_tokens:
-            raise ValueError(f"cached_tokens must be in [0, prompt_tokens={prompt_tokens}], got {cached_tokens}")
-        if any(n < 0 for n in tier_tokens.values()) or sum(tier_tokens.values()) != cached_tokens:
-            raise ValueError(f"tier_tokens {dict(tier_tokens)} must be >= 0 and sum to cached_tokens={cached_tokens}")
+    def record_request(self, r: RequestRecord) -> str:
+        """Count one finished request; returns the tenant label it was counted under."""
         with self._lock:
             changes = self.tenants.changes
-            label = self.tenants.observe(tenant, prompt_tokens)
+            label = self.tenants.observe(r.tenant, r.prompt_tokens)
             if self.tenants.changes != changes:
                 self.label_changes.inc()
             per_token = self._seconds_per_token or 0.0
-            saved = cached_tokens * per_token
-            spent = prefill_seconds if prefill_seconds is not None else (prompt_tokens - cached_tokens) * per_token
-            labels = (label, model, endpoint)
+            saved = r.cached_tokens * per_token
+            spent = (
+                r.prefill_seconds if r.prefill_seconds is not None else (r.prompt_tokens - r.cached_tokens) * per_token
+            )
+            labels = (label, r.model, r.endpoint)
             self.lookups.labels(*labels).inc()
-            self.prompt_tokens.labels(*labels).inc(prompt_tokens)
-            self.hit_tokens.labels(*labels).inc(cached_tokens)
+            self.prompt_tokens.labels(*labels).inc(r.prompt_tokens)
+            self.hit_tokens.labels(*labels).inc(r.cached_tokens)
             self.saved.labels(*labels).inc(saved)
             self.spent.labels(*labels).inc(spent)
-            for tier, n in tier_tokens.items():
+            for tier, n in r.tier_tokens.items():
                 if n:
-                    self.tier_hit_tokens.labels(label, model, tier).inc(n)
+                    self.tier_hit_tokens.labels(label, r.model, tier).inc(n)
                     self.tier_tokens[tier] = self.tier_tokens.get(tier, 0) + n
-            self.queue.labels(model, endpoint).observe(queue_seconds)
-            self.ttft.labels(model, endpoint).observe(ttft_seconds)
-            self.duration.labels(model, endpoint).observe(total_seconds)
+            self.queue.labels(r.model, r.endpoint).observe(r.queue_seconds)
+            self.ttft.labels(r.model, r.endpoint).observe(r.ttft_seconds)
+            self.duration.labels(r.model, r.endpoint).observe(r.total_seconds)
             totals = self.totals.get(labels)
             if totals is None:
                 totals = self.totals[labels] = Totals()
             totals.lookups += 1
-            totals.prompt_tokens += prompt_tokens
-            totals.hit_tokens += cached_tokens
+            totals.prompt_tokens += r.prompt_tokens
+            totals.hit_tokens += r.cached_tokens
             totals.prefill_seconds_saved += saved
             totals.prefill_seconds += spent
             return label
@@ -382,132 +369,3 @@ class ServingMetrics:
         """A copy of the running sums, keyed by (tenant label, model, endpoint)."""
         with self._lock:
             return {k: Totals(**vars(v)) for k, v in self.totals.items()}
-
-
-# ============================================================================ cache
-
-
-class StatsSource(Protocol):
-    """What ``CacheCollector`` needs: a ``PrefixCache`` or anything with its ``stats()``."""
-
-    def stats(self) -> dict[str, Any]: ...
-
-
-class CacheCollector(Collector):
-    """Exports ``source.stats()`` at scrape time (register it: ``registry.register(CacheCollector(cache))``).
-
-    A key missing from ``stats()`` is skipped, not exported as 0, so the collector works
-    with a cache with or without storage tiers (``stats()["tiers"]``, fast to slow).
-    """
-
-    def __init__(self, source: StatsSource) -> None:
-        self.source = source
-
-    def describe(self) -> list[Metric]:
-        return []  # do not call stats() at registration
-
-    def collect(self) -> Iterable[Metric]:
-        stats = self.source.stats()
-        yield from _cache_families(stats)
-        yield from _tier_families(stats.get("tiers") or [])
-
-
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(name.removesuffix("_total"), doc, value=value)
-
-
-def _cache_families(stats: Mapping[str, Any]) -> Iterable[Metric]:
-    counters = {
-        "lookups": ("prefixcache_cache_lookups_total", "Lookups (match calls) since start."),
-        "lookup_tokens": ("prefixcache_cache_lookup_tokens_total", "Tokens looked up since start."),
-        "hit_tokens": ("prefixcache_cache_hit_tokens_total", "Tokens matched since start."),
-        "inserted_tokens": ("prefixcache_cache_inserted_tokens_total", "Tokens stored since start."),
-        "evicted_tokens": ("prefixcache_evicted_tokens_total", "Tokens evicted under capacity pressure."),
-        "epoch_bumps": ("prefixcache_epoch_bumps_total", "Model or adapter epoch bumps (every old block stale)."),
-        "purges": ("prefixcache_purges_total", "Purge operations (tenant or prefix)."),
-        "collisions": ("prefixcache_hash_collisions_total", "Hash matches whose stored tokens differed (misses)."),
-        "promoted_blocks": ("prefixcache_promoted_blocks_total", "Blocks promoted to the shared public pool."),
-        "events_dropped": ("prefixcache_events_dropped_total", "Cache events dropped by a full event buffer."),
-    }
-    for key, (name, doc) in counters.items():
-        if key in stats:
-            yield _counter(name, doc, stats[key])
-    gauges = {
-        "used_tokens": ("prefixcache_used_tokens", "Tokens held in the cache."),
-        "capacity_tokens": ("prefixcache_capacity_tokens", "Capacity of the cache in tokens."),
-        "blocks": ("prefixcache_blocks", "Blocks held in the cache."),
-        "stale_roots_pending": ("prefixcache_stale_roots_pending", "Stale contexts whose blocks await reclaim."),
-    }
-    for key, (name, doc) in gauges.items():
-        if key in stats:
-            yield GaugeMetricFamily(name, doc, value=stats[key])
-    removed = CounterMetricFamily(
-        "prefixcache_evictions",
-        "Blocks removed from the cache, by reason (capacity, stale, purge, ttl, replaced).",
-        labels=["reason"],
-    )
-    for key, reason in REMOVAL_REASONS.items():
-        if key in stats:
-            removed.add_metric([reason], stats[key])
-    yield removed
-
-
-def _tier_families(tiers: list[Mapping[str, Any]]) -> Iterable[Metric]:
-    labels = list(TIER_LABELS)
-    gauges = {
-        "capacity_bytes": GaugeMetricFamily("prefixcache_tier_capacity_bytes", "Capacity of the tier.", labels=labels),
-        "used_bytes": GaugeMetricFamily("prefixcache_tier_used_bytes", "Bytes held in the tier.", labels=labels),
-        "blocks": GaugeMetricFamily("prefixcache_tier_blocks", "Blocks held in the tier.", labels=labels),
-    }
-
-    def counter(name: str, doc: str) -> CounterMetricFamily:
-        return CounterMetricFamily(name, doc, labels=labels)
-
-    counters = {
-        "hits": counter("prefixcache_tier_hits", "Blocks found in the tier when loading."),
-        "misses": counter("prefixcache_tier_misses", "Blocks asked of the tier and not served (absent or bad)."),
-        "bytes_read": counter("prefixcache_tier_read_bytes", "Bytes read from the tier."),
-        "bytes_written": counter("prefixcache_tier_written_bytes", "Bytes written to the tier."),
-        "promotions": counter("prefixcache_tier_promotions", "Blocks copied up into the tier from a slower one."),
-        "demotions": counter("prefixcache_tier_demotions", "Blocks moved down out of the tier to a slower one."),
-    }
-    evictions = CounterMetricFamily(
-        "prefixcache_tier_evictions",
-        "Blocks that left the tier, by reason: capacity (its own policy, or the cache's), stale, purge, ttl, ...",
-        labels=[*labels, "reason"],
-    )
-    errors = CounterMetricFamily(
-        "prefixcache_tier_errors", "Failed tier operations, by kind of error.", labels=[*labels, "error"]
-    )
-    latency = HistogramMetricFamily(
-        "prefixcache_tier_load_seconds", "Time to load the matched blocks of a request from the tier.", labels=labels
-    )
-    for tier in tiers:
-        values = [str(tier["name"]), str(tier["kind"]), tier_level(str(tier["kind"]))]
-        for key, family in gauges.items():
-            family.add_metric(values, tier[key])
-        for key, cfamily in counters.items():
-            cfamily.add_metric(values, tier[key])
-        by_reason = dict.fromkeys(TIER_REMOVAL_REASONS.values(), 0)
-        by_reason["capacity"] = tier["evictions"]
-        for reason, count in tier.get("removals", {}).items():
-            by_reason[TIER_REMOVAL_REASONS.get(reason, reason)] += count
-        for reason, count in by_reason.items():
-            evictions.add_metric([*values, reason], count)
-        for kind, count in sorted(tier.get("errors", {}).items()):
-            errors.add_metric([*values, str(kind)], count)
-        load = tier.get("load_seconds")
-        if load is not None:
-            buckets = [(_le(le), count) for le, count in load["buckets"]]
-            if not buckets or buckets[-1][0] != "+Inf":
-                buckets.append(("+Inf", load["count"]))
-            latency.add_metric(values, buckets, load["sum"])
-    yield from gauges.values()
-    yield from counters.values()
-    yield evictions
-    yield errors
-    yield latency
-
-
-def _le(bound: float) -> str:
-    return "+Inf" if math.isinf(bound) else repr(float(bound))
