@@ -26,8 +26,7 @@ def model() -> LoadedModel:
 
 
 def layout(loaded: LoadedModel) -> KVLayout:
-    kv = loaded.kv
-    return KVLayout(layers=kv.layers, kv_heads=kv.kv_heads, head_dim=kv.head_dim, dtype=kv.dtype)
+    return loaded.kv
 
 
 def tiered_cache(loaded: LoadedModel, tmp: Path, memory_bytes: int = 256 << 20, **extra: Any) -> PrefixCache:

@@ -210,7 +210,7 @@ def test_admin_routes(live: LiveServer) -> None:
     ask(live, "Where are you based?")
     assert ask(live, "Where are you based?").usage.prompt_tokens_details.cached_tokens > 0
     stats = admin("/admin/stats").json()
-    assert stats["cache"]["per_tenant"]["acme"]["hit_tokens"] > 0
+    assert stats["cache"]["tenants"]["acme"]["hit_tokens"] > 0
     before = ask(live, "Where are you based?").usage.prompt_tokens_details.cached_tokens
     purged = admin("/admin/purge", {"tenant": "acme", "messages": [{"role": "system", "content": SYSTEM}]}).json()
     assert purged["removed_blocks"] > 0
@@ -241,8 +241,8 @@ def rss_bytes() -> int:
 def held_bytes(live: LiveServer) -> int:
     """Bytes the cache's in-process tiers hold (their slabs fill as blocks arrive)."""
     cache = live.engine.cache if live.engine is not None else None
-    tiers = cache.stats()["tiers"] if cache is not None else []
-    return sum(t["used_bytes"] for t in tiers if t["kind"] in ("memory", "device"))
+    tiers = cache.stats().tiers if cache is not None else ()
+    return sum(t.used_bytes for t in tiers if t.kind in ("memory", "device"))
 
 
 def stream_load(live: LiveServer, run: int) -> list[tuple[str, str | None]]:
@@ -362,7 +362,7 @@ def test_a_trusted_gateway_header_names_the_tenant(tmp_path: Path) -> None:
         assert cached("umbrella") == 0  # ... and another header tenant's are isolated from it
         assert cached(None) == 0  # no header: the key's tenant
         headers = {"Authorization": f"Bearer {ADMIN}"}
-        tenants = httpx.get(server.url + "/admin/stats", headers=headers).json()["cache"]["per_tenant"]
+        tenants = httpx.get(server.url + "/admin/stats", headers=headers).json()["cache"]["tenants"]
         assert {"initech", "umbrella", "gateway"} <= set(tenants)
         # The header does not replace the key: without a valid one the request is refused.
         refused = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"X-Tenant": "initech"})

@@ -196,7 +196,7 @@ def test_the_real_apps_page_in_headless_chromium(
 
 
 def test_strip_sources_name_tiers_by_kind_and_fold_slower_tiers_into_l2(tmp_path: Path) -> None:
-    from prefixcache.server.app import _segments, _tier_levels
+    from prefixcache.server.recording import _segments, tier_levels
 
     tiers = (
         TierConfig(kind="device", capacity_bytes=1 << 20, name="hbm"),
@@ -204,7 +204,7 @@ def test_strip_sources_name_tiers_by_kind_and_fold_slower_tiers_into_l2(tmp_path
         TierConfig(kind="disk", capacity_bytes=1 << 20, path=str(tmp_path / "disk")),
     )
     cache = tiered_cache(model(), tmp_path, tiers=tiers)
-    levels = _tier_levels(cache)
+    levels = tier_levels(cache)
     cache.close()
     assert levels == {"hbm": "L0", "memory": "L1", "disk": "L2"}  # by what a tier is made of
     # the page colours L0..L2: a fourth tier is drawn with L2; empty sources are left out

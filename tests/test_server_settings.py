@@ -1,31 +1,38 @@
-"""Server settings: defaults that serve, one merge order, errors that name the culprit."""
+"""Server settings: defaults that serve and survive a restart, one merge order, ``[cache]``
+equal to ``CacheConfig`` field for field, errors that name the culprit and the valid names."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from prefixcache.engine.model import KVShape
-from prefixcache.server.main import cache_config
-from prefixcache.server.settings import describe, load_settings
+from prefixcache.config import CacheConfig, KVLayout, PromotionConfig, TierConfig
+from prefixcache.server.settings import SERVER_CACHE, describe, load_settings
+
+SMOLLM2 = KVLayout(30, 3, 64, "float32")
 
 
-def test_defaults_serve_locally() -> None:
+def test_defaults_serve_locally_and_write_through_to_disk() -> None:
     settings = load_settings(env={})
     assert (settings.server.host, settings.server.port) == ("127.0.0.1", 8000)
-    assert settings.auth.local_mode and settings.cache.isolation == "namespace" and settings.cache.policy == "s3fifo"
-    config = cache_config(settings.cache, KVShape(30, 3, 64, "float32"))
-    assert [t.kind for t in config.tiers] == ["memory", "disk"]
-    assert config.tiers[1].path == ".prefixcache/disk"
+    assert settings.auth.local_mode and settings.cache.isolation == "namespace"
+    config = settings.cache_config(SMOLLM2)
+    assert [(t.kind, t.write) for t in config.tiers] == [("memory", "through"), ("disk", "back")]
+    assert config.tiers[1].path == ".prefixcache/disk" and config.writer == "background"
     assert config.kv_layout is not None and config.kv_layout.bytes_per_token == 30 * 2 * 3 * 64 * 4
+    assert config == dataclasses.replace(SERVER_CACHE, kv_layout=SMOLLM2)
 
 
 def test_merge_order_defaults_file_env_flags(tmp_path: Path) -> None:
     path = tmp_path / "prefixcache.toml"
     path.write_text(
         '[server]\nport = 9000\nhost = "0.0.0.0"\nmax_queue = 8\n'
-        '[cache]\nredis_url = "redis://127.0.0.1:6390/0"\npolicy = "lru"\n'
+        '[cache]\npolicy = "lru"\nttl_seconds = 600\n'
+        '[[cache.tiers]]\nkind = "memory"\ncapacity_bytes = 1048576\nwrite = "through"\n'
+        '[[cache.tiers]]\nkind = "disk"\ncapacity_bytes = 8388608\npath = "/tmp/x"\nfsync = "full"\nwrite = "through"\n'
+        '[[cache.tiers]]\nkind = "redis"\ncapacity_bytes = 8388608\nurl = "redis://127.0.0.1:6390/0"\n'
         '[auth]\napi_keys = { "sk-a" = "acme", "sk-b" = "globex" }\nadmin_key = "adm"\n'
     )
     env = {"PREFIXCACHE_SERVER_PORT": "9100", "PREFIXCACHE_CACHE_PARTIAL_BLOCKS": "false", "HOME": "/x"}
@@ -33,37 +40,99 @@ def test_merge_order_defaults_file_env_flags(tmp_path: Path) -> None:
     assert settings.server.port == 9200  # flag > env > file
     assert settings.server.host == "0.0.0.0" and settings.server.max_queue == 8  # file > defaults
     assert settings.cache.partial_blocks is False  # env > defaults
-    assert dict(settings.auth.api_keys) == {"sk-a": "acme", "sk-b": "globex"} and not settings.auth.local_mode
-    assert [t.kind for t in cache_config(settings.cache, KVShape(2, 1, 4, "float16")).tiers] == [
-        "memory",
-        "disk",
-        "redis",
+    assert (settings.cache.policy, settings.cache.ttl_seconds) == ("lru", 600)  # file
+    assert [(t.kind, t.write) for t in settings.cache.tiers] == [
+        ("memory", "through"),
+        ("disk", "through"),
+        ("redis", "back"),
     ]
+    assert settings.cache.tiers[1].fsync == "full"
+    assert dict(settings.auth.api_keys) == {"sk-a": "acme", "sk-b": "globex"} and not settings.auth.local_mode
     shown = str(describe(settings))
     assert "sk-a" not in shown and "adm'" not in shown and "acme" in shown  # secrets masked
     from_env = load_settings(env={"PREFIXCACHE_CONFIG": str(path), "PREFIXCACHE_AUTH_API_KEYS": "k1=t1, k2=t2"})
     assert from_env.server.port == 9000 and dict(from_env.auth.api_keys) == {"k1": "t1", "k2": "t2"}
 
 
+def test_every_cache_field_is_a_setting_by_file_and_by_variable(tmp_path: Path) -> None:
+    """``[cache]`` is ``CacheConfig`` one to one: each field but the model's layout can be
+    set in the file and as a variable, tables and lists as JSON."""
+    values: dict[str, tuple[str, object]] = {
+        "block_size": ("32", 32),
+        "capacity_tokens": ("123456", 123456),
+        "policy": ("sieve", "sieve"),
+        "isolation": ("partitioned", "partitioned"),
+        "partial_blocks": ("false", False),
+        "hash": ("sha256", "sha256"),
+        "seed": ("fleet-1", "fleet-1"),
+        "vocab_size": ("49152", 49152),
+        "ttl_seconds": ("90.5", 90.5),
+        "quotas": ('{"acme": 1000}', {"acme": 1000}),
+        "shared_quota": ("500", 500),
+        "promotion": ('{"min_tenants": 4, "min_tokens": 64}', PromotionConfig(min_tenants=4, min_tokens=64)),
+        "events_capacity": ("10", 10),
+        "tiers": ('[{"kind": "memory", "capacity_bytes": 4096, "write": "selective", "write_after_hits": 3}]',
+                  (TierConfig(kind="memory", capacity_bytes=4096, write="selective", write_after_hits=3),)),
+        "io_threads": ("2", 2),
+        "writer": ("inline", "inline"),
+        "write_queue_bytes": ("1048576", 1048576),
+    }  # fmt: skip
+    others = {f.name for f in dataclasses.fields(CacheConfig)} - {"kv_layout", "capacity_bytes", "bytes_per_token"}
+    assert set(values) == others  # (capacity in bytes is the same setting in another unit: below)
+    env = {f"PREFIXCACHE_CACHE_{name.upper()}": raw for name, (raw, _) in values.items()}
+    config = load_settings(env=env).cache
+    for name, (_, want) in values.items():
+        assert getattr(config, name) == want, name
+    in_bytes = load_settings(
+        env={"PREFIXCACHE_CACHE_CAPACITY_BYTES": "1000", "PREFIXCACHE_CACHE_BYTES_PER_TOKEN": "10"}
+    )
+    assert in_bytes.cache.capacity == 100
+    path = tmp_path / "p.toml"
+    path.write_text(
+        '[cache]\nhash = "blake3"\nquotas = { "acme" = 7 }\nisolation = "partitioned"\n'
+        "[cache.promotion]\nmin_tenants = 5\n"
+    )
+    config = load_settings(path, env={}).cache
+    assert (config.hash, dict(config.quotas), config.promotion) == (
+        "blake3",
+        {"acme": 7},
+        PromotionConfig(min_tenants=5),
+    )
+
+
 @pytest.mark.parametrize(
     ("toml", "env", "message"),
     [
-        ("[servr]\nport = 1\n", {}, "unknown section"),
-        ("[server]\nprot = 1\n", {}, "unknown field server.prot"),
-        ("[server]\nport = 'x'\n", {}, "server.port must be a int"),
-        ("[server]\nport = 0\n", {}, "port must be a positive"),
+        ("[servr]\nport = 1\n", {}, "unknown setting servr .*valid: server, model, cache, auth"),
+        ("[server]\nprot = 1\n", {}, "unknown setting server.prot .*valid: host, port"),
+        ("[cache]\npolcy = 'lru'\n", {}, "unknown setting cache.polcy .*valid: block_size, .*policy"),
+        (
+            "[[cache.tiers]]\nkind = 'disk'\ncapacity_bytes = 1\npth = 'x'\n",
+            {},
+            "cache.tiers.pth .*valid: kind, .*path",
+        ),
+        ("[cache]\npolicy = 'mru'\n", {}, "invalid setting cache: unknown policy 'mru'; valid: fifo"),
+        ("[cache]\nkv_layout = { layers = 1, kv_heads = 1, head_dim = 1 }\n", {}, None),
+        ("[server]\nport = 'x'\n", {}, "invalid setting server.port"),
+        ("[server]\nport = 0\n", {}, "invalid setting server.port"),
         ("[server]\nport = 70000\n", {}, "65535"),
         ("[server\n", {}, "not valid TOML"),
-        ("", {"PREFIXCACHE_SERVER_PROT": "1"}, "unknown environment variable PREFIXCACHE_SERVER_PROT"),
-        ("", {"PREFIXCACHE_SERVER_PORT": "eighty"}, "must be a int"),
-        ("", {"PREFIXCACHE_CACHE_ENABLED": "maybe"}, "boolean"),
+        ("", {"PREFIXCACHE_SERVER_PROT": "1"}, "unknown setting server.prot .*PREFIXCACHE_SERVER_PROT"),
+        ("", {"PREFIXCACHE_NOPE": "1"}, "unknown setting nope"),
+        ("", {"PREFIXCACHE_SERVER_PORT": "eighty"}, "invalid setting server.port"),
+        ("", {"PREFIXCACHE_SERVER_CACHE": "maybe"}, "invalid setting server.cache"),
+        ("", {"PREFIXCACHE_CACHE_TIERS": "[{]"}, "PREFIXCACHE_CACHE_TIERS|cache.tiers"),
         ("", {"PREFIXCACHE_AUTH_API_KEYS": "nokey"}, "KEY=TENANT"),
         ('[auth]\napi_keys = { "sk-a" = "" }\n', {}, "non-empty tenant"),
     ],
 )
-def test_bad_settings_name_the_problem(tmp_path: Path, toml: str, env: dict[str, str], message: str) -> None:
+def test_bad_settings_name_the_problem(tmp_path: Path, toml: str, env: dict[str, str], message: str | None) -> None:
     path = tmp_path / "p.toml"
     path.write_text(toml)
+    if message is None:  # valid settings, but not a cache the server can open: the layout is the model's
+        with pytest.raises(ValueError, match="kv_layout comes from the model"):
+            load_settings(path, env=env).cache_config(SMOLLM2)
+        return
     with pytest.raises(ValueError, match=message):
         load_settings(path, env=env)
 

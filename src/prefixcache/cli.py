@@ -72,18 +72,18 @@ def run_demo(
         f"prefixcache {__version__} demo: {requests} requests from {tenants} tenants, "
         f"isolation={isolation}, policy={policy}, capacity={capacity:,} tokens"
     )
-    rate = stats["hit_tokens"] / max(stats["lookup_tokens"], 1)
+    rate = stats.hit_tokens / max(stats.lookup_tokens, 1)
     out.append(
-        f"  token hit rate {rate:.1%}: {stats['hit_tokens']:,} of {stats['lookup_tokens']:,} prompt tokens "
+        f"  token hit rate {rate:.1%}: {stats.hit_tokens:,} of {stats.lookup_tokens:,} prompt tokens "
         f"came from the cache instead of prefill"
     )
     out.append(
-        f"  used {stats['used_tokens']:,} tokens in {stats['blocks']:,} blocks; evictions {stats['evictions']:,}, "
-        f"promoted blocks {stats['promoted_blocks']}, collisions {stats['collisions']}"
+        f"  used {stats.used_tokens:,} tokens in {stats.blocks:,} blocks; evictions {stats.evictions:,}, "
+        f"published blocks {stats.published_blocks}, collisions {stats.collisions}"
     )
-    for name, per in sorted(stats["per_tenant"].items()):
-        per_rate = per["hit_tokens"] / max(per["lookup_tokens"], 1)
-        out.append(f"  {name:>10}: {per['lookups']:4d} lookups, token hit rate {per_rate:6.1%}")
+    for name, per in sorted(stats.tenants.items()):
+        per_rate = per.hit_tokens / max(per.lookup_tokens, 1)
+        out.append(f"  {name:>10}: {per.lookups:4d} lookups, token hit rate {per_rate:6.1%}")
     return cache
 
 

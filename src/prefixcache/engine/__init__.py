@@ -1,6 +1,6 @@
 """The model engine: a transformers backend whose prefill starts from the prefix cache."""
 
-from prefixcache.engine.model import DEFAULT_MODEL, KVShape, LoadedModel, load_model
+from prefixcache.engine.model import DEFAULT_MODEL, LoadedModel, load_model
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.worker import (
     ContextLengthError,
@@ -28,7 +28,6 @@ __all__ = [
     "ErrorEvent",
     "Event",
     "Handle",
-    "KVShape",
     "LoadedModel",
     "QueueFull",
     "Request",

@@ -48,19 +48,33 @@ def fill_cache(
     return cache
 
 
-def cut_cache(cache: DynamicCache, tokens: int) -> torch.Tensor:
-    """The first ``tokens`` positions of ``cache`` as one CPU payload [layers, 2, H, tokens, D]
+def cut_cache(cache: DynamicCache, tokens: int, begin: int = 0) -> torch.Tensor:
+    """Positions ``begin..tokens-1`` of ``cache`` as one CPU payload [layers, 2, H, tokens - begin, D]
     (one copy; a bfloat16 cache stays bfloat16)."""
     layers: list[Any] = list(cache.layers)  # full-attention layers (DynamicLayer) only
     first = layers[0].keys
     assert first is not None, "cut_cache needs a filled cache"
     heads, dim = first.shape[1], first.shape[3]
-    out = torch.empty((len(layers), 2, heads, tokens, dim), dtype=first.dtype)
+    if not 0 <= begin <= tokens <= first.shape[2]:
+        raise ValueError(f"KV range {begin}..{tokens} is outside the sequence's {first.shape[2]} positions")
+    out = torch.empty((len(layers), 2, heads, tokens - begin, dim), dtype=first.dtype)
     for index, layer in enumerate(layers):
         assert layer.keys is not None and layer.values is not None
-        out[index, 0].copy_(layer.keys[0, :, :tokens])
-        out[index, 1].copy_(layer.values[0, :, :tokens])
+        out[index, 0].copy_(layer.keys[0, :, begin:tokens])
+        out[index, 1].copy_(layer.values[0, :, begin:tokens])
     return out
+
+
+class SequenceKV:
+    """A ``KVSource`` over a model's ``DynamicCache``: ``read(begin, end)`` copies only
+    positions ``begin..end-1`` to the host, so that storing a turn of a conversation
+    copies its new tokens' KV, not the whole history's."""
+
+    def __init__(self, cache: DynamicCache) -> None:
+        self._cache = cache
+
+    def read(self, begin: int, end: int) -> np.ndarray[Any, Any]:
+        return to_numpy(cut_cache(self._cache, end, begin))
 
 
 def to_numpy(payload: torch.Tensor) -> np.ndarray[Any, Any]:

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from prefixcache.config import KVLayout
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -32,27 +34,12 @@ _MARKER = "prefixcache-source.json"  # written last: a folder without it is an u
 
 
 @dataclass(frozen=True, slots=True)
-class KVShape:
-    """What one token's KV looks like in this model: ``[layers, 2, kv_heads, T, head_dim]``
-    in ``dtype`` is the block payload the cache stores."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * torch.tensor([], dtype=_DTYPES[self.dtype]).itemsize
-
-
-@dataclass(frozen=True, slots=True)
 class LoadedModel:
     """A model ready to run: weights in eval mode on ``device``, its tokenizer and KV shape."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
-    kv: KVShape
+    kv: KVLayout  # what one token's KV is: the block payload the cache stores
     context_length: int
     device: torch.device
     source: str  # the folder the weights were read from
@@ -142,12 +129,12 @@ def resolve_model(name: str, models_dir: Path) -> Path:
     return path
 
 
-def kv_shape(config: Any, dtype: str) -> KVShape:
+def kv_layout(config: Any, dtype: str) -> KVLayout:
     """The KV layout of a decoder config (llama-style attributes)."""
     heads = int(config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return KVShape(layers=int(config.num_hidden_layers), kv_heads=int(kv_heads), head_dim=int(head_dim), dtype=dtype)
+    return KVLayout(layers=int(config.num_hidden_layers), kv_heads=int(kv_heads), head_dim=int(head_dim), dtype=dtype)
 
 
 def load_model(
@@ -164,4 +151,4 @@ def load_model(
     model = model.to(dev).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     context = int(getattr(model.config, "max_position_embeddings", 2048))
-    return LoadedModel(model, tokenizer, kv_shape(model.config, dtype), context, dev, str(folder))
+    return LoadedModel(model, tokenizer, kv_layout(model.config, dtype), context, dev, str(folder))

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefixcache.engine.kv import cut_cache
+from prefixcache.cache import PrefixCache
+from prefixcache.engine.kv import SequenceKV
 from prefixcache.engine.model import LoadedModel
 from prefixcache.engine.runner import Sequence
 from prefixcache.engine.sampling import SamplingParams, TextStream, sample
@@ -172,7 +173,7 @@ class Engine:
         self,
         loaded: LoadedModel,
         model_id: str,
-        cache: Any | None = None,
+        cache: PrefixCache | None = None,
         max_queue: int = 64,
         timeout_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
@@ -408,12 +409,13 @@ class Engine:
 
     def _store(self, request: Request, out: list[int], seq: Sequence) -> None:
         """Insert prompt + answer with their KV, so the next turn hits on the whole history.
-        The last sampled token was never fed to the model, so it has no KV yet."""
+        The last sampled token was never fed to the model, so it has no KV yet. The cache
+        reads from the sequence's KV only the range it stores (the new blocks)."""
         if self.cache is None or seq.length == 0:
             return
         tokens = (request.tokens + out)[: seq.length]
         try:
-            self.cache.insert(tokens, self.context(request.tenant), kv=cut_cache(seq.cache, len(tokens)))
+            self.cache.insert(tokens, self.context(request.tenant), kv=SequenceKV(seq.cache))
         except Exception:  # the answer is already out; a failed store costs a future hit only
             log.exception("storing the KV of request tokens failed")
 

@@ -1,9 +1,16 @@
-"""``prefixcache serve``: settings -> model -> cache -> engine -> app -> uvicorn."""
+"""``prefixcache serve``: settings -> model -> cache -> engine -> app -> uvicorn.
+
+On SIGTERM or SIGINT uvicorn stops taking requests and lets the running ones finish;
+then the engine stops and the cache flushes its queued writes (at most
+``server.flush_timeout_s`` seconds), so a restarted server hits on what this one
+computed.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,37 +18,11 @@ from typing import Any
 from fastapi import FastAPI
 
 from prefixcache.cache import PrefixCache
-from prefixcache.config import CacheConfig, KVLayout, TierConfig
-from prefixcache.engine import Engine, KVShape, load_model
+from prefixcache.engine import Engine, load_model
 from prefixcache.server.app import create_app
-from prefixcache.server.settings import CacheSettings, Settings, describe, load_settings
+from prefixcache.server.settings import Settings, describe, load_settings
 
 log = logging.getLogger("prefixcache.serve")
-
-
-def cache_config(settings: CacheSettings, kv: KVShape) -> CacheConfig:
-    """The tiered cache the settings describe, for a model whose KV looks like ``kv``."""
-    tiers = [TierConfig(kind="memory", capacity_bytes=settings.memory_bytes)]
-    if settings.disk_bytes > 0:
-        tiers.append(TierConfig(kind="disk", capacity_bytes=settings.disk_bytes, path=settings.disk_path))
-    if settings.redis_url:
-        tiers.append(
-            TierConfig(
-                kind="redis",
-                capacity_bytes=settings.redis_bytes,
-                url=settings.redis_url,
-                namespace=settings.redis_namespace or None,
-            )
-        )
-    return CacheConfig(
-        block_size=settings.block_size,
-        policy=settings.policy,
-        isolation=settings.isolation,
-        partial_blocks=settings.partial_blocks,
-        seed=settings.seed,
-        kv_layout=KVLayout(layers=kv.layers, kv_heads=kv.kv_heads, head_dim=kv.head_dim, dtype=kv.dtype),
-        tiers=tuple(tiers),
-    )
 
 
 @dataclass
@@ -56,13 +37,20 @@ class Service:
     def close(self) -> None:
         self.engine.close()
         if self.cache is not None:
-            self.cache.close()
+            started = time.monotonic()
+            flushed = self.cache.close(self.settings.server.flush_timeout_s)
+            writer = self.cache.stats().writer
+            if flushed:
+                log.info("cache flushed in %.1f s", time.monotonic() - started)
+            else:
+                abandoned = writer.abandoned if writer is not None else 0
+                log.warning("cache closed with %d writes abandoned after %.1f s", abandoned, time.monotonic() - started)
 
 
 def build_service(settings: Settings) -> Service:
     """Load the model, open the cache and wire the app (what ``serve`` and the tests run)."""
     loaded = load_model(settings.model.name, settings.model.models_dir, settings.model.device, settings.model.dtype)
-    cache = PrefixCache(cache_config(settings.cache, loaded.kv)) if settings.cache.enabled else None
+    cache = PrefixCache(settings.cache_config(loaded.kv)) if settings.server.cache else None
     engine = Engine(
         loaded,
         settings.model.served_id,
@@ -85,7 +73,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.model is not None:
         flags["model"]["name"] = args.model
     try:
-        settings = load_settings(args.config, overrides=flags)
+        settings = load_settings(args.config, overrides={k: v for k, v in flags.items() if v})
     except ValueError as exc:
         parser.error(str(exc))
     log.info("settings (defaults < file < PREFIXCACHE_* env < flags): %s", describe(settings))
@@ -95,11 +83,13 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     host, port = settings.server.host, settings.server.port
     url = f"http://{host}:{port}"
     model = settings.model.served_id
-    print(f"\nprefixcache is serving {model} at {url}/v1  (cache dir {Path(settings.cache.disk_path).resolve()})")
+    disk = [t.path for t in settings.cache.tiers if t.path is not None]
+    where = f"  (cache dir {Path(disk[0]).resolve()})" if disk and settings.server.cache else ""
+    print(f"\nprefixcache is serving {model} at {url}/v1{where}")
     print("try:")
     print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
     auth = "" if settings.auth.local_mode else "  -H 'Authorization: Bearer YOUR_KEY' \\\n"
-    print(f'{auth}  -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n')
+    print(f'{auth}  -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n', flush=True)
     try:
         uvicorn.run(service.app, host=host, port=port, log_level="info")
     finally:

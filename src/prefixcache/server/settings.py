@@ -1,52 +1,86 @@
-"""Server settings: one TOML file, ``PREFIXCACHE_*`` environment variables, CLI flags.
+"""Server settings: one schema, from a TOML file, ``PREFIXCACHE_*`` variables and flags.
 
-Merged in one order, each layer overriding the one before, field by field::
+Layered by pydantic-settings, each layer over the one before, field by field::
 
     defaults  <  TOML file (--config, or PREFIXCACHE_CONFIG)  <  PREFIXCACHE_<SECTION>_<FIELD>  <  CLI flags
 
-``PREFIXCACHE_SERVER_PORT=9000``, ``PREFIXCACHE_CACHE_REDIS_URL=redis://...``,
-``PREFIXCACHE_AUTH_API_KEYS="sk-a=acme,sk-b=globex"``. An unknown section, field or
-variable is an error that lists the valid names, so a typo never passes silently.
+``[cache]`` is ``CacheConfig`` itself, field for field (tiers, TTL, quotas, promotion,
+hash, ...; only ``kv_layout`` comes from the model): ``PREFIXCACHE_CACHE_POLICY=lru``,
+``PREFIXCACHE_CACHE_TTL_SECONDS=600``, ``PREFIXCACHE_CACHE_TIERS='[{"kind": "memory",
+"capacity_bytes": 1073741824}]'`` (JSON for tables and lists). ``PREFIXCACHE_AUTH_API_KEYS``
+takes ``"sk-a=acme,sk-b=globex"``. An unknown section, field or variable is an error that
+names it and lists the valid ones, so a typo never passes silently.
 
-The defaults serve on one machine: L1 memory, L2 disk under ``./.prefixcache/``,
-namespace isolation, S3-FIFO, no keys (single-tenant local mode); Redis joins as a
-further tier when ``cache.redis_url`` is set.
+The defaults serve on one machine and survive a restart: L1 host memory that writes
+every block through to an L2 disk under ``./.prefixcache/``, namespace isolation, no
+keys (single-tenant local mode). Two servers share what either computed by adding the
+same Redis as a third tier, written through from the disk.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import json
+import re
 import tomllib
-import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
+)
+
+from prefixcache.config import CacheConfig, KVLayout, PromotionConfig, TierConfig
 from prefixcache.engine.model import DEFAULT_MODEL
 
+__all__ = ["ENV_PREFIX", "SERVER_CACHE", "AuthSettings", "ModelSettings", "ServerSettings", "Settings", "load_settings"]
+
 ENV_PREFIX = "PREFIXCACHE_"
+CONFIG_VAR = f"{ENV_PREFIX}CONFIG"
+
+for _cls in (CacheConfig, TierConfig, PromotionConfig, KVLayout):
+    # NOTE: the library's configuration stays free of pydantic; this is how pydantic is told
+    # to refuse unknown keys in these dataclasses (``__pydantic_config__``, read when validating).
+    setattr(_cls, "__pydantic_config__", {"extra": "forbid"})  # noqa: B010
+
+GiB = 1 << 30
+SERVER_CACHE = CacheConfig(
+    partial_blocks=True,
+    tiers=(
+        TierConfig(kind="memory", capacity_bytes=2 * GiB, write="through"),
+        TierConfig(kind="disk", capacity_bytes=20 * GiB, path=".prefixcache/disk"),
+    ),
+)
+_FROZEN = ConfigDict(extra="forbid", frozen=True)
 
 
-@dataclass(frozen=True, slots=True)
-class ServerSettings:
+class ServerSettings(BaseModel):
+    model_config = _FROZEN
+
     host: str = "127.0.0.1"
-    port: int = 8000
-    max_queue: int = 64  # requests waiting beyond this get 429 + Retry-After
-    request_timeout_s: float = 120.0  # queue wait + generation
-    max_body_bytes: int = 1 << 20  # larger bodies get 413
-    default_max_tokens: int = 256  # when a chat request names none (capped by the context)
-
-    def __post_init__(self) -> None:
-        _positive(self, "port", "max_queue", "request_timeout_s", "max_body_bytes", "default_max_tokens")
-        if self.port > 65535:
-            raise ValueError(f"server.port must be <= 65535, got {self.port}")
+    port: int = Field(default=8000, ge=1, le=65535)
+    max_queue: int = Field(default=64, gt=0)  # requests waiting beyond this get 429 + Retry-After
+    request_timeout_s: float = Field(default=120.0, gt=0)  # queue wait + generation
+    max_body_bytes: int = Field(default=1 << 20, gt=0)  # larger bodies get 413
+    default_max_tokens: int = Field(default=256, gt=0)  # when a chat request names none (capped by the context)
+    cache: bool = True  # off: every prompt is prefilled in full
+    flush_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM or SIGINT: how long queued writes may take
 
 
-@dataclass(frozen=True, slots=True)
-class ModelSettings:
+class ModelSettings(BaseModel):
+    model_config = _FROZEN
+
     name: str = DEFAULT_MODEL  # the bundled SmolLM2, or a local transformers folder
     id: str = ""  # the name clients use and cache keys carry; default: derived from name
     models_dir: str = ".prefixcache/models"  # converted models
@@ -58,35 +92,32 @@ class ModelSettings:
         return self.id or (DEFAULT_MODEL if self.name == DEFAULT_MODEL else Path(self.name).name)
 
 
-@dataclass(frozen=True, slots=True)
-class CacheSettings:
-    enabled: bool = True
-    block_size: int = 16
-    policy: str = "s3fifo"
-    isolation: str = "namespace"
-    partial_blocks: bool = True
-    seed: str = "prefixcache"
-    memory_bytes: int = 2 << 30  # L1
-    disk_bytes: int = 20 << 30  # L2 (0: no disk tier)
-    disk_path: str = ".prefixcache/disk"
-    redis_url: str = ""  # L2 after disk when set
-    redis_bytes: int = 8 << 30
-    redis_namespace: str = ""
-
-    def __post_init__(self) -> None:
-        _positive(self, "block_size", "memory_bytes")
+def _key_pairs(value: object) -> object:
+    """``"sk-a=acme, sk-b=globex"`` (or a JSON object: an environment variable) as a mapping."""
+    if not isinstance(value, str):
+        return value
+    if value.lstrip().startswith("{"):
+        return json.loads(value)
+    pairs = [p.strip() for p in value.split(",") if p.strip()]
+    if any("=" not in p for p in pairs):
+        raise ValueError("api_keys must be KEY=TENANT pairs separated by commas (or a table)")
+    return dict(p.split("=", 1) for p in pairs)
 
 
-@dataclass(frozen=True, slots=True)
-class AuthSettings:
-    api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant
+def _check_keys(value: dict[str, str]) -> dict[str, str]:
+    if any(not key or not tenant for key, tenant in value.items()):
+        raise ValueError("auth.api_keys maps non-empty keys to non-empty tenant names")
+    return value
+
+
+class AuthSettings(BaseModel):
+    model_config = _FROZEN
+
+    api_keys: Annotated[dict[str, str], NoDecode, BeforeValidator(_key_pairs), AfterValidator(_check_keys)] = Field(
+        default_factory=dict
+    )  # key -> tenant
     admin_key: str = ""
     tenant_header: str = ""  # a header set by a trusted gateway that names the tenant; off when empty
-
-    def __post_init__(self) -> None:
-        for key, tenant in self.api_keys.items():
-            if not key or not isinstance(tenant, str) or not tenant:
-                raise ValueError("auth.api_keys maps non-empty keys to non-empty tenant names")
 
     @property
     def local_mode(self) -> bool:
@@ -94,91 +125,91 @@ class AuthSettings:
         return not self.api_keys
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    server: ServerSettings = field(default_factory=ServerSettings)
-    model: ModelSettings = field(default_factory=ModelSettings)
-    cache: CacheSettings = field(default_factory=CacheSettings)
-    auth: AuthSettings = field(default_factory=AuthSettings)
+class UnknownSetting(ValueError):
+    """A ``PREFIXCACHE_*`` variable that names no section."""
 
 
-SECTIONS: Mapping[str, type[Any]] = {
-    "server": ServerSettings,
-    "model": ModelSettings,
-    "cache": CacheSettings,
-    "auth": AuthSettings,
-}
+_SOURCES: ContextVar[tuple[Path | None, Mapping[str, str] | None]] = ContextVar("sources", default=(None, None))
 
 
-def _positive(obj: object, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
+class _Env(EnvSettingsSource):
+    """pydantic-settings' environment source, taught two things: to look inside the
+    configuration's stdlib dataclasses for nested fields (so ``PREFIXCACHE_CACHE_TIERS``
+    is parsed as a list), and to read a given mapping instead of ``os.environ``."""
 
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str] | None) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
 
-def _field_types(cls: type[Any]) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        environ = self._environ
+        loaded = super()._load_env_vars() if environ is None else {k.lower(): v for k, v in environ.items()}
+        return {k: v for k, v in loaded.items() if k != CONFIG_VAR.lower()}
 
+    def __call__(self) -> dict[str, Any]:
+        sections = tuple(self.settings_cls.model_fields)
+        prefix = ENV_PREFIX.lower()
+        for name in self.env_vars:
+            rest = name[len(prefix) :] if name.startswith(prefix) else None
+            if rest is not None and not any(rest.startswith(f"{section}_") for section in sections):
+                raise UnknownSetting(f"unknown setting {rest} (as {name.upper()}); valid: {', '.join(sections)}")
+        return super().__call__()
 
-def _parse_env(name: str, kind: Any, raw: str) -> Any:
-    """A variable's text as the field's type."""
-    if kind is bool:
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{name} must be a boolean (true/false), got {raw!r}")
-    if kind in (int, float):
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
         try:
-            return kind(raw)
-        except ValueError:
-            raise ValueError(f"{name} must be a {kind.__name__}, got {raw!r}") from None
-    if typing.get_origin(kind) is Mapping or (isinstance(kind, types.GenericAlias) and kind.__origin__ is Mapping):
-        pairs = [p.strip() for p in raw.split(",") if p.strip()]
-        if any("=" not in p for p in pairs):
-            raise ValueError(f"{name} must be KEY=TENANT pairs separated by commas")
-        return dict(p.split("=", 1) for p in pairs)
-    return raw
+            return super().decode_complex_value(field_name, field, value)
+        except ValueError as exc:
+            raise ValueError(f"{field_name}: not valid JSON ({exc})") from None
+
+    def next_field(
+        self, field: FieldInfo | Any | None, key: str, case_sensitive: bool | None = None
+    ) -> FieldInfo | None:
+        found = super().next_field(field, key, case_sensitive)
+        annotation = field.annotation if isinstance(field, FieldInfo) else field
+        if found is not None or not dataclasses.is_dataclass(annotation):
+            return found
+        hints = typing.get_type_hints(annotation)
+        name = key if case_sensitive else key.lower()
+        return FieldInfo.from_annotation(hints[name]) if name in hints else None
 
 
-def _check_value(where: str, kind: Any, value: Any) -> Any:
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    expected = kind if isinstance(kind, type) else dict
-    if expected is dict and isinstance(value, Mapping):
-        return dict(value)
-    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-        raise ValueError(f"{where} must be a {getattr(expected, '__name__', expected)}, got {value!r}")
-    return value
+class Settings(BaseSettings):
+    """Everything ``prefixcache serve`` reads; ``cache`` is the cache's own configuration."""
 
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="_",
+        env_nested_max_split=1,
+        extra="forbid",
+        frozen=True,
+        nested_model_default_partial_update=True,
+    )
 
-def _layer_from_mapping(data: Mapping[str, Any], where: str) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for section, values in data.items():
-        if section not in SECTIONS:
-            raise ValueError(f"unknown section [{section}] in {where}; valid: {', '.join(SECTIONS)}")
-        if not isinstance(values, Mapping):
-            raise ValueError(f"[{section}] in {where} must be a table")
-        types_ = _field_types(SECTIONS[section])
-        for key, value in values.items():
-            if key not in types_:
-                raise ValueError(f"unknown field {section}.{key} in {where}; valid: {', '.join(types_)}")
-            out.setdefault(section, {})[key] = _check_value(f"{section}.{key}", types_[key], value)
-    return out
+    server: ServerSettings = ServerSettings()
+    model: ModelSettings = ModelSettings()
+    cache: CacheConfig = SERVER_CACHE
+    auth: AuthSettings = AuthSettings()
 
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path, environ = _SOURCES.get()
+        sources: list[PydanticBaseSettingsSource] = [init_settings, _Env(settings_cls, environ)]
+        if path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
 
-def _layer_from_env(env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    valid = [f"{ENV_PREFIX}{s.upper()}_{f.upper()}" for s, cls in SECTIONS.items() for f in _field_types(cls)]
-    for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX) or name == f"{ENV_PREFIX}CONFIG":
-            continue
-        if name not in valid:
-            raise ValueError(f"unknown environment variable {name}; valid: {', '.join(valid)}, {ENV_PREFIX}CONFIG")
-        section, _, key = name[len(ENV_PREFIX) :].lower().partition("_")
-        out.setdefault(section, {})[key] = _parse_env(name, _field_types(SECTIONS[section])[key], raw)
-    return out
+    def cache_config(self, layout: KVLayout) -> CacheConfig:
+        """The cache this server opens: ``[cache]`` with the model's KV layout."""
+        if self.cache.kv_layout is not None:
+            raise ValueError("cache.kv_layout comes from the model; remove it from the settings")
+        return dataclasses.replace(self.cache, kv_layout=layout)
 
 
 def load_settings(
@@ -186,41 +217,84 @@ def load_settings(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Settings:
-    """Defaults < the TOML at ``path`` (or ``$PREFIXCACHE_CONFIG``) < ``env`` < ``overrides`` (CLI flags)."""
-    env = os.environ if env is None else env
-    layers: list[dict[str, dict[str, Any]]] = []
-    path = path or env.get(f"{ENV_PREFIX}CONFIG") or None
+    """Defaults < the TOML at ``path`` (or ``$PREFIXCACHE_CONFIG``) < ``env`` (default:
+    ``os.environ``) < ``overrides`` (the command line's flags). A bad setting is a
+    ``ValueError`` that names it."""
+    import os
+
+    environ = os.environ if env is None else env
+    path = path or environ.get(CONFIG_VAR) or None
     if path is not None:
         try:
-            data = tomllib.loads(Path(path).read_text())
+            tomllib.loads(Path(path).read_text())
         except OSError as exc:
             raise ValueError(f"cannot read the config file {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{path} is not valid TOML: {exc}") from None
-        layers.append(_layer_from_mapping(data, str(path)))
-    layers.append(_layer_from_env(env))
-    layers.append(_layer_from_mapping(overrides or {}, "the command line"))
-    merged: dict[str, dict[str, Any]] = {}
-    for layer in layers:
-        for section, values in layer.items():
-            merged.setdefault(section, {}).update(values)
+    token = _SOURCES.set((Path(path) if path is not None else None, env))
     try:
-        parts = {name: cls(**merged.get(name, {})) for name, cls in SECTIONS.items()}
-    except ValueError as exc:
-        raise ValueError(f"invalid setting: {exc}") from None
-    return Settings(**parts)
+        layers: dict[str, Any] = {k: dict(v) for k, v in (overrides or {}).items()}
+        return Settings(**layers)
+    except ValidationError as exc:
+        raise ValueError(_explain(exc)) from None
+    except SettingsError as exc:  # a variable the environment source could not parse
+        section = re.search(r'field "(\w+)"', str(exc))
+        raise ValueError(f"invalid setting {section.group(1) if section else ''}.{exc.__cause__}") from None
+    finally:
+        _SOURCES.reset(token)
 
 
-def describe(settings: Settings) -> dict[str, dict[str, Any]]:
+def _explain(exc: ValidationError) -> str:
+    """The first error, as an operator reads it: which setting, what is wrong, and for
+    an unknown name, the valid ones."""
+    error = exc.errors()[0]
+    loc = [str(part) for part in error["loc"] if not isinstance(part, int)]
+    where = ".".join(loc) or "settings"
+    if error["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        valid = _valid_names(loc[:-1])
+        env = ENV_PREFIX + "_".join(loc).upper()
+        return f"unknown setting {where} (in the file, or as {env}); valid: {', '.join(valid)}"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    given = error.get("input")
+    shown = "" if isinstance(given, dict | list | tuple) else f" (got {given!r})"
+    return f"invalid setting {where}: {message}{shown}"
+
+
+def _valid_names(path: list[str]) -> list[str]:
+    """The field names valid at ``path`` (a section, or a nested table)."""
+    kind: Any = Settings
+    for name in path:
+        hints = typing.get_type_hints(kind)
+        kind = hints.get(name)
+        for arg in typing.get_args(kind) or (kind,):
+            if isinstance(arg, type) and (dataclasses.is_dataclass(arg) or issubclass(arg, BaseModel)):
+                kind = arg
+                break
+    if isinstance(kind, type) and issubclass(kind, BaseModel):
+        return list(kind.model_fields)
+    if dataclasses.is_dataclass(kind):
+        return [f.name for f in dataclasses.fields(kind)]
+    return []
+
+
+def describe(settings: Settings) -> dict[str, Any]:
     """The effective settings, secrets masked (for the startup log and admin stats)."""
-    out: dict[str, dict[str, Any]] = {}
-    for name in SECTIONS:
-        values = dataclasses.asdict(getattr(settings, name))
-        if name == "auth":
-            values = {
-                "tenants": sorted(set(values["api_keys"].values())),
-                "admin_key": "***" if values["admin_key"] else "",
-                "tenant_header": values["tenant_header"],
-            }
-        out[name] = values
+    out: dict[str, Any] = {
+        "server": settings.server.model_dump(),
+        "model": settings.model.model_dump(),
+        "cache": _plain(dataclasses.asdict(settings.cache)),
+        "auth": {
+            "tenants": sorted(set(settings.auth.api_keys.values())),
+            "admin_key": "***" if settings.auth.admin_key else "",
+            "tenant_header": settings.auth.tenant_header,
+        },
+    }
     return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value

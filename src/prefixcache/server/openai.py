@@ -1,0 +1,199 @@
+"""The OpenAI-compatible generation routes' work: sampling parameters from the body, a
+request submitted to the engine, and its answer as one JSON object or as SSE chunks.
+
+    client ──> route ──> Completions.generate ──> Engine.submit(sink)
+                                  <── events via the event loop ──> JSON | SSE
+
+A client that disconnects cancels its request at once, queued or mid-answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from prefixcache.engine import DoneEvent, Engine, EngineError, ErrorEvent, Event, Handle, SamplingParams, TokenEvent
+from prefixcache.engine import Request as EngineRequest
+from prefixcache.server.errors import APIError
+from prefixcache.server.recording import Recorder
+from prefixcache.server.schemas import _Request
+
+__all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "Completions"]
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class Completions:
+    """Chat and text completions on one engine; every finished request is recorded."""
+
+    def __init__(self, engine: Engine, recorder: Recorder) -> None:
+        self.engine = engine
+        self.recorder = recorder
+        self.model_id = engine.model_id
+
+    def _params(self, body: _Request, max_tokens: int | None, prompt_tokens: int, default: int) -> SamplingParams:
+        if body.model != self.model_id:
+            raise APIError(
+                404,
+                f"The model `{body.model}` does not exist; this server serves `{self.model_id}`.",
+                code="model_not_found",
+                param="model",
+            )
+        if max_tokens is None:  # not asked for: the default, cut to what the context leaves
+            max_tokens = max(1, min(default, self.engine.context_length - prompt_tokens))
+        return SamplingParams(max_tokens, body.temperature, body.top_p, body.stops, body.seed)
+
+    async def _start(
+        self, tokens: list[int], tenant: str, params: SamplingParams
+    ) -> tuple[Handle, asyncio.Queue[Event]]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(event: Event) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        try:
+            handle = self.engine.submit(EngineRequest(tokens, tenant, params), sink)
+        except EngineError as exc:
+            raise APIError.of(exc) from None
+        return handle, events
+
+    async def generate(
+        self,
+        request: Request,
+        body: _Request,
+        tokens: list[int],
+        tenant: str,
+        max_tokens: int | None,
+        default_max: int,
+        chat: bool,
+    ) -> Response:
+        params = self._params(body, max_tokens, len(tokens), default_max)
+        arrived = time.monotonic()
+        handle, events = await self._start(tokens, tenant, params)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        # NOTE: the watcher cancels the request the moment the client leaves, queued or
+        # mid-answer; the engine then ends it with a "cancelled" DoneEvent. A streaming
+        # response takes over watching once it starts (Starlette listens for the disconnect).
+        watcher = asyncio.create_task(self._watch(request, handle))
+        try:
+            first = await events.get()
+            if isinstance(first, ErrorEvent):
+                raise APIError.of(first.error)
+            ttft = time.monotonic() - arrived
+            done = None if body.stream else await self._wait(handle, events, first)
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        if done is None:
+            if isinstance(first, DoneEvent) and first.finish_reason == "cancelled":
+                return Response(status_code=499)  # the client left while queued: dropped unprefilled
+            chunks = self._stream(request, handle, events, first, rid, chat, body.include_usage, tenant, arrived, ttft)
+            return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        if done.finish_reason == "cancelled":
+            return Response(status_code=499)  # nobody is listening any more
+        self.recorder.record(tenant, chat, done, arrived, ttft)
+        return JSONResponse(self._completion(rid, chat, done))
+
+    async def _watch(self, request: Request, handle: Handle) -> None:
+        """Cancel ``handle`` when the client disconnects (the body is read, so the next
+        message the server has for this request is the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        handle.cancel()
+
+    async def _wait(self, handle: Handle, events: asyncio.Queue[Event], event: Event) -> DoneEvent:
+        """The final event (a "cancelled" one when the client went away)."""
+        while not isinstance(event, DoneEvent):
+            if isinstance(event, ErrorEvent):
+                raise APIError.of(event.error)
+            event = await events.get()
+        return event
+
+    async def _stream(
+        self,
+        request: Request,
+        handle: Handle,
+        events: asyncio.Queue[Event],
+        event: Event,
+        rid: str,
+        chat: bool,
+        include_usage: bool,
+        tenant: str,
+        arrived: float,
+        ttft: float,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        try:
+            if chat:
+                yield _sse(self._chunk(rid, created, chat, {"role": "assistant", "content": ""}, None))
+            while True:
+                if isinstance(event, TokenEvent):
+                    if event.text:
+                        delta = {"content": event.text} if chat else event.text
+                        yield _sse(self._chunk(rid, created, chat, delta, None))
+                elif isinstance(event, ErrorEvent):  # after the stream began: report it in-band
+                    yield _sse(APIError.of(event.error).body())
+                    break
+                else:
+                    self.recorder.record(tenant, chat, event, arrived, ttft)
+                    yield _sse(self._chunk(rid, created, chat, {} if chat else "", event.finish_reason))
+                    if include_usage:
+                        final = self._chunk(rid, created, chat, None, None) | {"usage": _usage(event)}
+                        final["choices"] = []
+                        yield _sse(final)
+                    break
+                event = await events.get()
+            yield "data: [DONE]\n\n"
+        finally:
+            handle.cancel()  # a no-op when it finished; stops the work when the client went away
+
+    def _chunk(self, rid: str, created: int, chat: bool, delta: Any, finish: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if chat:
+            choice["delta"] = delta if delta is not None else {}
+        else:
+            choice["text"] = delta or ""
+            choice["logprobs"] = None
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        return {"id": rid, "object": kind, "created": created, "model": self.model_id, "choices": [choice]}
+
+    def _completion(self, rid: str, chat: bool, done: DoneEvent) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": done.text}
+        else:
+            choice["text"], choice["logprobs"] = done.text, None
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_id,
+            "choices": [choice],
+            "usage": _usage(done),
+        }
+
+
+def _usage(done: DoneEvent) -> dict[str, Any]:
+    u = done.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
