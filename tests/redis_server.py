@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -72,10 +73,20 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(timeout=5)
 
+    def pause(self) -> None:
+        """SIGSTOP: the process stays, its sockets stay open, and nothing answers (a stalled host)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is None:
             return
         if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=5)

@@ -200,6 +200,19 @@ def l2(broken: str) -> tuple[str, str]:
     return before, server.scrape()
 
 
+def writes_lost() -> tuple[str, str]:
+    """Host RAM written through to a disk that cannot keep up: the write queue fills and
+    drops writes (a restart would miss those blocks)."""
+    tiers = [*two_tier(0.6, 0.3), tier("disk", "disk", 512 * GiB, 40 * GiB, write="back")]
+    tiers[1] = replace(tiers[1], write="through")
+    server, rng, systems = _base(tiers)
+    chat_traffic(server, rng, list(systems), 60, systems)
+    before = server.scrape()
+    chat_traffic(server, rng, list(systems), 60, systems)
+    tiers[2] = replace(tiers[2], writes_dropped=450, writes_pending=2048)
+    return before, server.scrape()
+
+
 def crowding() -> tuple[str, str]:
     """A small cache shared by three chat tenants; then one batch tenant floods it with
     long one-off documents and evicts everyone's system prompts (LRU: S3-FIFO would
@@ -222,6 +235,7 @@ SCENARIOS: dict[str, Callable[[], tuple[str, str]]] = {
     "l2_dead": lambda: l2("dead"),
     "l2_slow": lambda: l2("slow"),
     "crowding": crowding,
+    "writes_lost": writes_lost,
 }
 
 

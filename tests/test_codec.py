@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import support
-from prefixcache.storage import codec
+from prefixcache.storage import codec, header
 from prefixcache.storage.codec import (
     CorruptFrame,
     DtypeMismatch,
@@ -433,16 +433,18 @@ def test_errors_are_value_errors_and_distinct() -> None:
 
 
 def test_no_pickle() -> None:
-    source = Path(codec.__file__).read_text()
-    assert "pickle" not in source.lower()
+    """The codec and its header parser import nothing that can deserialize objects."""
     imported = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            imported |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            imported.add(node.module or "")
+    for module in (codec, header):
+        source = Path(module.__file__ or "").read_text()
+        assert "pickle" not in source.lower()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                imported.add(node.module or "")
     stdlib = {"__future__", "collections.abc", "dataclasses", "importlib", "math", "operator", "struct", "typing"}
-    assert imported <= stdlib | {"numpy", "xxhash"}
+    assert imported <= stdlib | {"numpy", "xxhash", "prefixcache.storage.header"}
 
 
 def test_check_payload_false_skips_only_the_payload_checksum() -> None:

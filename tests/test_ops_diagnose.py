@@ -15,8 +15,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prefixcache import CacheConfig, CacheContext, PrefixCache
 from prefixcache.cli import main
 from prefixcache.ops.collector import CacheCollector
-from prefixcache.ops.diagnose import Scrape, Window, diagnose, run_diagnose
+from prefixcache.ops.diagnose import diagnose, run_diagnose
 from prefixcache.ops.metrics import ServingMetrics
+from prefixcache.ops.scrape import Scrape, Window
 from scrape_scenarios import OUT, SCENARIOS, write
 
 # scenario -> (exit status, the problems it must name; nothing else may be reported)
@@ -29,6 +30,7 @@ EXPECTED = {
     "l2_dead": (1, ["dead tier: L2 tier shared (redis) fails every call"]),
     "l2_slow": (1, ["slow tier: L2 tier shared (redis)"]),
     "crowding": (1, ["tenant 'batchco' crowds the others out"]),
+    "writes_lost": (1, ["writes lost: L2 tier disk (disk) does not take what is written to it"]),
 }
 
 

@@ -13,78 +13,25 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from fault_stores import Faulty, faulty
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.hashing import CacheContext
-from prefixcache.storage.base import Frame, TierError, TierStore
-from prefixcache.storage.open import open_store
 from tier_worker import BLOCK, SEED, frame_bytes, kv_for, layout, prompt
 
 TENANTS = ("a", "b")
 
 
-class Flaky(TierStore):
-    """A store whose next ``fail`` writes raise ``TierError`` (a full or broken medium)."""
-
-    def __init__(self, inner: TierStore) -> None:
-        super().__init__(inner.capacity_bytes)
-        self.inner = inner
-        self.fail = 0
-        self.kind = inner.kind  # type: ignore[misc]
-        self.verifies_reads = inner.verifies_reads  # type: ignore[misc]
-        self.private = inner.private  # type: ignore[misc]
-        self.sync = inner.sync  # type: ignore[misc]
-        self.stats = inner.stats
-
-    @property
-    def used_bytes(self) -> int:
-        return self.inner.used_bytes
-
-    def put(self, key: bytes, frame: Frame) -> None:
-        if self.fail:
-            self.fail -= 1
-            raise TierError("injected write failure")
-        self.inner.put(key, frame)
-
-    def get_many(self, keys: Any) -> list[Frame | None]:
-        return self.inner.get_many(keys)
-
-    def delete(self, key: bytes) -> bool:
-        return self.inner.delete(key)
-
-    def detach(self, key: bytes) -> Any:
-        return self.inner.detach(key)
-
-    def contains_prefix(self, keys: Any) -> int:
-        return self.inner.contains_prefix(keys)
-
-    def room_for(self, frame_bytes: int) -> int:
-        return self.inner.room_for(frame_bytes)
-
-    def keys(self) -> list[bytes]:
-        return self.inner.keys()  # type: ignore[attr-defined,no-any-return]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.inner
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
 class WriterMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.stores: list[Flaky] = []
+        self.stores: list[Faulty] = []
 
     @initialize(
         top=st.tuples(st.integers(2, 6), st.sampled_from(["through", "back", "selective"])),
@@ -122,13 +69,7 @@ class WriterMachine(RuleBasedStateMachine):
 
     def open(self) -> None:
         self.stores = []
-
-        def factory(tc: TierConfig, frame: int, seed: str) -> TierStore:
-            store = Flaky(open_store(tc, frame, seed))
-            self.stores.append(store)
-            return store
-
-        self.cache = PrefixCache(self.config, store_factory=factory)
+        self.cache = PrefixCache(self.config, store_factory=faulty(opened=self.stores))
 
     def teardown(self) -> None:
         """The end of a run: a flush settles every queued write, and leaves the books right."""

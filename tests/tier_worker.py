@@ -8,19 +8,26 @@ Run as a script, it is the *other* server process::
     python tier_worker.py disk DIR N          # store prompts 0..N-1 on a disk tier, close, exit
     python tier_worker.py disk-forever DIR    # store prompts 0, 1, ... printing each; until killed
     python tier_worker.py redis URL N         # store prompts 0..N-1 through to Redis, exit
+    python tier_worker.py slow-disk DIR N     # store prompts 0..N-1 through to a disk that takes
+                                              # 50 ms a write (a background writer), print what is
+                                              # written and what is queued, then wait to be killed
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 
+from fault_stores import faulty
 from prefixcache.cache import PrefixCache
+from prefixcache.cache.facade import StoreFactory
 from prefixcache.config import CacheConfig, KVLayout, TierConfig
 from prefixcache.hashing import CacheContext
 from prefixcache.storage import codec
 from prefixcache.storage.memory import MemoryStore
+from prefixcache.storage.open import open_store
 from support import WIRE
 
 BLOCK = 4
@@ -60,13 +67,15 @@ def frame_bytes(dtype: str = "float16") -> int:
     return MemoryStore.slot_for(codec.encoded_size(layout(dtype).shape(BLOCK), dtype, 16))
 
 
-def cache_with(*tiers: TierConfig, dtype: str = "float16", **kwargs: object) -> PrefixCache:
+def cache_with(
+    *tiers: TierConfig, dtype: str = "float16", store_factory: StoreFactory = open_store, **kwargs: object
+) -> PrefixCache:
     """A cache of ``tiers`` whose writes are done when each call returns (``inline``), so
     that what a test sees does not depend on a writer thread's timing; the tests of the
     writer itself pass ``writer=``."""
     kwargs.setdefault("writer", "inline")
     config = CacheConfig(block_size=BLOCK, seed=SEED, kv_layout=layout(dtype), tiers=tiers, **kwargs)  # type: ignore[arg-type]
-    return PrefixCache(config)
+    return PrefixCache(config, store_factory=store_factory)
 
 
 def store(cache: PrefixCache, tokens: list[int], dtype: str = "float16") -> int:
@@ -86,6 +95,14 @@ def main(argv: list[str]) -> None:
             TierConfig(kind="memory", capacity_bytes=big, write="through"),
             TierConfig(kind="disk", capacity_bytes=big, path=where),
         )
+    if mode == "slow-disk":
+        slow = cache_with(*tiers, writer="background", store_factory=faulty(("disk",), delay=0.05))
+        for i in range(int(argv[2])):
+            store(slow, prompt(i))
+        stats = slow.stats()
+        assert stats.writer is not None
+        print(f"stop {stats.tiers[1].blocks} {stats.writer.queued_jobs}", flush=True)
+        time.sleep(3600)
     with cache_with(*tiers) as cache:
         if mode == "disk-forever":
             i = 0

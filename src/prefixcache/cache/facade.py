@@ -25,9 +25,10 @@ import numpy as np
 
 from prefixcache.cache.contexts import Contexts
 from prefixcache.cache.kv import KVSource, LoadedKV, kv_source
-from prefixcache.cache.ledger import Found, Ledger, Matched
+from prefixcache.cache.ledger import Ledger
+from prefixcache.cache.plans import Found, Matched
 from prefixcache.cache.residency import Books, TierBook
-from prefixcache.cache.stats import CacheStats
+from prefixcache.cache.stats import CacheStats, snapshot
 from prefixcache.cache.tiered import TieredPath
 from prefixcache.cache.tree import Block, Lookup, Pin, path_to
 from prefixcache.cache.writer import Writer
@@ -295,10 +296,10 @@ class PrefixCache:
         """Counters since start, and the occupancy now: overall, per tenant, pool and tier."""
         with self._lock:
             if self._io is None or self._writer is None:
-                return self._ledger.snapshot()
+                return snapshot(self._ledger)
             queue = self._writer.queue
             tiers = tuple(t.snapshot(queue.pending_for(t.index)) for t in self._io.books.tiers)
-            return self._ledger.snapshot(tiers, self._writer.stats())
+            return snapshot(self._ledger, tiers, self._writer.stats())
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write to a tier is done; False when ``timeout`` (seconds)

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
 
 from prefixcache.cache.contexts import Contexts
 from prefixcache.cache.lifecycle import Lifecycle
+from prefixcache.cache.plans import Chain, Found, Matched
 from prefixcache.cache.publish import Publisher
 from prefixcache.cache.residency import Books
-from prefixcache.cache.stats import CacheStats, Counters, PoolStats, TenantStats, TierStats, WriterStats
+from prefixcache.cache.stats import Counters
 from prefixcache.cache.tree import (
     Block,
     BlockTree,
@@ -39,50 +39,13 @@ from prefixcache.cache.tree import (
     runs_to,
 )
 from prefixcache.config import CacheConfig
-from prefixcache.events import BlocksStored, EventLog, PrefixPromoted, RemovalReason
+from prefixcache.events import BlocksStored, EventLog, PrefixPromoted
 from prefixcache.hashing import CacheContext
-from prefixcache.tenancy import GLOBAL, PUBLIC, Pool, Tenancy
+from prefixcache.tenancy import GLOBAL, PUBLIC, Tenancy
 
-__all__ = ["Chain", "Ledger", "Matched"]
+__all__ = ["Ledger"]
 
 Alive = Callable[[Block], bool]
-Found = tuple[Block | None, list[RunSpan]]
-
-
-@dataclass(slots=True)
-class Matched:
-    """A match decided: the pin on its deepest block, and what it covers."""
-
-    pin: Pin | None
-    block: Block | None  # the pinned block (the partial one when there is one)
-    num_blocks: int
-    partial_tokens: int
-    deepest: Block | None  # the deepest full block (what an insert after it extends)
-
-
-@dataclass(eq=False)
-class Chain:
-    """New blocks one insert decided, under ``parent``, not yet in the tree: their pool
-    room is reserved, and (with tiers) the tier each enters is ``tiers[i]``."""
-
-    parent: Node
-    root: Root
-    blocks: list[Block]
-    pool: Pool
-    ctx: CacheContext
-    public: bool
-    pin: Pin  # the parent and the root, so that neither leaves before the commit
-    reserved: int  # tokens reserved in the pool (and the cache)
-    tiers: list[int] = field(default_factory=list)
-    tenants: int = -1  # >= 0: a published prefix, made public by that many tenants (0: declared)
-
-    @property
-    def begin(self) -> int:
-        return self.parent.end
-
-    @property
-    def end(self) -> int:
-        return self.blocks[-1].end if self.blocks else self.parent.end
 
 
 class Ledger(Lifecycle):
@@ -348,77 +311,6 @@ class Ledger(Lifecycle):
         self.contexts.drop_if_empty(lookup.roots[0])
         return matched.num_blocks * self.config.block_size + matched.partial_tokens, stored
 
-    # ================================================================ invalidation
-
-    def purge(self, tenant: str) -> int:
-        self.counters.purges += 1
-        tops = [
-            b for b in self.tree.nodes.values() if b.owner == tenant and (b.parent.is_root or b.parent.owner != tenant)
-        ]
-        return sum(self.purge_subtree(b) for b in tops)
-
-    def purge_prefix(self, lookup: Lookup) -> int:
-        n_tokens, bs = len(lookup.data) // 4, self.config.block_size
-        n_full, tail = divmod(n_tokens, bs)
-        self.counters.purges += 1
-        parents: list[Node] = list(lookup.roots)
-        if n_full:
-            parents = []
-            for chain in lookup.chains:
-                node = self.tree.nodes.get(chain.at(n_full * bs))
-                if node is not None and self.tree.verify(lookup, runs_to(node)):
-                    parents.append(node)
-        if not tail:
-            return sum(self.purge_subtree(b) for b in parents)
-        rest = lookup.data[4 * n_full * bs :]
-        tops = [
-            child
-            for parent in parents
-            for child in parent.children.values()
-            if lookup.can_see(child) and child.tokens.startswith(rest)
-        ]
-        return sum(self.purge_subtree(b) for b in tops)
-
-    # ================================================================ statistics
-
-    def snapshot(self, tiers: tuple[TierStats, ...] = (), writer: WriterStats | None = None) -> CacheStats:
-        c = self.counters
-        tenants = {
-            name: TenantStats(t.lookups, t.lookup_tokens, t.hit_tokens, t.hit_requests, t.inserted_tokens)
-            for name, t in c.tenants.items()
-        }
-        if self.tenancy.partitioned:
-            for name, pool in self.tenancy.pools.items():
-                if name != PUBLIC:
-                    tenants[name] = replace(tenants.get(name, TenantStats()), used_tokens=pool.used)
-        pools = {p.name: PoolStats(p.quota, p.used, p.blocks, p.evictions) for p in self.tenancy.pools.values()}
-        return CacheStats(
-            lookups=c.lookups,
-            lookup_tokens=c.lookup_tokens,
-            hit_tokens=c.hit_tokens,
-            hit_requests=c.hit_requests,
-            partial_hit_tokens=c.partial_hit_tokens,
-            inserted_tokens=c.inserted_tokens,
-            inserted_blocks=c.inserted_blocks,
-            declined_tokens=c.declined_tokens,
-            evicted_tokens=c.evicted_tokens,
-            collisions=c.collisions,
-            published_blocks=c.published_blocks,
-            epoch_bumps=c.epoch_bumps,
-            purges=c.purges,
-            kv_bytes_in=c.kv_bytes_in,
-            removals=dict(c.removals),
-            capacity_tokens=self.config.capacity,
-            used_tokens=self.used,
-            blocks=len(self.tree),
-            stale_roots_pending=len(self.stale),
-            events_dropped=self.events.dropped,
-            tenants=tenants,
-            pools=pools,
-            tiers=tiers,
-            writer=writer,
-        )
-
     def _place(self, entry: int) -> int:
         """The tier a new block enters: the first from ``entry`` down that can make room
         for its frame (reserved there); -1 when none can."""
@@ -474,16 +366,6 @@ class Ledger(Lifecycle):
             )
         self._refresh_ttl(linked[-1])
 
-    def _refresh_ttl(self, block: Node) -> None:
-        """A stored (or re-stored) block and its ancestors count as just used."""
-        if self.ttl is None or block.is_root:
-            return
-        now, ttl = self._clock(), self.ttl
-        for b in reversed(path_to(block)):
-            b.last_access = now
-            ttl[b.key] = b
-            ttl.move_to_end(b.key)
-
     def _covering_tail(self, parent: Node, tokens: bytes, extra: bytes, owner: str) -> Block | None:
         for child in parent.children.values():
             if (
@@ -495,27 +377,6 @@ class Ledger(Lifecycle):
             ):
                 return child
         return None
-
-    def _supersede_tails(self, block: Block) -> None:
-        """A partial tail is redundant once a sibling holds its tokens and more.
-
-        NOTE: tails exist only with ``partial_blocks``; without it this is skipped, since a
-        popular prefix can have thousands of children (with it, the partial search scans
-        them on a miss anyway)."""
-        if not self.config.partial_blocks:
-            return
-        for sibling in list(block.parent.children.values()):
-            if (
-                sibling is not block
-                and sibling.num_tokens < block.num_tokens
-                and sibling.num_tokens < self.config.block_size
-                and sibling.owner == block.owner
-                and sibling.extra == block.extra[: len(sibling.extra)]
-                and block.tokens.startswith(sibling.tokens)
-                and sibling.pins == 0
-                and not sibling.children
-            ):
-                self.remove(sibling, RemovalReason.REPLACED)
 
 
 def _left(node: Node) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 from prefixcache.cache.contexts import Contexts
 from prefixcache.cache.residency import Books
 from prefixcache.cache.stats import Counters
-from prefixcache.cache.tree import Block, BlockTree, Node, Pin, postorder
+from prefixcache.cache.tree import Block, BlockTree, Lookup, Node, Pin, path_to, postorder, runs_to
 from prefixcache.config import CacheConfig
 from prefixcache.events import BlocksRemoved, EventLog, RemovalReason
 from prefixcache.storage.base import Frame
@@ -251,6 +251,66 @@ class Lifecycle:
                     del self.ttl[block.key]
                 block.doomed = reason
         return removed
+
+    def purge(self, tenant: str) -> int:
+        self.counters.purges += 1
+        tops = [
+            b for b in self.tree.nodes.values() if b.owner == tenant and (b.parent.is_root or b.parent.owner != tenant)
+        ]
+        return sum(self.purge_subtree(b) for b in tops)
+
+    def purge_prefix(self, lookup: Lookup) -> int:
+        n_tokens, bs = len(lookup.data) // 4, self.config.block_size
+        n_full, tail = divmod(n_tokens, bs)
+        self.counters.purges += 1
+        parents: list[Node] = list(lookup.roots)
+        if n_full:
+            parents = []
+            for chain in lookup.chains:
+                node = self.tree.nodes.get(chain.at(n_full * bs))
+                if node is not None and self.tree.verify(lookup, runs_to(node)):
+                    parents.append(node)
+        if not tail:
+            return sum(self.purge_subtree(b) for b in parents)
+        rest = lookup.data[4 * n_full * bs :]
+        tops = [
+            child
+            for parent in parents
+            for child in parent.children.values()
+            if lookup.can_see(child) and child.tokens.startswith(rest)
+        ]
+        return sum(self.purge_subtree(b) for b in tops)
+
+    def _refresh_ttl(self, block: Node) -> None:
+        """A stored (or re-stored) block and its ancestors count as just used."""
+        if self.ttl is None or block.is_root:
+            return
+        now, ttl = self._clock(), self.ttl
+        for b in reversed(path_to(block)):
+            b.last_access = now
+            ttl[b.key] = b
+            ttl.move_to_end(b.key)
+
+    def _supersede_tails(self, block: Block) -> None:
+        """A partial tail is redundant once a sibling holds its tokens and more.
+
+        NOTE: tails exist only with ``partial_blocks``; without it this is skipped, since a
+        popular prefix can have thousands of children (with it, the partial search scans
+        them on a miss anyway)."""
+        if not self.config.partial_blocks:
+            return
+        for sibling in list(block.parent.children.values()):
+            if (
+                sibling is not block
+                and sibling.num_tokens < block.num_tokens
+                and sibling.num_tokens < self.config.block_size
+                and sibling.owner == block.owner
+                and sibling.extra == block.extra[: len(sibling.extra)]
+                and block.tokens.startswith(sibling.tokens)
+                and sibling.pins == 0
+                and not sibling.children
+            ):
+                self.remove(sibling, RemovalReason.REPLACED)
 
     def bump_epoch(self, model: str, adapter: str | None) -> int:
         epoch, stale = self.contexts.bump(model, adapter)

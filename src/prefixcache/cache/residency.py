@@ -31,14 +31,14 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from prefixcache.cache.stats import LatencyHistogram, TierStats
-from prefixcache.cache.tree import Block, Node, Residency
+from prefixcache.cache.tree import Block, Node
 from prefixcache.config import TierConfig
 from prefixcache.events import RemovalReason
 from prefixcache.policies import EvictionPolicy
 from prefixcache.storage.base import Frame, TierStore
 from prefixcache.storage.queue import FrameSource, Job, JobKind, LazyFrame, WriteQueue, store_copy
 
-__all__ = ["NONE", "Books", "TierBook"]
+__all__ = ["NONE", "Books", "Residency", "TierBook"]
 
 NONE = 1 << 16  # the "fastest tier" of a block held nowhere
 
@@ -46,6 +46,27 @@ NONE = 1 << 16  # the "fastest tier" of a block held nowhere
 def top(mask: int) -> int:
     """The fastest tier in a mask (``NONE`` for none)."""
     return (mask & -mask).bit_length() - 1 if mask else NONE
+
+
+class Residency:
+    """Where a block's KV bytes are, for a cache with storage tiers (``cache/residency.py``).
+
+    ``held`` has bit k set when tier k holds the block's frame, ``pending`` when a write
+    of it to tier k is queued (its bytes are then read from the queue); ``kids`` counts
+    the children by the fastest tier they can be loaded from, and ``hits`` the loads
+    that used the block (the ``selective`` write policy counts them)."""
+
+    __slots__ = ("held", "hits", "kids", "pending")
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.pending = 0
+        self.kids: list[int] | None = None
+        self.hits = 0
+
+    @property
+    def avail(self) -> int:
+        return self.held | self.pending
 
 
 def masks(block: Block) -> tuple[int, int]:

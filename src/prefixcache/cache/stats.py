@@ -12,10 +12,14 @@ import math
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.events import RemovalReason
+from prefixcache.tenancy import PUBLIC
+
+if TYPE_CHECKING:
+    from prefixcache.cache.ledger import Ledger
 
 __all__ = [
     "LATENCY_BUCKETS",
@@ -28,6 +32,7 @@ __all__ = [
     "TenantStats",
     "TierStats",
     "WriterStats",
+    "snapshot",
     "to_json",
 ]
 
@@ -231,3 +236,43 @@ def to_json(value: Any) -> Any:
 
 def _key(key: object) -> str:
     return key.value if isinstance(key, enum.Enum) else str(key)
+
+
+def snapshot(ledger: Ledger, tiers: tuple[TierStats, ...] = (), writer: WriterStats | None = None) -> CacheStats:
+    """The ledger's counters and occupancy now, with the tiers' and the writer's."""
+    c = ledger.counters
+    tenants = {
+        name: TenantStats(t.lookups, t.lookup_tokens, t.hit_tokens, t.hit_requests, t.inserted_tokens)
+        for name, t in c.tenants.items()
+    }
+    if ledger.tenancy.partitioned:
+        for name, pool in ledger.tenancy.pools.items():
+            if name != PUBLIC:
+                tenants[name] = replace(tenants.get(name, TenantStats()), used_tokens=pool.used)
+    pools = {p.name: PoolStats(p.quota, p.used, p.blocks, p.evictions) for p in ledger.tenancy.pools.values()}
+    return CacheStats(
+        lookups=c.lookups,
+        lookup_tokens=c.lookup_tokens,
+        hit_tokens=c.hit_tokens,
+        hit_requests=c.hit_requests,
+        partial_hit_tokens=c.partial_hit_tokens,
+        inserted_tokens=c.inserted_tokens,
+        inserted_blocks=c.inserted_blocks,
+        declined_tokens=c.declined_tokens,
+        evicted_tokens=c.evicted_tokens,
+        collisions=c.collisions,
+        published_blocks=c.published_blocks,
+        epoch_bumps=c.epoch_bumps,
+        purges=c.purges,
+        kv_bytes_in=c.kv_bytes_in,
+        removals=dict(c.removals),
+        capacity_tokens=ledger.config.capacity,
+        used_tokens=ledger.used,
+        blocks=len(ledger.tree),
+        stale_roots_pending=len(ledger.stale),
+        events_dropped=ledger.events.dropped,
+        tenants=tenants,
+        pools=pools,
+        tiers=tiers,
+        writer=writer,
+    )

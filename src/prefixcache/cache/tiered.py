@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from prefixcache.cache.kv import KVSource, LoadedKV, as_kv_array
-from prefixcache.cache.ledger import Chain, Found, Ledger
+from prefixcache.cache.ledger import Ledger
+from prefixcache.cache.plans import Chain, Found, LoadPlan, Probe
 from prefixcache.cache.residency import NONE, Books
 from prefixcache.cache.tree import Block, Lookup, Node, Pin, path_to
 from prefixcache.cache.writer import Writer, fill
@@ -29,27 +29,7 @@ from prefixcache.storage.base import Frame, TierError
 from prefixcache.storage.queue import FrameSource
 from prefixcache.storage.transfer import Outcome, Read, Transfer
 
-__all__ = ["Probe", "TieredPath"]
-
-
-@dataclass(eq=False)
-class Probe:
-    """A match's look into the tiers that may hold blocks no local tree knows."""
-
-    found: Found
-    parent: Node | None
-    ends: list[int]
-    keys: list[bytes]
-    tiers: list[int]
-    pin: Pin | None
-
-
-@dataclass(eq=False)
-class LoadPlan:
-    path: list[Block]
-    reads: list[Read]
-    requested: int
-    pin: Pin
+__all__ = ["TieredPath"]
 
 
 class TieredPath:

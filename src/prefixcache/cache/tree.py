@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Union
 from prefixcache.hashing import KeyChain, Segments
 
 if TYPE_CHECKING:
+    from prefixcache.cache.residency import Residency
     from prefixcache.tenancy import Pool
 
 _extra_of = attrgetter("extra")
@@ -66,27 +67,6 @@ class Root:
 
     def __repr__(self) -> str:
         return f"Root({self.key.hex()[:12]}, ns={self.owner!r}, members={self.members}, pins={self.pins})"
-
-
-class Residency:
-    """Where a block's KV bytes are, for a cache with storage tiers (``cache/residency.py``).
-
-    ``held`` has bit k set when tier k holds the block's frame, ``pending`` when a write
-    of it to tier k is queued (its bytes are then read from the queue); ``kids`` counts
-    the children by the fastest tier they can be loaded from, and ``hits`` the loads
-    that used the block (the ``selective`` write policy counts them)."""
-
-    __slots__ = ("held", "hits", "kids", "pending")
-
-    def __init__(self) -> None:
-        self.held = 0
-        self.pending = 0
-        self.kids: list[int] | None = None
-        self.hits = 0
-
-    @property
-    def avail(self) -> int:
-        return self.held | self.pending
 
 
 Node = Union["Block", Root]

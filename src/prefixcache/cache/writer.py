@@ -180,7 +180,7 @@ class Writer:
             queued_bytes=q.queued_bytes,
             limit_bytes=q.limit_bytes,
             done=q.done,
-            dropped=q.dropped,
+            dropped=sum(t.writes_dropped for t in self.books.tiers),
             failed=q.failed,
             abandoned=q.abandoned,
         )

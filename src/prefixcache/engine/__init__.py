@@ -1,11 +1,9 @@
 """The model engine: a transformers backend whose prefill starts from the prefix cache."""
 
 from prefixcache.engine.model import DEFAULT_MODEL, LoadedModel, load_model
-from prefixcache.engine.sampling import SamplingParams
-from prefixcache.engine.worker import (
+from prefixcache.engine.requests import (
     ContextLengthError,
     DoneEvent,
-    Engine,
     EngineError,
     EngineStats,
     ErrorEvent,
@@ -17,6 +15,8 @@ from prefixcache.engine.worker import (
     TokenEvent,
     Usage,
 )
+from prefixcache.engine.sampling import SamplingParams
+from prefixcache.engine.worker import Engine
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -11,6 +11,8 @@ Checks, each a small function over a ``Window`` of counter deltas:
 - a dead or slow L2 tier (disk or Redis), and any tier's error ratio;
 - an invalidation storm: epoch bumps followed by a miss ratio above 90 %;
 - one tenant crowding the others out: most of the new (computed) tokens while the cache evicts;
+- writes dropped or failing: a tier slower than the traffic written to it (what is not
+  written is lost to a restart and to the other servers sharing the tier);
 - a low hit rate with none of the above: block size, hashing, epochs.
 
 Exit status: 0 nothing needs action, 1 something does, 2 the input could not be read.
@@ -22,80 +24,14 @@ import argparse
 import math
 import time
 import urllib.request
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
+from prefixcache.ops.scrape import Scrape, Window, tiers, token_counts
 
-Labels = tuple[tuple[str, str], ...]
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 DEAD_ERRORS = ("connection", "timeout", "breaker_open")
-
-
-# ============================================================================ scrapes
-
-
-@dataclass(frozen=True)
-class Scrape:
-    """The samples of one scrape: name -> labels -> value."""
-
-    samples: dict[str, dict[Labels, float]]
-
-    @classmethod
-    def parse(cls, text: str) -> Scrape:
-        samples: dict[str, dict[Labels, float]] = defaultdict(dict)
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                samples[s.name][tuple(sorted(s.labels.items()))] = s.value
-        return cls(dict(samples))
-
-    def series(self, name: str, **match: str) -> dict[Labels, float]:
-        return {k: v for k, v in self.samples.get(name, {}).items() if _matches(k, match)}
-
-    def has(self, name: str) -> bool:
-        return name in self.samples
-
-
-def _matches(labels: Labels, match: dict[str, str]) -> bool:
-    have = dict(labels)
-    return all(have.get(k) == v for k, v in match.items())
-
-
-@dataclass(frozen=True)
-class Window:
-    """What changed between two scrapes ``seconds`` apart, or, with one scrape, since start."""
-
-    after: Scrape
-    before: Scrape | None = None
-    seconds: float | None = None
-
-    def delta(self, name: str, **match: str) -> float:
-        return sum(self.delta_series(name, **match).values())
-
-    def delta_series(self, name: str, **match: str) -> dict[Labels, float]:
-        now = self.after.series(name, **match)
-        if self.before is None:
-            return now
-        then = self.before.samples.get(name, {})
-        # A counter that went down was reset (a restart): its whole value is new.
-        return {k: v - then.get(k, 0.0) if v >= then.get(k, 0.0) else v for k, v in now.items()}
-
-    def delta_by(self, name: str, label: str, **match: str) -> dict[str, float]:
-        out: dict[str, float] = defaultdict(float)
-        for labels, value in self.delta_series(name, **match).items():
-            out[dict(labels).get(label, "")] += value
-        return dict(out)
-
-    def gauge(self, name: str, **match: str) -> float:
-        return sum(self.after.series(name, **match).values())
-
-    def rate(self, amount: float) -> float | None:
-        return amount / self.seconds if self.seconds else None
-
-    def span(self) -> str:
-        return f"in the last {self.seconds:g} s" if self.seconds else "since start"
 
 
 @dataclass(frozen=True)
@@ -127,55 +63,6 @@ class Finding:
 
 
 # ============================================================================ checks
-
-
-@dataclass(frozen=True)
-class Tier:
-    labels: dict[str, str]
-    used: float
-    capacity: float
-    evictions: float
-    asked: float  # blocks asked of it (hits + misses) in the window
-
-    @property
-    def name(self) -> str:
-        return f"{self.labels.get('level', '?')} tier {self.labels.get('tier', '?')} ({self.labels.get('kind', '?')})"
-
-    @property
-    def occupancy(self) -> float:
-        return self.used / self.capacity if self.capacity else 0.0
-
-
-def tiers(w: Window) -> list[Tier]:
-    out = []
-    for labels in sorted(w.after.series("prefixcache_tier_capacity_bytes")):
-        match = dict(labels)
-        out.append(
-            Tier(
-                match,
-                w.gauge("prefixcache_tier_used_bytes", **match),
-                w.gauge("prefixcache_tier_capacity_bytes", **match),
-                w.delta("prefixcache_tier_evictions_total", reason="capacity", **match),
-                w.delta("prefixcache_tier_hits_total", **match) + w.delta("prefixcache_tier_misses_total", **match),
-            )
-        )
-    if not out and w.after.has("prefixcache_capacity_tokens"):
-        # NOTE: a cache without storage tiers is one pool; judge it as its L0, in tokens.
-        out.append(
-            Tier(
-                {"level": "L0", "tier": "cache", "kind": "pool"},
-                w.gauge("prefixcache_used_tokens"),
-                w.gauge("prefixcache_capacity_tokens"),
-                w.delta("prefixcache_evictions_total", reason="capacity"),
-                w.delta("prefixcache_cache_lookup_tokens_total") / max(_block_tokens(w), 1.0),
-            )
-        )
-    return out
-
-
-def _block_tokens(w: Window) -> float:
-    blocks = w.gauge("prefixcache_blocks")
-    return w.gauge("prefixcache_used_tokens") / blocks if blocks else 1.0
 
 
 PRESSURE_ACTION = {
@@ -266,18 +153,37 @@ def check_tier_health(w: Window, t: Thresholds) -> list[Finding]:
     return out
 
 
-def _token_counts(w: Window) -> tuple[float, float]:
-    """Lookup and hit tokens in the window: the cache's own counters, else the server's."""
-    if w.after.has("prefixcache_cache_lookup_tokens_total"):
-        return w.delta("prefixcache_cache_lookup_tokens_total"), w.delta("prefixcache_cache_hit_tokens_total")
-    return w.delta("prefixcache_prompt_tokens_total"), w.delta("prefixcache_hit_tokens_total")
+def check_writes(w: Window, t: Thresholds) -> list[Finding]:
+    out = []
+    for tier in tiers(w):
+        match: dict[str, str] = {k: tier.labels[k] for k in ("tier", "kind", "level") if k in tier.labels}
+        dropped = w.delta("prefixcache_tier_writes_dropped_total", **match)
+        failed = w.delta("prefixcache_tier_writes_failed_total", **match)
+        if dropped <= 0 and failed <= 0:
+            continue
+        rate = w.rate(dropped + failed)
+        speed = f" ({rate:,.1f}/s)" if rate is not None else ""
+        out.append(
+            Finding(
+                "warning",
+                f"writes lost: {tier.name} does not take what is written to it",
+                f"{dropped:,.0f} writes dropped by the full write queue and {failed:,.0f} failed {w.span()}{speed}; "
+                f"{w.gauge('prefixcache_write_queue_bytes'):,.0f} of "
+                f"{w.gauge('prefixcache_write_queue_limit_bytes'):,.0f} queue bytes in use",
+                "the tier is slower than the traffic written to it, so a restart and the other servers sharing it "
+                "miss those blocks: make it faster (fsync = 'data' or 'none', a faster disk, Redis closer), raise "
+                "write_queue_bytes if the bursts are short, or write only reused blocks (write = 'selective'); "
+                "failed writes: see the tier's errors",
+            )
+        )
+    return out
 
 
 def check_invalidation(w: Window, t: Thresholds) -> list[Finding]:
     bumps = w.delta("prefixcache_epoch_bumps_total")
     if bumps <= 0:
         return []
-    looked, hit = _token_counts(w)
+    looked, hit = token_counts(w)
     miss = 1 - hit / looked if looked else 0.0
     rate = w.rate(bumps)
     per_minute = rate * 60 if rate is not None else None
@@ -321,7 +227,7 @@ def check_crowding(w: Window, t: Thresholds) -> list[Finding]:
 
 
 def check_hit_rate(w: Window, t: Thresholds, found: list[Finding]) -> list[Finding]:
-    looked, hit = _token_counts(w)
+    looked, hit = token_counts(w)
     if looked < t.min_lookup_tokens or hit / looked >= t.low_hit_rate or found:
         return []
     collisions = w.delta("prefixcache_hash_collisions_total")
@@ -345,6 +251,7 @@ CHECKS: tuple[Callable[[Window, Thresholds], list[Finding]], ...] = (
     check_tier_health,
     check_invalidation,
     check_crowding,
+    check_writes,
 )
 
 
@@ -357,7 +264,7 @@ def diagnose(w: Window, t: Thresholds | None = None) -> list[Finding]:
 
 
 def summary(w: Window) -> list[str]:
-    looked, hit = _token_counts(w)
+    looked, hit = token_counts(w)
     lines = [f"window: {w.span()}"]
     if looked:
         lines.append(f"token hit rate {hit / looked:.1%} ({hit:,.0f} of {looked:,.0f} tokens)")

@@ -58,13 +58,40 @@ from __future__ import annotations
 import importlib
 import math
 import operator
-import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
 import xxhash
+
+from prefixcache.storage.header import (
+    CODES,
+    DTYPES,
+    FLOAT_LABELS,
+    HEADER_ALIGN,
+    MAGIC,
+    MAX_DIM,
+    MAX_KEY_LEN,
+    NDIM,
+    VERSION,
+    WIRE_DTYPES,
+    Buffer,
+    CorruptFrame,
+    DtypeMismatch,
+    FrameError,
+    FrameHeader,
+    KeyMismatch,
+    ShapeMismatch,
+    TokenMismatch,
+    TruncatedFrame,
+    UnsupportedVersion,
+    byte_view,
+    header_length,
+    pack_header,
+    parse_header,
+    show_key,
+    token_checksum,
+)
 
 __all__ = [
     "DTYPES",
@@ -90,36 +117,6 @@ __all__ = [
     "token_checksum",
 ]
 
-MAGIC: Final = b"PXKV"
-VERSION: Final = 1
-NDIM: Final = 5  # [layers, 2 (K, V), kv_heads, block_tokens, head_dim]
-HEADER_ALIGN: Final = 16
-_MAX_DIM = 0xFFFFFFFF
-
-_FIXED = struct.Struct("<4sHHBBHH")  # magic, version, header length, dtype, ndim, flags, key length
-_TAIL = struct.Struct("<16sQ16s")  # token checksum, payload length, payload checksum
-_HEADER_CHECKSUM = struct.Struct("<Q")
-_SHAPE = struct.Struct(f"<{NDIM}I")
-# NOTE: H is a u16, so the longest key is what still fits a 16-aligned header in 65535
-# bytes: 65438, not the 65535 the u16 key length could say. Block keys are 16-32 bytes.
-MAX_KEY_LEN: Final = 0xFFFF // HEADER_ALIGN * HEADER_ALIGN - (
-    _FIXED.size + _SHAPE.size + _TAIL.size + _HEADER_CHECKSUM.size
-)
-
-# dtype label -> (code in the header, little-endian numpy dtype of the payload's items)
-_CODES: Final = {"float32": 1, "float16": 2, "bfloat16": 3}
-_LABELS: Final = {code: label for label, code in _CODES.items()}
-WIRE_DTYPES: Final[dict[str, np.dtype]] = {
-    "float32": np.dtype("<f4"),
-    "float16": np.dtype("<f2"),
-    "bfloat16": np.dtype("<u2"),  # raw bfloat16 bits
-}
-_WIRE = WIRE_DTYPES
-_FLOAT_LABELS: Final[dict[np.dtype, str]] = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16"}
-DTYPES: Final = tuple(_CODES)
-
-Buffer = bytes | bytearray | memoryview
-
 
 def _ml_bfloat16() -> np.dtype | None:
     """ml_dtypes' bfloat16 if the package is importable: optional, never required."""
@@ -143,84 +140,7 @@ _OUT: Final[dict[int, np.dtype]] = {1: np.dtype("<f4"), 2: np.dtype("<f2"), 3: _
 # ---------------------------------------------------------------------------- errors
 
 
-class FrameError(ValueError):
-    """A frame that must not be served: the tiers count it and treat it as a miss."""
-
-
-class TruncatedFrame(FrameError):
-    """The frame ends before its header or payload does (a torn or partial write)."""
-
-
-class CorruptFrame(FrameError):
-    """Bad magic, a checksum that does not match, or length fields that disagree."""
-
-
-class KeyMismatch(FrameError):
-    """A well-formed frame of another block, e.g. a reused slot or a hash-named file overwritten."""
-
-
-class TokenMismatch(FrameError):
-    """The frame's block was computed for other tokens (invariant 3: a hash is never trusted alone)."""
-
-
-class ShapeMismatch(FrameError):
-    """The frame's tensor has another shape than the reader's model expects."""
-
-
-class DtypeMismatch(FrameError):
-    """The frame's tensor has another dtype than the reader's model expects."""
-
-
-class UnsupportedVersion(FrameError):
-    """A frame from a newer (or unknown) writer: a version or flags this reader does not know."""
-
-
 # ---------------------------------------------------------------------------- header
-
-
-@dataclass(frozen=True, slots=True)
-class FrameHeader:
-    """A verified header, for tools and for tiers that size or route frames before reading them."""
-
-    version: int
-    dtype: str
-    shape: tuple[int, ...]
-    key: bytes
-    token_checksum: bytes
-    payload_length: int
-    payload_checksum: bytes
-    header_length: int
-
-    @property
-    def frame_length(self) -> int:
-        """Bytes of the whole frame: slice a larger slot with this before ``decode``."""
-        return self.header_length + self.payload_length
-
-
-def _header_length(ndim: int, key_len: int) -> int:
-    raw = _FIXED.size + 4 * ndim + key_len + _TAIL.size + _HEADER_CHECKSUM.size
-    # NOTE: padded to 16 so the payload starts aligned (CPython's bytes data is 16-aligned
-    # for large objects): an aligned float32 view is faster and some consumers require it.
-    return -(-raw // HEADER_ALIGN) * HEADER_ALIGN
-
-
-def token_checksum(tokens: Buffer) -> bytes:
-    """The 16-byte checksum a frame stores for its block's token bytes (``FrameHeader.token_checksum``)."""
-    return xxhash.xxh3_128_digest(tokens)
-
-
-def _pack_header(key: bytes, label: str, shape: tuple[int, ...], tok_ck: bytes, payload: memoryview) -> bytes:
-    ndim, length = len(shape), _header_length(len(shape), len(key))
-    body = b"".join(
-        (
-            _FIXED.pack(MAGIC, VERSION, length, _CODES[label], ndim, 0, len(key)),
-            _SHAPE.pack(*shape),
-            key,
-            _TAIL.pack(tok_ck, payload.nbytes, xxhash.xxh3_128_digest(payload)),
-        )
-    )
-    body += bytes(length - _HEADER_CHECKSUM.size - len(body))
-    return body + _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
 # ---------------------------------------------------------------------------- encode
@@ -244,7 +164,7 @@ def encode(key: bytes, tokens: Buffer, kv: np.ndarray, *, dtype: str | None = No
     arr = _contiguous(kv, label)
     shape = _check_shape(arr.shape)
     payload = arr.reshape(-1).view(np.uint8).data
-    return b"".join((_pack_header(key, label, shape, token_checksum(tokens), payload), payload))
+    return b"".join((pack_header(key, label, shape, token_checksum(tokens), payload), payload))
 
 
 def encoded_size(shape: Sequence[int], dtype: str, key_len: int) -> int:
@@ -257,7 +177,7 @@ def encoded_size(shape: Sequence[int], dtype: str, key_len: int) -> int:
     _check_label(dtype)
     if not 1 <= key_len <= MAX_KEY_LEN:
         raise ValueError(f"key length must be in [1, {MAX_KEY_LEN}], got {key_len}")
-    return _header_length(len(shape), key_len) + math.prod(shape) * _WIRE[dtype].itemsize
+    return header_length(len(shape), key_len) + math.prod(shape) * WIRE_DTYPES[dtype].itemsize
 
 
 def _check_key(key: bytes) -> None:
@@ -276,14 +196,14 @@ def _check_tokens(tokens: Buffer, name: str) -> None:
 
 
 def _check_label(dtype: str) -> None:
-    if dtype not in _CODES:
+    if dtype not in CODES:
         raise ValueError(f"unsupported dtype label {dtype!r}; valid: {', '.join(DTYPES)}")
 
 
 def _check_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     if len(shape) != NDIM:
         raise ValueError(f"KV must have {NDIM} dims [layers, 2, kv_heads, block_tokens, head_dim], got shape {shape}")
-    if min(shape) < 1 or max(shape) > _MAX_DIM:
+    if min(shape) < 1 or max(shape) > MAX_DIM:
         raise ValueError(f"every dim must be in [1, 2**32), got shape {shape}")
     return shape
 
@@ -294,7 +214,7 @@ def _label_of(kv: np.ndarray, dtype: str | None) -> str:
         raise TypeError(f"kv must be a numpy array, got {type(kv).__name__}")
     if dtype is not None:
         _check_label(dtype)
-    found = _FLOAT_LABELS.get(kv.dtype) or _other_label(kv.dtype, dtype)
+    found = FLOAT_LABELS.get(kv.dtype) or _other_label(kv.dtype, dtype)
     if dtype is not None and dtype != found:
         raise ValueError(f"dtype label {dtype!r} does not match the array's dtype {kv.dtype} ({found})")
     return found
@@ -314,7 +234,7 @@ def _other_label(dt: np.dtype, dtype: str | None) -> str:
 
 
 def _contiguous(kv: np.ndarray, label: str) -> np.ndarray:
-    wire = _WIRE[label] if kv.dtype.kind in "fu" else kv.dtype  # ml_dtypes' bfloat16 (kind "V") stays itself
+    wire = WIRE_DTYPES[label] if kv.dtype.kind in "fu" else kv.dtype  # ml_dtypes' bfloat16 (kind "V") stays itself
     if kv.flags.c_contiguous and kv.dtype == wire:
         return kv  # the fast path: no copy
     arr: np.ndarray = np.ascontiguousarray(kv, dtype=wire)
@@ -326,7 +246,7 @@ def _contiguous(kv: np.ndarray, label: str) -> np.ndarray:
 
 def peek_header(frame: Buffer) -> FrameHeader:
     """The verified header of ``frame``; needs only the header's bytes, not the payload."""
-    return _parse_header(_byte_view(frame))
+    return parse_header(byte_view(frame))
 
 
 def decode(
@@ -354,67 +274,12 @@ def decode(
         _check_tokens(tokens, "tokens")
     if dtype is not None:
         _check_label(dtype)
-    view = _byte_view(frame)
-    head = _parse_header(view)
+    view = byte_view(frame)
+    head = parse_header(view)
     _check_expected(head, key, tokens, shape, dtype)
     _check_payload(view, head, check_payload)
-    out: np.ndarray = np.frombuffer(view, _OUT[_CODES[head.dtype]], math.prod(head.shape), head.header_length)
+    out: np.ndarray = np.frombuffer(view, _OUT[CODES[head.dtype]], math.prod(head.shape), head.header_length)
     return out.reshape(head.shape)
-
-
-def _byte_view(frame: Buffer) -> memoryview:
-    view = frame if isinstance(frame, memoryview) else memoryview(frame)
-    if not view.c_contiguous:
-        raise TypeError("frame must be a contiguous buffer")
-    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
-
-
-def _parse_header(view: memoryview) -> FrameHeader:
-    size = len(view)
-    if bytes(view[:4]) != MAGIC[: min(size, 4)]:
-        raise CorruptFrame(f"bad magic: expected {MAGIC!r}, found {bytes(view[:4])!r}")
-    if size < _FIXED.size:
-        raise TruncatedFrame(f"expected at least {_FIXED.size} header bytes, found {size}")
-    _, version, length, code, ndim, flags, key_len = _FIXED.unpack_from(view)
-    if version != VERSION:
-        raise UnsupportedVersion(f"expected format version {VERSION}, found {version}")
-    expected = _header_length(ndim, key_len)
-    if length != expected:
-        raise CorruptFrame(
-            f"header length: expected {expected} bytes for {ndim} dims and a {key_len}-byte key, found {length}"
-        )
-    if size < length:
-        raise TruncatedFrame(f"expected a {length}-byte header, found {size} bytes")
-    _check_header_checksum(view, length)
-    return _header_fields(view, code, ndim, flags, key_len, length)
-
-
-def _check_header_checksum(view: memoryview, length: int) -> None:
-    end = length - _HEADER_CHECKSUM.size
-    (stored,) = _HEADER_CHECKSUM.unpack_from(view, end)
-    computed = xxhash.xxh3_64_intdigest(view[:end])
-    if stored != computed:
-        raise CorruptFrame(f"header checksum: expected {computed:016x}, found {stored:016x}")
-
-
-def _header_fields(view: memoryview, code: int, ndim: int, flags: int, key_len: int, length: int) -> FrameHeader:
-    """Fields of a header whose checksum matched: what is left to catch is a bad writer."""
-    if flags:
-        raise UnsupportedVersion(f"expected flags 0 in version {VERSION}, found {flags:#06x}")
-    if code not in _LABELS:
-        raise CorruptFrame(f"dtype code: expected one of {sorted(_LABELS)}, found {code}")
-    if ndim != NDIM or key_len == 0:
-        raise CorruptFrame(f"expected {NDIM} dims and a non-empty key, found {ndim} dims and {key_len} key bytes")
-    shape = _SHAPE.unpack_from(view, _FIXED.size)
-    at = _FIXED.size + 4 * ndim
-    tok_ck, payload_len, pay_ck = _TAIL.unpack_from(view, at + key_len)
-    label = _LABELS[code]
-    if 0 in shape:
-        raise CorruptFrame(f"shape: expected every dim >= 1, found {shape}")
-    expected_len = math.prod(shape) * _WIRE[label].itemsize
-    if payload_len != expected_len:
-        raise CorruptFrame(f"payload length: expected {expected_len} bytes for {label} {shape}, found {payload_len}")
-    return FrameHeader(VERSION, label, shape, bytes(view[at : at + key_len]), tok_ck, payload_len, pay_ck, length)
 
 
 def _check_expected(
@@ -427,7 +292,7 @@ def _check_expected(
     # NOTE: these come before the payload checksum, the one expensive step: a frame of
     # another block (a reused slot) is refused without hashing its payload.
     if head.key != key:
-        raise KeyMismatch(f"key: expected {_show(key)}, found {_show(head.key)}")
+        raise KeyMismatch(f"key: expected {show_key(key)}, found {show_key(head.key)}")
     if tokens is not None and (ck := token_checksum(tokens)) != head.token_checksum:
         count = memoryview(tokens).nbytes // 4
         raise TokenMismatch(f"token checksum of {count} tokens: expected {ck.hex()}, found {head.token_checksum.hex()}")
@@ -448,8 +313,3 @@ def _check_payload(view: memoryview, head: FrameHeader, checksum: bool = True) -
     computed = xxhash.xxh3_128_digest(view[head.header_length :])
     if computed != head.payload_checksum:
         raise CorruptFrame(f"payload checksum: expected {computed.hex()}, found {head.payload_checksum.hex()}")
-
-
-def _show(key: bytes) -> str:
-    text = key[:32].hex()
-    return f"{text}... ({len(key)} bytes)" if len(key) > 32 else text

@@ -113,7 +113,6 @@ class WriteQueue:
         self._bytes = 0
         self._pending: dict[tuple[int, bytes], Job] = {}
         self.done = 0
-        self.dropped = 0
         self.failed = 0
         self.abandoned = 0
         self.closed = False
@@ -121,14 +120,12 @@ class WriteQueue:
     # ------------------------------------------------------------------ the cache's side
 
     def offer(self, job: Job) -> bool:
-        """Queue ``job``; False (counted) when a put does not fit the byte bound."""
+        """Queue ``job``; False when a put does not fit the byte bound (the cache counts it)."""
         with self._cond:
             if self.closed:
-                self.dropped += job.kind is JobKind.PUT
                 return False
             if job.kind is JobKind.PUT:
                 if self._bytes + job.size > self.limit_bytes:
-                    self.dropped += 1
                     return False
                 self._bytes += job.size
                 self._pending[(job.tier, job.key)] = job

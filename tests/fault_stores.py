@@ -1,0 +1,90 @@
+"""A store that wraps a real one to inject faults: slow writes and failing writes.
+
+``PrefixCache(config, store_factory=faulty(...))`` opens every tier's real store (a
+memory slab, a disk directory, Redis) and wraps the ones asked for; the cache sees the
+wrapper exactly as it sees the store, sync-ness and all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from prefixcache.config import TierConfig
+from prefixcache.storage.base import Frame, TierError, TierStore
+from prefixcache.storage.open import open_store
+
+
+class Faulty(TierStore):
+    """``inner`` with every write taking ``delay`` seconds, and the next ``fail`` writes
+    raising ``TierError`` (a broken or full medium)."""
+
+    def __init__(self, inner: TierStore, delay: float = 0.0) -> None:
+        super().__init__(inner.capacity_bytes)
+        self.inner = inner
+        self.delay = delay
+        self.fail = 0
+        self.puts = 0
+        self.kind = inner.kind  # type: ignore[misc]
+        self.verifies_reads = inner.verifies_reads  # type: ignore[misc]
+        self.private = inner.private  # type: ignore[misc]
+        self.sync = inner.sync  # type: ignore[misc]
+        self.stats = inner.stats
+
+    @property
+    def used_bytes(self) -> int:
+        return self.inner.used_bytes
+
+    def put(self, key: bytes, frame: Frame) -> None:
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail:
+            self.fail -= 1
+            raise TierError("injected write failure")
+        self.inner.put(key, frame)
+        self.puts += 1
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Frame | None]:
+        return self.inner.get_many(keys)
+
+    def delete(self, key: bytes) -> bool:
+        return self.inner.delete(key)
+
+    def detach(self, key: bytes) -> Any:
+        return self.inner.detach(key)
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        return self.inner.contains_prefix(keys)
+
+    def room_for(self, frame_bytes: int) -> int:
+        return self.inner.room_for(frame_bytes)
+
+    def keys(self) -> list[bytes]:
+        return self.inner.keys()  # type: ignore[attr-defined,no-any-return]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def faulty(
+    kinds: Sequence[str] = ("disk", "redis", "memory", "device"), delay: float = 0.0, opened: list[Faulty] | None = None
+) -> Callable[[TierConfig, int, str], TierStore]:
+    """A ``store_factory`` that wraps the stores of ``kinds`` (appending each to ``opened``)."""
+
+    def factory(config: TierConfig, frame_bytes: int, seed: str) -> TierStore:
+        store = open_store(config, frame_bytes, seed)
+        if config.kind not in kinds:
+            return store
+        wrapped = Faulty(store, delay)
+        if opened is not None:
+            opened.append(wrapped)
+        return wrapped
+
+    return factory

@@ -1,0 +1,296 @@
+"""The data path under real load and real faults: nothing slow runs under the cache's
+lock, writes go through the queue (policies through, back, selective), the queue never
+blocks a request, a flush or a graceful close writes what is queued, and a kill -9
+loses at most what was queued, never a partial block."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from prometheus_client import CollectorRegistry, generate_latest
+
+from fault_stores import faulty
+from prefixcache.cache import PrefixCache
+from prefixcache.config import TierConfig
+from prefixcache.ops.collector import CacheCollector
+from prefixcache.server.settings import SERVER_CACHE
+from redis_server import RedisServer
+from test_cache_tiers import check_tiers, disk, fetch, mem, rds
+from tier_worker import BLOCK, CTX, cache_with, frame_bytes, kv_for, layout, prompt, store
+
+HERE = Path(__file__).resolve().parent
+
+
+def hit_seconds(cache: PrefixCache, tokens: list[int]) -> float:
+    """The time a memory hit costs before its prefill can start: match, load, release."""
+    started = time.perf_counter()
+    with cache.match(tokens, CTX) as m:
+        loaded = cache.load(m)
+    assert loaded.tokens == len(tokens)
+    return time.perf_counter() - started
+
+
+# ============================================================================ nothing slow under the lock
+
+
+def memory_hits_under_demotions(tmp_path: Path, delay: float) -> tuple[float, float, PrefixCache]:
+    """A small host-RAM tier over a disk whose writes take ``delay`` s, write-back: every
+    insert demotes. Between inserts, a hot prefix is hit in memory. Returns the median
+    hit time, the slowest scrape of the cache's metrics, and the cache (still open)."""
+    cache = cache_with(
+        mem(12, write="back", policy="lru"),
+        disk(tmp_path),
+        writer="background",
+        store_factory=faulty(("disk",), delay=delay),
+    )
+    registry = CollectorRegistry()
+    registry.register(CacheCollector(cache))
+    hot = prompt(0, 3)
+    store(cache, hot)
+    hits, scrapes = [], []
+    for i in range(1, 60):
+        store(cache, prompt(i, 4))  # 3 new blocks: 3 demotions once memory is full
+        hits.append(hit_seconds(cache, hot))
+        started = time.perf_counter()
+        generate_latest(registry)
+        scrapes.append(time.perf_counter() - started)
+    return statistics.median(hits), max(scrapes), cache
+
+
+def test_a_slow_disk_saturated_by_demotions_leaves_memory_hits_and_metrics_alone(tmp_path: Path) -> None:
+    fast_hit, _, fast = memory_hits_under_demotions(tmp_path / "fast", 0.0)
+    assert fast.close(timeout=30)
+    slow_hit, slowest_scrape, slow = memory_hits_under_demotions(tmp_path / "slow", 0.2)
+    stats = slow.stats()
+    assert stats.writer is not None and stats.writer.queued_jobs > 20  # the disk was saturated meanwhile
+    assert stats.tiers[1].demotions > 100
+    slow.close(timeout=0)  # NOTE: no need to wait for 20 s of writes
+    # Generous bounds for a shared machine (benchmarks/bench_slow_tier.py measures the ratio):
+    assert slow_hit < 2 * fast_hit + 0.005, (slow_hit, fast_hit)
+    assert slowest_scrape < 0.1, slowest_scrape
+
+
+def test_a_stalled_redis_never_holds_the_cache_lock(redis_server: RedisServer) -> None:
+    """SIGSTOP: Redis keeps its sockets and answers nothing. Requests that need it wait
+    for their own timeouts (outside the lock); everything else goes on."""
+    cache = cache_with(mem(256, write="through"), rds(redis_server.url, read_timeout=0.3), writer="background")
+    for i in range(4):
+        store(cache, prompt(i))
+    assert cache.flush(timeout=10)
+    redis_server.pause()
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def traffic() -> None:
+        try:
+            for i in range(4, 24):
+                store(cache, prompt(i))  # written through to Redis: the writer waits, not this thread
+                fetch(cache, prompt(i))
+                fetch(cache, prompt(100 + i))  # unknown here: probed in Redis (a timeout, or the breaker)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    waits = []
+    try:
+        while not done.is_set():
+            started = time.perf_counter()
+            cache.stats()  # takes the lock
+            waits.append(time.perf_counter() - started)
+            time.sleep(0.005)
+    finally:
+        worker.join(60)
+        redis_server.resume()
+    assert not errors, errors
+    assert len(waits) > 20 and max(waits) < 0.1, max(waits)
+    assert cache.stats().tiers[1].errors.get("timeout", 0) >= 1
+    assert fetch(cache, prompt(20))[1] == 24  # memory still serves
+    cache.close(timeout=10)
+
+
+# ============================================================================ write policies
+
+
+def test_selective_writes_only_blocks_hit_often_enough(tmp_path: Path) -> None:
+    with cache_with(mem(6, write="selective", write_after_hits=2), disk(tmp_path)) as cache:
+        cold, warm = prompt(1), prompt(2)
+        store(cache, cold)
+        store(cache, warm)
+        fetch(cache, warm)
+        fetch(cache, warm)  # hit twice: copied down now
+        assert cache.stats().tiers[1].blocks == 6  # warm's blocks; cold's never written
+        for i in range(3, 6):
+            store(cache, prompt(i))  # memory churns: cold is dropped, warm already has a copy
+        assert fetch(cache, cold)[1] <= BLOCK  # gone (its shared first block may be elsewhere)
+        assert fetch(cache, warm)[1] == 24
+        check_tiers(cache)
+
+
+def test_write_through_reaches_every_tier_and_back_only_the_next(tmp_path: Path) -> None:
+    tiers = (mem(64, write="through"), mem(64, name="ram2", write="through"), disk(tmp_path))
+    with cache_with(*tiers) as cache:
+        store(cache, prompt(1))
+        assert [t.blocks for t in cache.stats().tiers] == [6, 6, 6]
+    tiers = (mem(64, write="back"), mem(64, name="ram2", write="through"), disk(tmp_path / "b"))
+    with cache_with(*tiers) as cache:
+        store(cache, prompt(1))
+        assert [t.blocks for t in cache.stats().tiers] == [6, 0, 0]
+
+
+# ============================================================================ the queue
+
+
+def test_a_full_queue_drops_writes_counts_them_and_blocks_nobody(tmp_path: Path) -> None:
+    tiers = (mem(64, write="through"), disk(tmp_path))
+    with cache_with(*tiers, writer="deferred", write_queue_bytes=2 * frame_bytes()) as cache:
+        started = time.perf_counter()
+        assert store(cache, prompt(1)) == 24  # all 6 blocks in memory: the request is not refused
+        assert time.perf_counter() - started < 5
+        stats = cache.stats()
+        assert stats.tiers[1].writes_pending == 2 and stats.tiers[1].writes_dropped == 4
+        assert stats.writer is not None and stats.writer.dropped == 4
+        assert cache.flush()
+        assert cache.stats().tiers[1].blocks == 2 and fetch(cache, prompt(1))[1] == 24
+        check_tiers(cache)
+
+
+def test_a_block_whose_only_copy_is_queued_is_served_from_the_queue(tmp_path: Path) -> None:
+    with cache_with(mem(2), disk(tmp_path), writer="deferred") as cache:
+        store(cache, prompt(1))  # 6 blocks into 2 slots: 4 demoted, their writes queued
+        assert cache.stats().tiers[1].writes_pending == 4
+        assert fetch(cache, prompt(1))[1:] == (24, {"memory": 8, "disk": 16})  # read from the queue, exact
+        assert cache.flush()
+        check_tiers(cache)
+
+
+def test_close_flushes_or_gives_up_at_its_timeout(tmp_path: Path) -> None:
+    opened: list = []
+    cache = cache_with(
+        mem(64, write="through"), disk(tmp_path), writer="background", store_factory=faulty(("disk",), 0.2, opened)
+    )
+    store(cache, prompt(1))
+    started = time.perf_counter()
+    assert cache.close(timeout=0.3) is False  # 6 writes of 0.2 s do not fit in 0.3 s
+    assert time.perf_counter() - started < 2
+    stats = cache.stats()
+    assert stats.writer is not None and stats.writer.abandoned >= 3
+    again = cache_with(mem(64, write="through"), disk(tmp_path), writer="background")
+    with again:
+        store(again, prompt(2))
+        assert again.close(timeout=30) is True
+    assert len(opened) == 1 and opened[0].puts < 6
+
+
+def test_two_threads_on_a_background_writer_see_exact_bytes(tmp_path: Path) -> None:
+    cache = cache_with(mem(8, write="through"), mem(16, name="ram2"), disk(tmp_path, 40), writer="background")
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(150):
+                i, n = int(rng.integers(0, 12)), int(rng.integers(1, 7))
+                tokens = prompt(i, n)
+                if rng.random() < 0.5:
+                    store(cache, tokens)
+                else:
+                    fetch(cache, tokens)  # asserts the bytes
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    check_tiers(cache)
+    cache.close()
+
+
+# ============================================================================ crashes and restarts
+
+
+def test_kill_9_with_writes_queued_loses_at_most_the_queued_blocks(tmp_path: Path) -> None:
+    n = 12
+    worker = [sys.executable, str(HERE / "tier_worker.py"), "slow-disk", str(tmp_path), str(n)]
+    child = subprocess.Popen(worker, stdout=subprocess.PIPE, text=True, cwd=HERE)
+    assert child.stdout is not None
+    line = child.stdout.readline().split()
+    assert line and line[0] == "stop", line
+    written, queued = int(line[1]), int(line[2])
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=10)
+    assert queued > 0  # killed with writes still queued
+    blocks = 1 + 5 * n  # prompts share their first block
+    with cache_with(mem(256), disk(tmp_path)) as cache:
+        found = len(cache._ledger.books.tiers[1].orphans)  # type: ignore[union-attr]
+        assert written <= found and blocks - found <= queued
+        for i in range(n):
+            fetch(cache, prompt(i))  # whatever loads is whole and exact (fetch checks every byte)
+        check_tiers(cache)
+
+
+def test_two_servers_on_one_redis_reuse_what_either_computed(tmp_path: Path, redis_server: RedisServer) -> None:
+    """The server's default tiers, with the same Redis added below them, in two processes'
+    worth of caches: what one computes the other loads."""
+    small = frame_bytes() * 64
+
+    def server(name: str) -> PrefixCache:
+        tiers = [dataclasses.replace(t, capacity_bytes=small, write="through") for t in SERVER_CACHE.tiers]
+        tiers[1] = dataclasses.replace(tiers[1], path=str(tmp_path / name))
+        tiers.append(TierConfig(kind="redis", capacity_bytes=small, url=redis_server.url))
+        config = dataclasses.replace(
+            SERVER_CACHE, block_size=BLOCK, seed="fleet", kv_layout=layout(), tiers=tuple(tiers)
+        )
+        return PrefixCache(config)
+
+    a, b = server("a"), server("b")
+    try:
+        store(a, prompt(1))
+        store(b, prompt(2))
+        assert a.flush(10) and b.flush(10)
+        assert fetch(b, prompt(1))[1:] == (24, {"memory": 4, "disk": 0, "redis": 20})  # first block: b's own
+        assert fetch(a, prompt(2))[1:] == (24, {"memory": 4, "disk": 0, "redis": 20})
+    finally:
+        a.close(10)
+        b.close(10)
+
+
+def test_the_kv_read_from_an_insert_is_the_new_range_only() -> None:
+    """insert reads from a KV source only what it stores: a conversation's turns copy their
+    new tokens, not the history again."""
+    reads: list[tuple[int, int]] = []
+
+    class Source:
+        def __init__(self, tokens: list[int]) -> None:
+            self.kv = kv_for(tokens)
+
+        def read(self, begin: int, end: int) -> np.ndarray:
+            reads.append((begin, end))
+            return self.kv[:, :, :, begin:end]
+
+    with cache_with(mem(256)) as cache:
+        history: list[int] = []
+        per_token = layout().bytes_per_token
+        for turn in range(5):
+            history = [*history, *range(100 * turn, 100 * turn + 13)]  # 13 new tokens a turn
+            before = cache.stats().kv_bytes_in
+            cache.insert(history, CTX, kv=Source(history))
+            new = cache.stats().kv_bytes_in - before
+            begin, end = reads[-1]
+            assert end == len(history) // BLOCK * BLOCK and begin == (len(history) - 13) // BLOCK * BLOCK
+            assert new == (end - begin) * per_token <= (13 + BLOCK) * per_token
+        assert fetch(cache, history)[1] == len(history) // BLOCK * BLOCK
