@@ -13,8 +13,11 @@ Every error is OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import time
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
 from typing import Any
 
@@ -63,14 +66,28 @@ class Server:
 
 
 def create_app(
-    engine: Engine, settings: Settings, cache: PrefixCache | None = None, registry: CollectorRegistry | None = None
+    engine: Engine,
+    settings: Settings,
+    cache: PrefixCache | None = None,
+    registry: CollectorRegistry | None = None,
+    shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """The ASGI app serving ``engine``; ``cache`` is what the admin routes act on."""
+    """The ASGI app serving ``engine``; ``cache`` is what the admin routes act on.
+    ``shutdown`` runs when the server stops gracefully, after the last request
+    (``serve`` flushes the cache there: uvicorn then re-raises SIGTERM, which would end
+    the process before any code after it runs)."""
     registry = registry if registry is not None else CollectorRegistry()
     server = Server(engine, settings, cache, registry)
     if cache is not None:
         registry.register(CacheCollector(cache))
-    app = FastAPI(title="prefixcache", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if shutdown is not None:
+            await asyncio.to_thread(shutdown)
+
+    app = FastAPI(title="prefixcache", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = server
     _generation_routes(app, server)
     _operator_routes(app, server)

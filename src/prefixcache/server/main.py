@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +29,20 @@ log = logging.getLogger("prefixcache.serve")
 class Service:
     """Everything a running server holds; ``close()`` releases it in order."""
 
-    app: FastAPI
     engine: Engine
     cache: PrefixCache | None
     settings: Settings
+    app: FastAPI = field(init=False)
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.app = create_app(self.engine, self.settings, self.cache, shutdown=self.close)
 
     def close(self) -> None:
+        """Stop the engine, then flush and close the cache. Idempotent."""
         self.engine.close()
-        if self.cache is not None:
+        if self.cache is not None and not self.closed:
+            self.closed = True
             started = time.monotonic()
             flushed = self.cache.close(self.settings.server.flush_timeout_s)
             writer = self.cache.stats().writer
@@ -58,7 +64,7 @@ def build_service(settings: Settings) -> Service:
         max_queue=settings.server.max_queue,
         timeout_s=settings.server.request_timeout_s,
     )
-    return Service(create_app(engine, settings, cache), engine, cache, settings)
+    return Service(engine, cache, settings)
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -93,5 +99,5 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         uvicorn.run(service.app, host=host, port=port, log_level="info")
     finally:
-        service.close()
+        service.close()  # NOTE: the lifespan's shutdown did it on SIGTERM and SIGINT; this is for the rest
     return 0
