@@ -145,8 +145,8 @@ class Lifecycle:
         books = self.books
         assert books is not None
         tier = books.tiers[k]
-        if block.pool is None or block.doomed or block.root.stale:
-            return
+        if block.pool is None or block.doomed or block.root.stale or books.avail(block) & tier.bit:
+            return  # going, or already there (or on its way: a demotion made room meanwhile)
         if block.key in tier.orphans:  # already there, from before a restart
             books.adopt(block, k)
             return

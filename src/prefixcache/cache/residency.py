@@ -195,7 +195,8 @@ class Books:
         if old_top == new_top or parent.is_root:
             return
         pres = parent.res  # type: ignore[union-attr]
-        assert pres is not None
+        if pres is None:  # NOTE: a chain is committed deepest first: its parent's turn comes next
+            pres = parent.res = Residency()  # type: ignore[union-attr]
         if pres.kids is None:
             pres.kids = [0] * len(self.tiers)
         if old:

@@ -86,7 +86,8 @@ class TieredPath:
         elif parent.is_root or (parent.pool is not None and not parent.doomed):  # type: ignore[union-attr]
             shared = ledger.tenancy.mode == "shared"
             chain = ledger.plan_chain(lookup, 0, parent, probe.ends[:n], ctx, shared, tiers=False)
-            for block in ledger.commit_chain(chain, len(chain.blocks)) if chain is not None else ():
+            linked = ledger.commit_chain(chain, len(chain.blocks)) if chain is not None else []
+            for block in reversed(linked):  # deepest first into the tier's policy
                 self.books.adopt(block, tier)
         ledger.unpin(probe.pin)  # NOTE: last, so that the root is not dropped as empty before its blocks come
         return again
@@ -226,13 +227,18 @@ class TieredPath:
         self, path: list[Block], promote: list[int], done: int, frames: Sequence[Frame | None]
     ) -> None:
         books, top = self.books, self.books.tiers[0]
+        if top.sync:  # NOTE: deepest first into the policy, as a chain's blocks are
+            for j in reversed(range(len(promote))):
+                if j >= done:
+                    books.release(0)
+                else:
+                    books.commit_held(path[promote[j]], 0)
+                    top.promotions += 1
+            return
         for j, i in enumerate(promote):
             block = path[i]
             if j >= done:
                 books.release(0)
-            elif top.sync:
-                books.commit_held(block, 0)
-                top.promotions += 1
             elif (frame := frames[i]) is not None and books.queue_put(block, 0, FrameSource(bytes(frame), len(frame))):
                 top.promotions += 1
             else:
@@ -322,10 +328,13 @@ class TieredPath:
                 books.release(k)
                 if i < landed:
                     books.drop_frame(k, block.key)  # written, but its parent left meanwhile
-            elif tiers[k].sync:
-                books.commit_held(block, k)
-            else:
+            elif not tiers[k].sync:
                 books.queue_put(block, k, FrameSource(frames[i], len(frames[i])))
+        # NOTE: into the tiers' policies deepest first, as into the pools': a parent (which
+        # cannot leave before its children) is then never older than its children.
+        for block, k in reversed(list(zip(linked, chain.tiers, strict=False))):
+            if tiers[k].sync:
+                books.commit_held(block, k)
         # NOTE: the copies last: the queue's room went to the blocks that have no other copy
         for i, (block, k) in enumerate(zip(linked, chain.tiers, strict=False)):
             if tiers[k].sync:

@@ -167,7 +167,7 @@ class Writer:
         if books.tiers[job.tier].config.write != "through" or below >= len(books.tiers) or job.source is None:
             return
         frame = job.source.frame()
-        if frame is not None and not books.avail(block) & (1 << below):
+        if frame is not None:
             self.ledger.copy_down(block, below, frame)
 
     # ------------------------------------------------------------------ state
