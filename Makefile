@@ -64,6 +64,7 @@ bench: $(STAMP) $(KERNEL)
 	$(BIN)/python benchmarks/bench_match.py
 	$(BIN)/python benchmarks/bench_replay.py
 	$(BIN)/python benchmarks/bench_tiers.py
+	$(BIN)/python benchmarks/bench_slow_tier.py
 	$(BIN)/python benchmarks/bench_ttft.py
 
 clean:

@@ -56,6 +56,7 @@ def best_seconds(fn: Callable[[], object], repeat: int = 7) -> float:
 def cache_over(tier: TierConfig, kv: np.ndarray) -> PrefixCache:
     cache = PrefixCache(CacheConfig(block_size=BLOCK, kv_layout=LAYOUT, tiers=(tier,), seed="bench"))
     assert cache.insert(TOKENS, CTX, kv=kv) == len(TOKENS)
+    assert cache.flush(timeout=60)  # a disk or Redis tier is written by the background writer
     return cache
 
 

@@ -20,6 +20,13 @@ settings.register_profile("dev", print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that takes a Redis server is marked ``redis`` (``make unit`` leaves those out)."""
+    for item in items:
+        if "redis_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.redis)
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A real ``redis-server`` of the test's own, on a free loopback port."""

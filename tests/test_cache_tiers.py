@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from prefixcache.cache import PrefixCache
 from prefixcache.cache.stats import Histogram, LatencyHistogram
-from prefixcache.config import CacheConfig, KVLayout, PromotionConfig, TierConfig
+from prefixcache.config import CacheConfig, KVLayout, PublishConfig, TierConfig
 from prefixcache.events import RemovalReason
 from prefixcache.hashing import CacheContext
 from redis_server import REDIS_SERVER, RedisServer, StallingProxy, free_port
@@ -28,7 +29,11 @@ from tier_worker import layout as tiny_layout
 
 HERE = Path(__file__).resolve().parent
 BIG = 1 << 30
-needs_redis = pytest.mark.skipif(not Path(REDIS_SERVER).exists(), reason="redis-server is not installed")
+
+
+def needs_redis(test: Callable[..., None]) -> Callable[..., None]:
+    skip = pytest.mark.skipif(not Path(REDIS_SERVER).exists(), reason="redis-server is not installed")
+    return pytest.mark.redis(skip(test))
 
 
 def mem(blocks: int, **kwargs: object) -> TierConfig:
@@ -98,7 +103,7 @@ def check_tiers(cache: PrefixCache, reachable: bool = True) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("kind", ["device", "memory", "disk", "redis"])
+@pytest.mark.parametrize("kind", ["device", "memory", "disk", pytest.param("redis", marks=pytest.mark.redis)])
 def test_round_trip_through_every_tier_and_dtype_is_bit_exact(tmp_path: Path, kind: str, dtype: str) -> None:
     srv = None
     if kind in ("memory", "device"):
@@ -254,7 +259,7 @@ def test_invariant_4_holds_across_tiers_under_any_sequence(
     )
     options: dict[str, object] = {"isolation": isolation}
     if isolation == "promotion":
-        options = {"isolation": "namespace", "promotion": PromotionConfig(min_tenants=2, min_tokens=BLOCK)}
+        options = {"isolation": "namespace", "promotion": PublishConfig(min_tenants=2, min_tokens=BLOCK)}
     with cache_with(*tiers, partial_blocks=partial, **options) as cache:
         for op, i, n, tenant in ops:
             ctx = CacheContext(tenant=tenant, model="m")

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from prefixcache import CacheConfig, CacheContext, PrefixCache, PromotionConfig
+from prefixcache import CacheConfig, CacheContext, PrefixCache, PublishConfig
 from prefixcache.policies import POLICIES
 
 
@@ -156,17 +156,17 @@ def test_quotas_cannot_be_changed_through_the_config() -> None:
         config.quotas["a"] = 1000  # type: ignore[index]
 
 
-# --- promotion -------------------------------------------------------------------
+# --- publication -------------------------------------------------------------------
 
 
-def test_promotion_with_shared_isolation_is_an_error() -> None:
-    bad("promotion", isolation="shared", promotion=PromotionConfig())
+def test_publish_with_shared_isolation_is_an_error() -> None:
+    bad("publish", isolation="shared", publish=PublishConfig())
 
 
 @pytest.mark.parametrize("isolation", ["namespace", "partitioned"])
-def test_promotion_is_valid_with_isolation(isolation: str) -> None:
-    config = CacheConfig(isolation=isolation, promotion=PromotionConfig(min_tenants=2, min_tokens=16))
-    assert config.promotion is not None and config.promotion.min_tenants == 2
+def test_publish_is_valid_with_isolation(isolation: str) -> None:
+    config = CacheConfig(isolation=isolation, publish=PublishConfig(min_tenants=2, min_tokens=16))
+    assert config.publish is not None and config.publish.min_tenants == 2
 
 
 @pytest.mark.parametrize(
@@ -179,9 +179,9 @@ def test_promotion_is_valid_with_isolation(isolation: str) -> None:
         ("max_candidates", {"max_candidates": 0}),
     ],
 )
-def test_promotion_config_rejects(field: str, kwargs: dict[str, Any]) -> None:
+def test_publish_config_rejects(field: str, kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=field):
-        PromotionConfig(**kwargs)
+        PublishConfig(**kwargs)
 
 
 # --- the rest --------------------------------------------------------------------
@@ -225,9 +225,9 @@ def test_config_is_frozen() -> None:
         config.block_size = 4  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.policy = "lru"  # type: ignore[misc]
-    promotion = PromotionConfig()
+    publish = PublishConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        promotion.min_tenants = 1  # type: ignore[misc]
+        publish.min_tenants = 1  # type: ignore[misc]
     assert config.block_size == 16
 
 

@@ -32,6 +32,8 @@ from prefixcache.engine.runner import Sequence, full_logits
 from prefixcache.hashing import CacheContext
 from redis_server import RedisServer
 
+pytestmark = pytest.mark.model  # the real model: seconds to load, minutes to run
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 SYSTEM = (
     "You are a meticulous assistant for a company that sells garden tools. Answer in one short sentence. "
@@ -181,6 +183,31 @@ def test_redis_hits_are_exact_for_this_cache_and_for_another_sharing_the_redis(
     assert again.usage.cached_tokens >= len(first) - 16
     assert again.usage.tier_tokens == {"memory": 0, "redis": again.usage.cached_tokens}
     assert again.tokens == plain[0].tokens and again.text == plain[0].text
+
+
+def test_each_turn_copies_the_kv_of_its_new_tokens_only(lm: LoadedModel, tmp_path: Path) -> None:
+    """A conversation's turns: the KV the engine hands the cache per turn is the range of
+    the blocks stored (the new turn and the last answer), not the whole history again."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    eng = engine(lm, tiered_cache(lm, tmp_path))
+    assert eng.cache is not None
+    per_token = lm.kv.bytes_per_token
+    try:
+        for turn, question in enumerate(("Refunds?", "Shipping?", "Support hours?", "And on weekends?")):
+            messages.append({"role": "user", "content": question})
+            tokens = eng.tokenize_chat(messages)
+            before = eng.cache.stats().kv_bytes_in
+            done = eng.generate(Request(tokens, "acme", GREEDY)).result(timeout=120)
+            assert eng.wait_idle(timeout=30)  # the answer's KV is stored after the answer went out
+            copied = (eng.cache.stats().kv_bytes_in - before) // per_token
+            new = len(tokens) + len(done.tokens) - done.usage.cached_tokens
+            assert copied <= new + 16, (turn, copied, new)  # at most one partial block more
+            if turn:
+                assert copied < len(tokens) // 2, (turn, copied, len(tokens))  # not the history again
+            messages.append({"role": "assistant", "content": done.text})
+    finally:
+        eng.close()
+        eng.cache.close()
 
 
 def test_disk_hit_after_a_restart_is_exact(lm: LoadedModel, tmp_path: Path) -> None:

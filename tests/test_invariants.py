@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from prefixcache import CacheConfig, CacheContext, Match, PrefixCache, PromotionConfig
+from prefixcache import CacheConfig, CacheContext, Match, PrefixCache, PublishConfig
 from prefixcache.cache.tree import path_to
 from prefixcache.tenancy import PUBLIC
 from support import Clock, lcp
@@ -67,9 +67,9 @@ class CacheMachine(RuleBasedStateMachine):
     def setup(
         self, isolation: str, policy: str, partial: bool, capacity_blocks: int, ttl: float | None, promote: bool
     ) -> None:
-        promotion = PromotionConfig(min_tenants=2, min_tokens=2 * BS) if promote and isolation != "shared" else None
+        promotion = PublishConfig(min_tenants=2, min_tokens=2 * BS) if promote and isolation != "shared" else None
         self.config = CacheConfig(
-            promotion=promotion,
+            publish=promotion,
             block_size=BS,
             capacity_tokens=capacity_blocks * BS,
             policy=policy,
@@ -94,7 +94,7 @@ class CacheMachine(RuleBasedStateMachine):
         return (PUBLIC, *self.ref_key("-", model, adapter)[1:])
 
     def count_senders(self, tenant: str, model: str, adapter: str | None, prompt: list[int]) -> None:
-        promo = self.config.promotion
+        promo = self.config.publish
         assert promo is not None
         public = self.public_key(model, adapter)
         for end in range(promo.min_tokens // BS * BS, len(prompt) + 1, BS):
@@ -108,13 +108,13 @@ class CacheMachine(RuleBasedStateMachine):
     def allowed(self, prompt: list[int], tenant: str, model: str, adapter: str | None) -> int:
         """The most a match may return: the tenant's own prefixes, and public ones."""
         best = self.best_reference(prompt, self.ref_key(tenant, model, adapter))
-        if self.config.promotion is not None:
+        if self.config.publish is not None:
             best = max(best, self.best_reference(prompt, self.public_key(model, adapter)))
         return best
 
     def record_insert(self, tenant: str, model: str, adapter: str | None, prompt: list[int]) -> None:
         self.ref.seqs.setdefault(self.ref_key(tenant, model, adapter), {})[tuple(prompt)] = self.clock.now
-        if self.config.promotion is not None:
+        if self.config.publish is not None:
             self.count_senders(tenant, model, adapter, prompt)
 
     def best_reference(self, prompt: list[int], key: tuple[object, ...]) -> int:
@@ -209,7 +209,7 @@ class CacheMachine(RuleBasedStateMachine):
         # end and all below it; what lies before that block stays.
         cut = (len(prompt) - 1) // BS * BS
         keys = [self.ref_key(tenant, model, None)]
-        if self.config.promotion is not None:
+        if self.config.publish is not None:
             keys.append(self.public_key(model, None))
             # Others' continuations under a purged public block go too; the reference
             # keeps them (still sound), so it no longer knows every cached prefix.

@@ -203,7 +203,7 @@ def test_collector_exports_what_a_real_cache_counts() -> None:
     assert value("prefixcache_capacity_tokens") == 64
     assert value("prefixcache_used_tokens") == stats.used_tokens == 0
     assert value("prefixcache_hash_collisions_total") == 0
-    assert value("prefixcache_promoted_blocks_total") == 0
+    assert value("prefixcache_published_blocks_total") == 0
     assert not any(name.startswith("prefixcache_tier_") for name, _ in got)  # no tiers, no tier series
 
 

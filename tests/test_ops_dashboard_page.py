@@ -142,6 +142,7 @@ def run_chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]
     return subprocess.run([browser, *flags, *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.chromium
 @pytest.mark.skipif(chromium() is None, reason="chromium not found (Debian package chromium)")
 def test_the_page_shows_live_numbers_in_headless_chromium(page_server: str, tmp_path: Path) -> None:
     result = run_chromium(tmp_path, "--dump-dom", page_server)

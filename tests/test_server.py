@@ -19,6 +19,8 @@ from engine_support import MODEL_ID, LiveServer, engine, model, tiered_cache
 from prefixcache.server.app import create_app
 from prefixcache.server.settings import AuthSettings, ServerSettings, Settings
 
+pytestmark = pytest.mark.model  # the real model: seconds to load, minutes to run
+
 KEYS = {"sk-acme-0123456789": "acme", "sk-globex-0123456789": "globex"}
 ADMIN = "adm-0123456789"
 SYSTEM = (

@@ -22,6 +22,8 @@ from prefixcache.server.app import create_app
 from prefixcache.server.settings import AuthSettings, Settings
 from test_ops_dashboard_page import ARTIFACTS, chromium, run_chromium
 
+pytestmark = pytest.mark.model  # the real model: seconds to load, minutes to run
+
 KEYS = {"sk-acme-0123456789": "acme", "sk-globex-0123456789": "globex"}
 ADMIN = "adm-0123456789"
 SYSTEM = {
@@ -168,6 +170,7 @@ def test_the_page_is_served_self_contained(live: LiveServer) -> None:
     assert 'fetch("dashboard/data"' in page.text
 
 
+@pytest.mark.chromium
 @pytest.mark.skipif(chromium() is None, reason="chromium not found (Debian package chromium)")
 def test_the_real_apps_page_in_headless_chromium(
     live: LiveServer, traffic: dict[str, list[int]], tmp_path: Path

@@ -40,7 +40,9 @@ class Serve:
         env |= {"PREFIXCACHE_SERVER_PORT": str(self.port), "PREFIXCACHE_MODEL_MODELS_DIR": str(MODELS_DIR)}
         command = [str(Path(sys.executable).parent / "prefixcache"), "serve"]
         log = (self.workdir / f"serve-{self.port}.log").open("w")
-        self.proc = subprocess.Popen(command, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            command, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT, text=True
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, (self.workdir / f"serve-{self.port}.log").read_text()
@@ -62,7 +64,11 @@ class Serve:
         )
         usage = reply.usage
         assert usage is not None and usage.prompt_tokens_details is not None
-        return usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0, reply.choices[0].message.content or ""
+        return (
+            usage.prompt_tokens,
+            usage.prompt_tokens_details.cached_tokens or 0,
+            reply.choices[0].message.content or "",
+        )
 
     def stop(self) -> int:
         assert self.proc is not None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.config import CacheConfig, KVLayout, PromotionConfig, TierConfig
+from prefixcache.config import CacheConfig, KVLayout, PublishConfig, TierConfig
 from prefixcache.server.settings import SERVER_CACHE, describe, load_settings
 
 SMOLLM2 = KVLayout(30, 3, 64, "float32")
@@ -69,7 +69,7 @@ def test_every_cache_field_is_a_setting_by_file_and_by_variable(tmp_path: Path) 
         "ttl_seconds": ("90.5", 90.5),
         "quotas": ('{"acme": 1000}', {"acme": 1000}),
         "shared_quota": ("500", 500),
-        "promotion": ('{"min_tenants": 4, "min_tokens": 64}', PromotionConfig(min_tenants=4, min_tokens=64)),
+        "publish": ('{"min_tenants": 4, "min_tokens": 64}', PublishConfig(min_tenants=4, min_tokens=64)),
         "events_capacity": ("10", 10),
         "tiers": ('[{"kind": "memory", "capacity_bytes": 4096, "write": "selective", "write_after_hits": 3}]',
                   (TierConfig(kind="memory", capacity_bytes=4096, write="selective", write_after_hits=3),)),
@@ -90,13 +90,13 @@ def test_every_cache_field_is_a_setting_by_file_and_by_variable(tmp_path: Path) 
     path = tmp_path / "p.toml"
     path.write_text(
         '[cache]\nhash = "blake3"\nquotas = { "acme" = 7 }\nisolation = "partitioned"\n'
-        "[cache.promotion]\nmin_tenants = 5\n"
+        "[cache.publish]\nmin_tenants = 5\n"
     )
     config = load_settings(path, env={}).cache
-    assert (config.hash, dict(config.quotas), config.promotion) == (
+    assert (config.hash, dict(config.quotas), config.publish) == (
         "blake3",
         {"acme": 7},
-        PromotionConfig(min_tenants=5),
+        PublishConfig(min_tenants=5),
     )
 
 

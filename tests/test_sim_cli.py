@@ -201,7 +201,7 @@ def test_replay_help_is_complete(capsys: pytest.CaptureFixture[str]) -> None:
     options = [
         *("--format", "--policy", "--capacity-tokens", "--block-size", "--isolation", "--mode", "--partial-blocks"),
         *("--ttl", "--warmup", "--include-output", "--no-optimal", "--model", "--gpu", "--utilization"),
-        *("--tokenizer", "--json", "--html", "--no-progress", "--promote", "--promote-min-tokens", "--metrics"),
+        *("--tokenizer", "--json", "--html", "--no-progress", "--publish", "--publish-min-tokens", "--metrics"),
     ]
     for option in options:
         assert option in text, option
@@ -243,9 +243,9 @@ def test_top_level_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -
         (["--gpu", "tpu"], "unknown gpu 'tpu'"),
         (["--utilization", "0"], "utilization"),
         (["--tokenizer", "nope"], "unknown tokenizer 'nope'"),
-        (["--promote", "1"], "--promote needs K >= 2"),
-        (["--promote", "two"], "--promote"),
-        (["--promote", "2", "--promote-min-tokens", "0"], "--promote-min-tokens must be >= 1"),
+        (["--publish", "1"], "--publish needs K >= 2"),
+        (["--publish", "two"], "--publish"),
+        (["--publish", "2", "--publish-min-tokens", "0"], "--publish-min-tokens must be >= 1"),
     ],
 )
 def test_bad_option_exits_2_naming_it(workload: Path, args: list[str], message: str) -> None:
@@ -334,13 +334,13 @@ def test_block_size_list_on_a_pre_hashed_trace_merges(workload: Path) -> None:
     assert r["block_size"] == 16 and r["optimal_token_hit_rate"] is None
 
 
-def test_promotion_from_the_command_line(workload: Path) -> None:
-    args = ["replay", str(workload), "--isolation", "shared,namespace", "--promote", "2", "--json", "--no-optimal"]
+def test_publication_from_the_command_line(workload: Path) -> None:
+    args = ["replay", str(workload), "--isolation", "shared,namespace", "--publish", "2", "--json", "--no-optimal"]
     code, out, _ = run_cli(args)
     assert code == 0
     shared, namespace = strict_json(out)["results"]
-    assert shared["promote_min_tenants"] is None  # nothing to promote to when all is shared
-    assert namespace["promote_min_tenants"] == 2 and namespace["promote_min_tokens"] == 256
+    assert shared["publish_min_tenants"] is None  # nothing to publish when all is shared
+    assert namespace["publish_min_tenants"] == 2 and namespace["publish_min_tokens"] == 256
     assert shared["token_hit_rate"] >= namespace["token_hit_rate"] > 0
 
 

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from prefixcache.config import CacheConfig, PromotionConfig
+from prefixcache.config import CacheConfig, PublishConfig
 from prefixcache.policies import POLICIES as CACHE_POLICIES
 from prefixcache.sim.engines import CacheStepper, KernelStepper, make_stepper, native_unsupported
 from prefixcache.sim.replay import replay
@@ -412,7 +412,7 @@ def test_auto_runs_the_kernel_where_it_can(policy: str, isolation: str) -> None:
 
 
 UNSUPPORTED = {
-    "promotion": (sim_config(block_size=2, isolation="namespace", promotion=PromotionConfig(2)), "promotion"),
+    "publication": (sim_config(block_size=2, isolation="namespace", publish=PublishConfig(2)), "publication"),
     "partial": (sim_config(block_size=2, partial_blocks=True), "partial blocks"),
 }
 if not KERNEL_TTL:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from prefixcache.config import CacheConfig, PromotionConfig
+from prefixcache.config import CacheConfig, PublishConfig
 from prefixcache.sim.accounting import TIMELINE_WINDOWS
 from prefixcache.sim.peers import libcachesim_run
 from prefixcache.sim.replay import replay
@@ -180,25 +180,25 @@ def test_capacity_smaller_than_one_prompt(tmp_path: Path, capacity: int) -> None
 
 @pytest.mark.parametrize("isolation", ["namespace", "partitioned"])
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
-def test_promotion_shares_the_prefix_after_k_tenants(tmp_path: Path, isolation: str, k: int) -> None:
+def test_publication_shares_the_prefix_after_k_tenants(tmp_path: Path, isolation: str, k: int) -> None:
     """Four tenants send the same 300-token prefix in turn: once k distinct tenants have
-    sent it, it is promoted, so only the first min(k, 4) requests miss."""
+    sent it, it is published, so only the first min(k, 4) requests miss."""
     n, tenants, hit = 12, 4, 300 // 16 * 16
     requests = prefix_trace(tmp_path, 300, 40, n, tenants, 16)
     configs = [
         sim_config("lru", INF, 16, "shared"),
         sim_config("lru", INF, 16, isolation),
-        sim_config("lru", INF, 16, isolation, promotion=PromotionConfig(k)),
-        sim_config("lru", INF, 16, isolation, promotion=PromotionConfig(k, 512)),  # prefix too short
+        sim_config("lru", INF, 16, isolation, publish=PublishConfig(k)),
+        sim_config("lru", INF, 16, isolation, publish=PublishConfig(k, 512)),  # prefix too short
     ]
-    shared, isolated, promoted, too_short = run(requests, *configs)
+    shared, isolated, published, too_short = run(requests, *configs)
     misses = min(k, tenants)
-    assert promoted.hit_requests == n - misses
-    assert promoted.hit_tokens == (n - misses) * hit
-    assert isolated.hit_tokens <= promoted.hit_tokens <= shared.hit_tokens
+    assert published.hit_requests == n - misses
+    assert published.hit_tokens == (n - misses) * hit
+    assert isolated.hit_tokens <= published.hit_tokens <= shared.hit_tokens
     assert too_short.hit_tokens == isolated.hit_tokens == (n - tenants) * hit
     # promotion can share no more than shared mode: its optimum is shared mode's
-    assert promoted.optimal_hit_tokens == shared.optimal_hit_tokens == shared.hit_tokens
+    assert published.optimal_hit_tokens == shared.optimal_hit_tokens == shared.hit_tokens
     assert isolated.optimal_hit_tokens == isolated.hit_tokens
 
 

@@ -1,5 +1,5 @@
 """Isolation between tenants: shared, namespace and partitioned modes, per-tenant pools
-and quotas, k-anonymous hot-prefix promotion and operator-declared public prefixes."""
+and quotas, k-anonymous hot-prefix publication and operator-declared public prefixes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from prefixcache import CacheConfig, CacheContext, PrefixCache, PrefixPromoted, PromotionConfig
+from prefixcache import CacheConfig, CacheContext, PrefixCache, PrefixPublished, PublishConfig
 from prefixcache.cache.stats import PoolStats
 
 
@@ -30,8 +30,8 @@ def make(**kwargs: Any) -> PrefixCache:
     return PrefixCache(CacheConfig(**settings))
 
 
-def promoted(cache: PrefixCache) -> list[PrefixPromoted]:
-    return [e for e in cache.take_events() if isinstance(e, PrefixPromoted)]
+def promoted(cache: PrefixCache) -> list[PrefixPublished]:
+    return [e for e in cache.take_events() if isinstance(e, PrefixPublished)]
 
 
 # ====================================================================== isolation modes
@@ -174,7 +174,7 @@ def promo_cache(isolation: str, partial_blocks: bool = False, **kwargs: Any) -> 
         block_size=BS,
         isolation=isolation,
         partial_blocks=partial_blocks,
-        promotion=PromotionConfig(min_tenants=3, min_tokens=32),
+        publish=PublishConfig(min_tenants=3, min_tokens=32),
         **kwargs,
     )
 
@@ -313,7 +313,7 @@ def test_private_blocks_under_a_promoted_prefix_survive_their_root_being_emptied
         capacity_tokens=12,
         policy="lru",
         isolation="namespace",
-        promotion=PromotionConfig(min_tenants=2, min_tokens=8),
+        publish=PublishConfig(min_tenants=2, min_tokens=8),
     )
     cache = PrefixCache(config)
     a, b = CacheContext(tenant="a", model="m1"), CacheContext(tenant="b", model="m1")

@@ -19,7 +19,10 @@ from prefixcache.storage.redis import EXISTS_CHUNK, CircuitBreaker, RedisStore
 from redis_server import REDIS_SERVER, RedisServer, StallingProxy, free_port
 from support import SHAPE, TOKENS, Clock, frame_of, key_of, random_kv
 
-pytestmark = pytest.mark.skipif(not Path(REDIS_SERVER).exists(), reason="redis-server is not installed")
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.skipif(not Path(REDIS_SERVER).exists(), reason="redis-server is not installed"),
+]
 
 BIG = 1 << 30
 SEED = "deploy-1"

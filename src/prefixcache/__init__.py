@@ -1,8 +1,8 @@
 """prefixcache: a prefix (KV) cache for LLM serving."""
 
 from prefixcache.cache import Match, PrefixCache
-from prefixcache.config import CacheConfig, PromotionConfig
-from prefixcache.events import BlocksRemoved, BlocksStored, EpochBumped, PrefixPromoted, RemovalReason
+from prefixcache.config import CacheConfig, PublishConfig
+from prefixcache.events import BlocksRemoved, BlocksStored, EpochBumped, PrefixPublished, RemovalReason
 from prefixcache.hashing import CacheContext, Segment
 
 __all__ = [
@@ -13,8 +13,8 @@ __all__ = [
     "EpochBumped",
     "Match",
     "PrefixCache",
-    "PrefixPromoted",
-    "PromotionConfig",
+    "PrefixPublished",
+    "PublishConfig",
     "RemovalReason",
     "Segment",
 ]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from prefixcache import __version__
 from prefixcache.cache import PrefixCache
-from prefixcache.config import ISOLATION_MODES, CacheConfig, PromotionConfig
+from prefixcache.config import ISOLATION_MODES, CacheConfig, PublishConfig
 from prefixcache.hashing import CacheContext
 from prefixcache.ops.diagnose import add_diagnose_parser, run_diagnose
 from prefixcache.policies import POLICIES
@@ -34,14 +34,14 @@ def run_demo(
 ) -> PrefixCache:
     """Replay a synthetic multi-tenant chat workload; append a report to ``out``."""
     rng = random.Random(seed)
-    promotion = PromotionConfig(min_tenants=3, min_tokens=256) if isolation != "shared" else None
+    publish = PublishConfig(min_tenants=3, min_tokens=256) if isolation != "shared" else None
     config = CacheConfig(
         block_size=16,
         capacity_tokens=capacity,
         policy=policy,
         isolation=isolation,
         partial_blocks=True,
-        promotion=promotion,
+        publish=publish,
     )
     cache = PrefixCache(config)
     shared_system = _tokens(rng, 512)  # the same vendor system prompt, used by every tenant

@@ -55,10 +55,10 @@ def check_int(name: str, value: object, minimum: int) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class PromotionConfig:
-    """Hot-prefix promotion: a prefix sent by at least ``min_tenants`` distinct tenants,
+class PublishConfig:
+    """hot-prefix publication: a prefix sent by at least ``min_tenants`` distinct tenants,
     and at least ``min_tokens`` long, moves to the shared pool where every tenant can
-    match it. Distinct tenants are counted, never hits, so that no tenant can promote
+    match it. Distinct tenants are counted, never hits, so that no tenant can publish
     (and so reveal) a prefix by itself. ``max_candidates`` bounds the memory of the
     counting table (least recently seen candidates are forgotten first)."""
 
@@ -67,9 +67,9 @@ class PromotionConfig:
     max_candidates: int = 100_000
 
     def __post_init__(self) -> None:
-        check_int("promotion.min_tenants", self.min_tenants, 2)
-        check_int("promotion.min_tokens", self.min_tokens, 1)
-        check_int("promotion.max_candidates", self.max_candidates, 1)
+        check_int("publish.min_tenants", self.min_tenants, 2)
+        check_int("publish.min_tokens", self.min_tokens, 1)
+        check_int("publish.max_candidates", self.max_candidates, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +190,7 @@ class CacheConfig:
     ttl_seconds: float | None = None
     quotas: Mapping[str, int] = field(default_factory=dict)
     shared_quota: int | None = None
-    promotion: PromotionConfig | None = None
+    publish: PublishConfig | None = None
     events_capacity: int = 65_536
     tiers: tuple[TierConfig, ...] = ()
     kv_layout: KVLayout | None = None
@@ -260,8 +260,8 @@ class CacheConfig:
         total = sum(self.quotas.values()) + (self.shared_quota or 0)
         if total > self.capacity_units:
             raise ValueError(f"partitioned quotas add up to {total}, above the capacity of {self.capacity_units}")
-        if self.promotion is not None and self.isolation == "shared":
-            raise ValueError("promotion applies to 'namespace' and 'partitioned' isolation (shared shares all)")
+        if self.publish is not None and self.isolation == "shared":
+            raise ValueError("publish applies to 'namespace' and 'partitioned' isolation (shared shares all)")
 
     @property
     def capacity_units(self) -> int:

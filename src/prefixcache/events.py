@@ -67,14 +67,14 @@ class EpochBumped:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefixPromoted:
+class PrefixPublished:
     keys: tuple[bytes, ...]  # the public blocks created, root-most first
     num_tokens: int
     model: str
     tenants: int  # distinct tenants seen when it crossed the threshold (0 = declared by an operator)
 
 
-Event = BlocksStored | BlocksRemoved | EpochBumped | PrefixPromoted
+Event = BlocksStored | BlocksRemoved | EpochBumped | PrefixPublished
 
 
 class EventLog:

@@ -12,7 +12,7 @@ partitioned    the tenant             one pool per tenant, each with its own quo
 NOTE: namespaces live in the key (the tenant salts the context root), not in separate
 code paths: the tree, the search and the policies are the same in every mode.
 
-Hot-prefix promotion (namespace and partitioned modes, opt-in): the public key of a
+hot-prefix publication (namespace and partitioned modes, opt-in): the public key of a
 prefix -- its key with an empty namespace -- is computed for every request, and the
 distinct tenants that sent it are counted. When ``min_tenants`` tenants have sent a
 prefix of at least ``min_tokens`` tokens, it is copied under the public root, into the
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from prefixcache.config import CacheConfig, PromotionConfig
+from prefixcache.config import CacheConfig, PublishConfig
 from prefixcache.policies import EvictionPolicy, make_policy
 
 PUBLIC = ""  # the namespace, owner and pool name of public blocks
@@ -50,7 +50,7 @@ class Pool:
 
 @dataclass
 class Tenancy:
-    """The isolation mode of one cache: namespaces, pools and promotion counts."""
+    """The isolation mode of one cache: namespaces, pools and publication counts."""
 
     config: CacheConfig
     pools: dict[str, Pool] = field(default_factory=dict)
@@ -72,12 +72,12 @@ class Tenancy:
         return self.config.isolation == "partitioned"
 
     @property
-    def promotion(self) -> PromotionConfig | None:
-        return self.config.promotion
+    def publish(self) -> PublishConfig | None:
+        return self.config.publish
 
     @property
     def has_public_pool(self) -> bool:
-        return self.partitioned and (self.config.promotion is not None or self.config.shared_quota is not None)
+        return self.partitioned and (self.config.publish is not None or self.config.shared_quota is not None)
 
     def namespace(self, tenant: str) -> str:
         return PUBLIC if self.mode == "shared" else tenant
@@ -114,12 +114,12 @@ class Tenancy:
     def over_quota(self) -> list[Pool]:
         return [p for p in self.pools.values() if p.over > 0]
 
-    # --------------------------------------------------------------- promotion
+    # --------------------------------------------------------------- publication
 
     def count(self, public_key: bytes, tenant: str) -> int:
         """Record that ``tenant`` sent the prefix named ``public_key``; return how many
         distinct tenants have sent it (while it is remembered)."""
-        promo = self.config.promotion
+        promo = self.config.publish
         assert promo is not None
         cand = self._candidates
         seen = cand.get(public_key)

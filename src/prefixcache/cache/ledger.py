@@ -39,7 +39,7 @@ from prefixcache.cache.tree import (
     runs_to,
 )
 from prefixcache.config import CacheConfig
-from prefixcache.events import BlocksStored, EventLog, PrefixPromoted
+from prefixcache.events import BlocksStored, EventLog, PrefixPublished
 from prefixcache.hashing import CacheContext
 from prefixcache.tenancy import GLOBAL, PUBLIC, Tenancy
 
@@ -270,7 +270,7 @@ class Ledger(Lifecycle):
             for block in path_to(linked[-1]):
                 self.tenancy.forget(block.key)
             self.counters.published_blocks += len(linked)
-            self.events.record(PrefixPromoted(tuple(b.key for b in linked), stored, chain.ctx.model, chain.tenants))
+            self.events.record(PrefixPublished(tuple(b.key for b in linked), stored, chain.ctx.model, chain.tenants))
         return linked
 
     def _stored(self, chain: Chain | None) -> int:

@@ -30,7 +30,7 @@ class Publisher:
     @property
     def active(self) -> bool:
         """Whether any request may publish (counting is on, or a prefix was declared)."""
-        return self._tenancy.promotion is not None or bool(self._declared)
+        return self._tenancy.publish is not None or bool(self._declared)
 
     def declare(self, data: bytes, ctx: CacheContext) -> None:
         self._declared.append((data, context_name(ctx)))
@@ -41,7 +41,7 @@ class Publisher:
         bs = self._config.block_size
         n_full = len(data) // 4 // bs
         depth, tenants = self._declared_depth(data, ctx), 0
-        promo = self._tenancy.promotion
+        promo = self._tenancy.publish
         if promo is not None:
             first = max(1, -(-promo.min_tokens // bs))
             ends = [bs * i for i in range(first, n_full + 1)]

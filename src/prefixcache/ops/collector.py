@@ -65,7 +65,7 @@ def _cache_families(s: CacheStats) -> Iterable[Metric]:
         "prefixcache_hash_collisions_total", "Hash matches whose stored tokens differed (misses).", s.collisions
     )
     yield _counter(
-        "prefixcache_promoted_blocks_total", "Blocks promoted to the shared public pool.", s.published_blocks
+        "prefixcache_published_blocks_total", "Blocks published to the shared public pool.", s.published_blocks
     )
     yield _counter("prefixcache_events_dropped_total", "Cache events dropped by a full event buffer.", s.events_dropped)
     yield _counter(

@@ -12,7 +12,7 @@ computes live rates from the difference of two polls. Shape (version 1)::
                  "prefill_seconds_per_token": 0.0002},       # null until the engine measured it
       "tier_tokens": {"L0": 30000, "L2": 1000},  # hit tokens served from each tier, since start
       "cache": {"used_tokens": 9000, "capacity_tokens": 1048576, "blocks": 560, "epoch_bumps": 0,
-                "collisions": 0, "promoted_blocks": 0,
+                "collisions": 0, "published_blocks": 0,
                 "evictions": {"capacity": 0, "stale": 0, "ttl": 0, "purge": 0, "replaced": 0, "lost": 0}},
       "tiers": [{"name": "hbm", "kind": "memory", "level": "L0", "used_bytes": 1, "capacity_bytes": 2,
                  "blocks": 1, "hits": 5, "misses": 1, "evictions": 0, "demotions": 0, "errors": 0}],
@@ -109,7 +109,7 @@ def dashboard_data(
         "blocks": s.blocks if s else 0,
         "epoch_bumps": s.epoch_bumps if s else 0,
         "collisions": s.collisions if s else 0,
-        "promoted_blocks": s.published_blocks if s else 0,
+        "published_blocks": s.published_blocks if s else 0,
         "evictions": {reason.label: s.removed(reason) if s else 0 for reason in RemovalReason},
     }
     return {

@@ -241,7 +241,7 @@ def check_hit_rate(w: Window, t: Thresholds, found: list[Finding]) -> list[Findi
             "check the block size against prompt lengths (partial_blocks=True for short prompts); check hashing: the "
             "same seed, hash and tokenizer id on every server, and no per-request text (a timestamp, a request id) "
             "at the start of prompts; check epochs (bumps or adapters reloaded); check isolation (namespace mode "
-            "keeps tenants from sharing a common prompt: hot-prefix promotion wins it back)",
+            "keeps tenants from sharing a common prompt: hot-prefix publication wins it back)",
         )
     ]
 

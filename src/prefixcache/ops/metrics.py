@@ -88,7 +88,7 @@ CACHE_METRICS = {
     "prefixcache_epoch_bumps_total": "counter",
     "prefixcache_purges_total": "counter",
     "prefixcache_hash_collisions_total": "counter",
-    "prefixcache_promoted_blocks_total": "counter",
+    "prefixcache_published_blocks_total": "counter",
     "prefixcache_events_dropped_total": "counter",
     "prefixcache_tier_capacity_bytes": "gauge",
     "prefixcache_tier_used_bytes": "gauge",

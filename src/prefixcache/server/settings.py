@@ -4,7 +4,7 @@ Layered by pydantic-settings, each layer over the one before, field by field::
 
     defaults  <  TOML file (--config, or PREFIXCACHE_CONFIG)  <  PREFIXCACHE_<SECTION>_<FIELD>  <  CLI flags
 
-``[cache]`` is ``CacheConfig`` itself, field for field (tiers, TTL, quotas, promotion,
+``[cache]`` is ``CacheConfig`` itself, field for field (tiers, TTL, quotas, publication,
 hash, ...; only ``kv_layout`` comes from the model): ``PREFIXCACHE_CACHE_POLICY=lru``,
 ``PREFIXCACHE_CACHE_TTL_SECONDS=600``, ``PREFIXCACHE_CACHE_TIERS='[{"kind": "memory",
 "capacity_bytes": 1073741824}]'`` (JSON for tables and lists). ``PREFIXCACHE_AUTH_API_KEYS``
@@ -41,7 +41,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from prefixcache.config import CacheConfig, KVLayout, PromotionConfig, TierConfig
+from prefixcache.config import CacheConfig, KVLayout, PublishConfig, TierConfig
 from prefixcache.engine.model import DEFAULT_MODEL
 
 __all__ = ["ENV_PREFIX", "SERVER_CACHE", "AuthSettings", "ModelSettings", "ServerSettings", "Settings", "load_settings"]
@@ -49,7 +49,7 @@ __all__ = ["ENV_PREFIX", "SERVER_CACHE", "AuthSettings", "ModelSettings", "Serve
 ENV_PREFIX = "PREFIXCACHE_"
 CONFIG_VAR = f"{ENV_PREFIX}CONFIG"
 
-for _cls in (CacheConfig, TierConfig, PromotionConfig, KVLayout):
+for _cls in (CacheConfig, TierConfig, PublishConfig, KVLayout):
     # NOTE: the library's configuration stays free of pydantic; this is how pydantic is told
     # to refuse unknown keys in these dataclasses (``__pydantic_config__``, read when validating).
     setattr(_cls, "__pydantic_config__", {"extra": "forbid"})  # noqa: B010

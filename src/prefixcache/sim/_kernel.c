@@ -3,12 +3,13 @@
  * What a replay of a capacity sweep does per request -- walk the block tree, pin the
  * deepest hit, touch the path in the policy, make room, store the missing blocks,
  * release -- is a few hundred nanoseconds of work per block that Python spends
- * microseconds on. This file does exactly what ``PrefixCache.access`` does for the
+ * microseconds on. This file does exactly what the ledger's ``access`` does for the
  * configurations it models (policies lru, fifo, s3fifo, sieve, lfu; isolation shared,
- * namespace, partitioned; TTL; no promotion or partial blocks), decision for
+ * namespace, partitioned; TTL; no publication or partial blocks), decision for
  * decision: the same victims in the same order, the same blocked-entry rules
  * (policies/base.py), the same quotas. tests/test_sim_kernel.py replays both engines
- * side by side and compares every request. Read cache.py and policies/ first: each
+ * side by side and compares every answer and counter (the engines' ``LedgerCounters``)
+ * after every request. Read cache/ledger.py, cache/lifecycle.py and policies/ first: each
  * function here names the Python it mirrors.
  *
  * Layout:
@@ -19,7 +20,7 @@
  *       prev/next        the node's place in its pool's policy queue
  *     index: Map         key -> node slot (open addressing, backward-shift deletion)
  *     pools[]            quota, usage and one policy instance each (queues + S3-FIFO ghost)
- *     ttl                with a TTL: the blocks by last access, oldest first (PrefixCache._ttl)
+ *     ttl                with a TTL: the blocks by last access, oldest first (Ledger.ttl)
  *
  * All blocks of one tree have one size, ``unit`` tokens (the block size; 1 for a
  * pre-hashed trace, whose capacity counts native blocks), as without partial blocks.
@@ -374,7 +375,7 @@ static int32_t pool_for(Tree *t, int32_t tenant) {
 
 /* ------------------------------------------------------------------ policies */
 
-static inline int evictable(const Node *n) { return n->pins == 0 && n->nkids == 0; } /* PrefixCache._evictable */
+static inline int evictable(const Node *n) { return n->pins == 0 && n->nkids == 0; } /* Ledger._evictable */
 
 /* S3FIFOPolicy._to_main */
 static inline void s3_to_main(Node *nodes, Pool *p, int32_t n, int64_t size) {
@@ -765,7 +766,7 @@ static inline int32_t find_child(Tree *t, int32_t parent, uint64_t id, int *coll
     return (int32_t)n;
 }
 
-/* PrefixCache._remove: an eviction (the policy already let go) or, ``expired``, a TTL
+/* Ledger.remove (cache/lifecycle.py): an eviction (the policy already let go) or, ``expired``, a TTL
  * reclaim (the policy forgets it here). */
 static void remove_block(Tree *t, int32_t n, int expired) {
     Node *node = &t->nodes[n];
@@ -791,7 +792,7 @@ static void remove_block(Tree *t, int32_t n, int expired) {
 
 static void evict(Tree *t, int32_t n) { remove_block(t, n, 0); }
 
-/* PrefixCache._reclaim_one (TTL part): free the oldest expired block that may leave. */
+/* Ledger.reclaim_one (TTL part): free the oldest expired block that may leave. */
 static int reclaim_one(Tree *t) {
     double horizon = t->now - t->ttl;
     for (int32_t n = t->ttl_head; n != NONE; n = t->nodes[n].tnext) {
@@ -805,7 +806,7 @@ static int reclaim_one(Tree *t) {
     return 0;
 }
 
-/* PrefixCache._evict_from: 1 if anything was evicted, 0 if nothing could be, -1 on error. */
+/* Ledger._evict_from: 1 if anything was evicted, 0 if nothing could be, -1 on error. */
 static int evict_from(Tree *t, int32_t pool, int64_t tokens) {
     int64_t freed = 0;
     while (freed < tokens) {
@@ -818,7 +819,7 @@ static int evict_from(Tree *t, int32_t pool, int64_t tokens) {
     return 1;
 }
 
-/* PrefixCache._over_quota_victim */
+/* Ledger._over_quota_victim */
 static int32_t over_quota_victim(Tree *t, int32_t pool) {
     int any = 0;
     for (int32_t i = 0; i < t->n_pools; i++) {
@@ -832,7 +833,7 @@ static int32_t over_quota_victim(Tree *t, int32_t pool) {
     return any ? NONE : policy_victim(t, &t->pools[pool]);
 }
 
-/* PrefixCache._make_room: how many tokens fit (``need`` when all do); -1 on error. */
+/* Ledger._make_room: how many tokens fit (``need`` when all do); -1 on error. */
 static int64_t make_room(Tree *t, int32_t pool, int64_t need) {
     Pool *p = &t->pools[pool];
     if (need > p->quota) need = p->quota;
@@ -996,7 +997,7 @@ static PyObject *Tree_root(Tree *t, PyObject *arg) {
 
 /* access(root, tenant, ids, match_blocks=-1, now=0.0) -> hit blocks.
  *
- * ``PrefixCache.access`` of a prompt of ``len(ids)`` blocks at time ``now``; with
+ * ``Ledger.access`` (``PrefixCache.access``) of a prompt of ``len(ids)`` blocks at time ``now``; with
  * ``match_blocks`` >= 0, the match covers only the first ``match_blocks`` of them and the
  * insert all of them (a prompt and its answer: ``match(prompt)``, ``insert(prompt +
  * output)``, release).
@@ -1054,7 +1055,7 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
     for (Py_ssize_t i = 0; i < n_ids; i++)
         if (!block_id(items[i], i, &id_of[i])) goto free_ids;
 
-    /* match: the deepest cached block, verified step by step (PrefixCache._find) */
+    /* match: the deepest cached block, verified step by step (Ledger.find) */
     int32_t *path = t->path;
     Py_ssize_t depth = 0;
     int collided = 0;
@@ -1066,7 +1067,7 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
     }
     t->collisions += collided;
     Py_ssize_t alive = depth;
-    if (t->ttl) { /* PrefixCache._alive: what was last used before the horizon is not matched */
+    if (t->ttl) { /* Ledger.alive: what was last used before the horizon is not matched */
         t->now = now;
         double horizon = now - t->ttl;
         for (alive = 0; alive < depth && t->nodes[path[alive]].last_access >= horizon; alive++) {
@@ -1074,7 +1075,7 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
     }
     Py_ssize_t hit = alive < match_blocks ? alive : match_blocks;
     int32_t pinned = hit ? path[hit - 1] : NONE;
-    if (pinned != NONE) { /* PrefixCache._touch: deepest first, then pin */
+    if (pinned != NONE) { /* Ledger._touch: deepest first, then pin */
         Pool *p = &t->pools[t->nodes[pinned].pool];
         t->nodes[pinned].pins++;
         for (Py_ssize_t i = hit - 1; i >= 0; i--)
@@ -1083,7 +1084,7 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
             for (Py_ssize_t i = hit - 1; i >= 0; i--) ttl_touch(t, path[i]);
     }
 
-    /* insert what the path lacks under its deepest block (PrefixCache._insert, _store) */
+    /* insert what the path lacks under its deepest block (Ledger.extend, plan_chain) */
     if (depth < n_ids) {
         int32_t parent = depth ? path[depth - 1] : root;
         int32_t pool = pool_for(t, tenant);
@@ -1118,10 +1119,10 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
         p->blocks += depth - first;
         t->used += stored;
         t->blocks += depth - first;
-        for (Py_ssize_t i = depth - 1; i >= first; i--) /* PrefixCache._stored: deepest first */
+        for (Py_ssize_t i = depth - 1; i >= first; i--) /* Ledger._link: deepest first */
             if (policy_insert(t, p, path[i]) < 0) goto unpin;
     }
-    if (t->ttl && n_ids) /* PrefixCache._refresh_ttl: the stored path counts as just used */
+    if (t->ttl && n_ids) /* Ledger._refresh_ttl: the stored path counts as just used */
         for (Py_ssize_t i = depth - 1; i >= 0; i--) ttl_touch(t, path[i]);
     result = PyLong_FromSsize_t(hit);
 unpin:

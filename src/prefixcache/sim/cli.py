@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from prefixcache.config import ISOLATION_MODES, CacheConfig, PromotionConfig
+from prefixcache.config import ISOLATION_MODES, CacheConfig, PublishConfig
 from prefixcache.policies import POLICIES
 from prefixcache.sim.costmodel import GPUS, MODELS, CostModel, get_gpu, get_model
 from prefixcache.sim.engines import ENGINES
@@ -116,19 +116,19 @@ def add_replay_parser(sub: Any) -> None:
         default="auto",
         help="tree mode's engine: native (the compiled kernel: the cache's metadata path, step for step the same, "
         "~30x faster), python (the PrefixCache itself), auto (native where it models the configuration: "
-        "not with --promote, --partial-blocks or --metrics; default auto)",
+        "not with --publish, --partial-blocks or --metrics; default auto)",
     )
     p.add_argument("--partial-blocks", action="store_true", help="token-granular matching inside a block")
     p.add_argument(
-        "--promote",
+        "--publish",
         type=int,
         default=None,
         metavar="K",
-        help="tree mode, namespace and partitioned isolation: promote a prefix to the shared pool once K "
-        "distinct tenants sent it (K >= 2; default: no promotion)",
+        help="tree mode, namespace and partitioned isolation: publish a prefix to the shared pool once K "
+        "distinct tenants sent it (K >= 2; default: no publication)",
     )
     p.add_argument(
-        "--promote-min-tokens", type=int, default=256, help="shortest prefix --promote may promote (default 256)"
+        "--publish-min-tokens", type=int, default=256, help="shortest prefix --publish may publish (default 256)"
     )
     p.add_argument(
         "--ttl",
@@ -216,10 +216,10 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error("--warmup must be a fraction in [0, 1)")
     if args.ttl is not None and not args.ttl > 0:
         parser.error("--ttl must be a positive number of seconds")
-    if args.promote is not None and args.promote < 2:
-        parser.error("--promote needs K >= 2 distinct tenants (one tenant alone must never promote)")
-    if args.promote_min_tokens < 1:
-        parser.error("--promote-min-tokens must be >= 1")
+    if args.publish is not None and args.publish < 2:
+        parser.error("--publish needs K >= 2 distinct tenants (one tenant alone must never publish)")
+    if args.publish_min_tokens < 1:
+        parser.error("--publish-min-tokens must be >= 1")
     try:
         from prefixcache.sim import html_report, report  # rich and matplotlib: the 'sim' extra
     except ImportError as exc:
@@ -278,8 +278,8 @@ def _replay_configs(args: argparse.Namespace) -> list[ReplayConfig]:
 def _cache_config(
     args: argparse.Namespace, policy: str, capacity: float, block_size: int, isolation: str
 ) -> CacheConfig:
-    # NOTE: shared isolation already shares every prefix: --promote applies to the others.
-    promote = args.promote is not None and isolation != "shared"
+    # NOTE: shared isolation already shares every prefix: --publish applies to the others.
+    publish = args.publish is not None and isolation != "shared"
     return CacheConfig(
         policy=policy,
         capacity_tokens=cache_capacity(capacity),
@@ -287,7 +287,7 @@ def _cache_config(
         isolation=isolation,
         partial_blocks=args.partial_blocks,
         ttl_seconds=args.ttl,
-        promotion=PromotionConfig(args.promote, args.promote_min_tokens) if promote else None,
+        publish=PublishConfig(args.publish, args.publish_min_tokens) if publish else None,
     )
 
 

@@ -35,15 +35,15 @@ def engine_config(cfg: ReplayConfig, summary: TraceSummary) -> CacheConfig:
 
     NOTE: a pre-hashed trace's block ids become the cache's tokens, so its cache has a
     block size of 1 and counts capacity in native blocks (``capacity_bytes`` over
-    ``bytes_per_token`` = the native block size), and promotion's shortest prefix too,
+    ``bytes_per_token`` = the native block size), and publication's shortest prefix too,
     rounded up."""
     cache = replace(cfg.cache, events_capacity=0)
     native = summary.native_block_size
     if native is None:
         return cache
-    promotion = cache.promotion
-    if promotion is not None:
-        promotion = replace(promotion, min_tokens=max(1, -(-promotion.min_tokens // native)))
+    publish = cache.publish
+    if publish is not None:
+        publish = replace(publish, min_tokens=max(1, -(-publish.min_tokens // native)))
     return replace(
         cache,
         block_size=1,
@@ -51,7 +51,7 @@ def engine_config(cfg: ReplayConfig, summary: TraceSummary) -> CacheConfig:
         capacity_bytes=cache.capacity,
         bytes_per_token=native,
         partial_blocks=False,
-        promotion=promotion,
+        publish=publish,
     )
 
 
@@ -160,8 +160,8 @@ def native_unsupported(cfg: ReplayConfig, metrics: bool = False) -> str:
         reasons.append(f"policy {cfg.policy!r} (it has {', '.join(_kernel.POLICIES)})")
     if cfg.cache.partial_blocks:
         reasons.append("partial blocks")
-    if cfg.cache.promotion is not None:
-        reasons.append("hot-prefix promotion")
+    if cfg.cache.publish is not None:
+        reasons.append("hot-prefix publication")
     if cfg.cache.quotas or cfg.cache.shared_quota is not None:
         reasons.append("configured quotas")
     if metrics:
@@ -171,7 +171,7 @@ def native_unsupported(cfg: ReplayConfig, metrics: bool = False) -> str:
 
 class KernelStepper:
     """The compiled engine (``_kernel.c``): the cache's metadata path -- block tree, pins,
-    pools and quotas, policies, TTL -- for the configurations without promotion or
+    pools and quotas, policies, TTL -- for the configurations without publication or
     partial blocks, step for step the same as ``CacheStepper`` (tests/test_sim_kernel.py).
 
     NOTE: blocks are keyed by (parent, block id), so the tree needs per-block ids, not

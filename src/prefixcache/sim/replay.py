@@ -229,8 +229,8 @@ def replay(
         # blocks or inserted outputs is not bounded by it, so no optimum is claimed there.
         comparable = not cfg.cache.partial_blocks and not (include_output and summary.native_block_size is None)
         if optimal and comparable:
-            # NOTE: promotion can at best share what shared mode shares: its optimum is shared mode's.
-            isolation = "shared" if cfg.isolation == "shared" or cfg.cache.promotion is not None else "namespace"
+            # NOTE: publication can at best share what shared mode shares: its optimum is shared mode's.
+            isolation = "shared" if cfg.isolation == "shared" or cfg.cache.publish is not None else "namespace"
             key = (cfg.capacity_tokens, cfg.block_size, isolation)
             if key not in optimum:
                 optimum[key] = belady(source, cfg.capacity_tokens / cfg.block_size, cfg.block_size, isolation, skip)

@@ -70,9 +70,9 @@ def _has_block_hits(results: Sequence[ReplayResult]) -> bool:
 
 
 def isolation_label(c: ReplayConfig) -> str:
-    """The isolation mode, with hot-prefix promotion when it is on."""
-    promotion = c.cache.promotion
-    return f"{c.isolation}+promote{promotion.min_tenants}" if promotion is not None else c.isolation
+    """The isolation mode, with hot-prefix publication when it is on."""
+    publish = c.cache.publish
+    return f"{c.isolation}+publish{publish.min_tenants}" if publish is not None else c.isolation
 
 
 def table_headers(results: Sequence[ReplayResult]) -> list[str]:

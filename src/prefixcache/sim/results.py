@@ -8,13 +8,13 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from prefixcache.config import CacheConfig, PromotionConfig
+from prefixcache.config import CacheConfig, PublishConfig
 
 UNLIMITED = sys.maxsize
 """``capacity_tokens`` of a cache without a limit: more than any trace can fill. Labels
 show it as ``inf``, JSON as ``null`` with ``unlimited: true``."""
 
-_NO_PROMOTION = PromotionConfig()  # JSON's promote_min_tokens when promotion is off: the default
+_NO_PUBLISH = PublishConfig()  # JSON's publish_min_tokens when publication is off: the default
 
 
 def cache_capacity(tokens: float) -> int:
@@ -67,14 +67,14 @@ class ReplayConfig:
     @property
     def label(self) -> str:
         cap = "inf" if self.unlimited else f"{self.capacity_tokens:.3g}"
-        promotion = self.cache.promotion
-        promo = f" promote>={promotion.min_tenants}" if promotion is not None else ""
+        publish = self.cache.publish
+        promo = f" publish>={publish.min_tenants}" if publish is not None else ""
         return f"{self.policy} cap={cap} bs={self.block_size} {self.isolation}{promo} {self.mode}"
 
     def to_json(self) -> dict[str, Any]:
         """The configuration as flat JSON fields (an unlimited capacity is ``null`` with
         ``unlimited: true``)."""
-        cache, promotion = self.cache, self.cache.promotion
+        cache, publish = self.cache, self.cache.publish
         return {
             "policy": cache.policy,
             "capacity_tokens": None if self.unlimited else cache.capacity,
@@ -83,8 +83,8 @@ class ReplayConfig:
             "partial_blocks": cache.partial_blocks,
             "mode": self.mode,
             "ttl_seconds": cache.ttl_seconds,
-            "promote_min_tenants": None if promotion is None else promotion.min_tenants,
-            "promote_min_tokens": (promotion or _NO_PROMOTION).min_tokens,
+            "publish_min_tenants": None if publish is None else publish.min_tenants,
+            "publish_min_tokens": (publish or _NO_PUBLISH).min_tokens,
             "unlimited": self.unlimited,
         }
 
