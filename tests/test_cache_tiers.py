@@ -234,7 +234,7 @@ ops = st.lists(
 @given(
     ops=ops,
     writes=st.tuples(st.booleans(), st.booleans()),
-    isolation=st.sampled_from(["shared", "namespace", "partitioned", "promotion"]),
+    isolation=st.sampled_from(["shared", "namespace", "partitioned", "publish"]),
     partial=st.booleans(),
     sizes=st.tuples(st.integers(1, 6), st.integers(1, 8), st.integers(1, 12)),
     policy=st.sampled_from(["lru", "s3fifo", "sieve"]),
@@ -258,8 +258,8 @@ def test_invariant_4_holds_across_tiers_under_any_sequence(
         disk(path, sizes[2]),
     )
     options: dict[str, object] = {"isolation": isolation}
-    if isolation == "promotion":
-        options = {"isolation": "namespace", "promotion": PublishConfig(min_tenants=2, min_tokens=BLOCK)}
+    if isolation == "publish":
+        options = {"isolation": "namespace", "publish": PublishConfig(min_tenants=2, min_tokens=BLOCK)}
     with cache_with(*tiers, partial_blocks=partial, **options) as cache:
         for op, i, n, tenant in ops:
             ctx = CacheContext(tenant=tenant, model="m")

@@ -67,9 +67,9 @@ class CacheMachine(RuleBasedStateMachine):
     def setup(
         self, isolation: str, policy: str, partial: bool, capacity_blocks: int, ttl: float | None, promote: bool
     ) -> None:
-        promotion = PublishConfig(min_tenants=2, min_tokens=2 * BS) if promote and isolation != "shared" else None
+        publish = PublishConfig(min_tenants=2, min_tokens=2 * BS) if promote and isolation != "shared" else None
         self.config = CacheConfig(
-            publish=promotion,
+            publish=publish,
             block_size=BS,
             capacity_tokens=capacity_blocks * BS,
             policy=policy,

@@ -197,7 +197,7 @@ def test_publication_shares_the_prefix_after_k_tenants(tmp_path: Path, isolation
     assert published.hit_tokens == (n - misses) * hit
     assert isolated.hit_tokens <= published.hit_tokens <= shared.hit_tokens
     assert too_short.hit_tokens == isolated.hit_tokens == (n - tenants) * hit
-    # promotion can share no more than shared mode: its optimum is shared mode's
+    # publication can share no more than shared mode: its optimum is shared mode's
     assert published.optimal_hit_tokens == shared.optimal_hit_tokens == shared.hit_tokens
     assert isolated.optimal_hit_tokens == isolated.hit_tokens
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import os
 import time
 from collections.abc import Sequence
@@ -93,50 +94,68 @@ class Transfer:
         return buffer.reshape(-1).view(np.uint8)[:need].view(dtype).reshape(shape)
 
     def load(self, reads: Sequence[Read], out: np.ndarray) -> Loaded:
-        """Read, check and gather ``reads`` into ``out`` (``[layers, 2, heads, >= sum(use), dim]``)."""
-        groups: dict[int, list[int]] = {}
-        for i, read in enumerate(reads):
-            groups.setdefault(read.tier, []).append(i)
+        """Read, check and gather ``reads`` into ``out`` (``[layers, 2, heads, >= sum(use), dim]``).
+
+        NOTE: the blocks are split into runs of neighbours in one tier, and each run is
+        fetched, checked and copied into its place by one I/O thread: file reads, Redis
+        replies, checksums and numpy's copies leave the GIL, so a load uses every core,
+        and each frame is copied while it is still in the core's cache. A block's place in
+        ``out`` does not depend on the others, so the runs need no order; the load's
+        length is then the first bad block's offset."""
+        offsets = [0]
+        for read in reads:
+            offsets.append(offsets[-1] + read.use)
         frames: list[Frame | None] = [None] * len(reads)
-        seconds = self._fetch(reads, groups, frames)
-        arrays: list[np.ndarray] = []
-        failure = None
-        for i, read in enumerate(reads):
+        failures: list[str | None] = [None] * len(reads)
+        runs = self._runs(reads)
+        seconds: dict[int, float] = {}
+
+        def run(lo: int, hi: int) -> tuple[int, float]:
             started = time.perf_counter()
-            arr, failure = self._decode(read, frames[i])
-            seconds[read.tier] += time.perf_counter() - started
-            if arr is None:
-                break
-            arrays.append(arr)
-        self._copy(arrays, [r.use for r in reads], out)
-        return Loaded(len(arrays), out, frames, failure, seconds)
+            self._fetch(reads, lo, hi, frames)
+            for i in range(lo, hi):
+                arr, failures[i] = self._decode(reads[i], frames[i])
+                if arr is not None:
+                    if arr.dtype != out.dtype:
+                        arr = arr.view(out.dtype)  # bfloat16 as ml_dtypes -> its raw bits
+                    out[:, :, :, offsets[i] : offsets[i + 1], :] = arr[:, :, :, : reads[i].use, :]
+            return reads[lo].tier, time.perf_counter() - started
 
-    def _fetch(
-        self, reads: Sequence[Read], groups: dict[int, list[int]], frames: list[Frame | None]
-    ) -> dict[int, float]:
-        """One ``get_many`` per tier (queued frames first), the slower tiers in the I/O threads."""
+        futures: list[Future[tuple[int, float]]] = [self._io.submit(run, lo, hi) for lo, hi in runs[1:]]
+        done = [run(*runs[0])] if runs else []
+        done += [f.result() for f in futures]
+        for tier, took in done:
+            seconds[tier] = max(seconds.get(tier, 0.0), took)
+        good = next((i for i, failure in enumerate(failures) if failure is not None), len(reads))
+        return Loaded(good, out, frames, failures[good] if good < len(reads) else None, seconds)
 
-        def fetch(t: int) -> float:
-            started = time.perf_counter()
-            members = groups[t]
-            for i in members:
-                if reads[i].queued:
-                    frames[i] = self.queue.frame(t, reads[i].key)
-            wanted = [i for i in members if frames[i] is None]
-            if wanted:
-                try:
-                    got = self.stores[t].get_many([reads[i].key for i in wanted])
-                except TierError:
-                    got = [None] * len(wanted)
-                for i, frame in zip(wanted, got, strict=True):
-                    frames[i] = frame
-            return time.perf_counter() - started
+    def _runs(self, reads: Sequence[Read]) -> list[tuple[int, int]]:
+        """The load split into index ranges of one tier each, as many as there are copiers
+        (or fewer, for a load too small to be worth a thread)."""
+        if not reads:
+            return []
+        total = sum(r.use for r in reads) * self.layout.bytes_per_token
+        parts = min(self._copiers, len(reads), max(1, total // _PARALLEL_COPY_BYTES))
+        cuts = {len(reads) * j // parts for j in range(parts + 1)}
+        cuts.update(i for i in range(1, len(reads)) if reads[i].tier != reads[i - 1].tier)
+        bounds = sorted(cuts | {0, len(reads)})
+        return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
 
-        order = sorted(groups)
-        futures: dict[int, Future[float]] = {t: self._io.submit(fetch, t) for t in order[1:]}
-        seconds = {order[0]: fetch(order[0])} if order else {}
-        seconds.update({t: f.result() for t, f in futures.items()})
-        return seconds
+    def _fetch(self, reads: Sequence[Read], lo: int, hi: int, frames: list[Frame | None]) -> None:
+        """The frames of ``reads[lo:hi]`` (one tier): queued frames first, then one ``get_many``."""
+        tier = reads[lo].tier
+        for i in range(lo, hi):
+            if reads[i].queued:
+                frames[i] = self.queue.frame(tier, reads[i].key)
+        wanted = [i for i in range(lo, hi) if frames[i] is None]
+        if not wanted:
+            return
+        try:
+            got = self.stores[tier].get_many([reads[i].key for i in wanted])
+        except TierError:
+            return  # counted by the store: misses
+        for i, frame in zip(wanted, got, strict=True):
+            frames[i] = frame
 
     def _decode(self, read: Read, frame: Frame | None) -> tuple[np.ndarray | None, str | None]:
         """The block's KV, a view of its verified frame; or why not."""
@@ -154,32 +173,6 @@ class Transfer:
         except codec.FrameError as exc:
             return None, type(exc).__name__
         return arr, None
-
-    def _copy(self, arrays: Sequence[np.ndarray], sizes: Sequence[int], out: np.ndarray) -> None:
-        """Gather the blocks into ``out`` along the token axis.
-
-        NOTE: each block lands as layers x 2 x kv_heads short runs spread over ``out``,
-        a strided gather that one core does at about half the speed of a flat copy; numpy
-        releases the GIL while it copies, so the blocks are split among the I/O threads."""
-        if not arrays:
-            return
-        offsets = [0]
-        for n in sizes[: len(arrays)]:
-            offsets.append(offsets[-1] + n)
-
-        def run(lo: int, hi: int) -> None:
-            for i in range(lo, hi):
-                arr = arrays[i]
-                if arr.dtype != out.dtype:
-                    arr = arr.view(out.dtype)  # bfloat16 as ml_dtypes -> its raw bits
-                out[:, :, :, offsets[i] : offsets[i + 1], :] = arr[:, :, :, : sizes[i], :]
-
-        parts = min(self._copiers, len(arrays), max(1, out.nbytes // _PARALLEL_COPY_BYTES))
-        bounds = [len(arrays) * j // parts for j in range(parts + 1)]
-        futures = [self._io.submit(run, bounds[j], bounds[j + 1]) for j in range(1, parts)]
-        run(bounds[0], bounds[1])
-        for future in futures:
-            future.result()
 
     # ------------------------------------------------------------------ write
 
