@@ -1,8 +1,10 @@
-"""The one compiled part: the trace simulator's replay kernel (src/prefixcache/sim/_kernel.c).
+"""The compiled parts: the trace simulator's replay kernel (src/prefixcache/sim/_kernel.c)
+and the disk tier's placed read (src/prefixcache/storage/_placed.c).
 
-NOTE: optional. Where no C compiler is found the package installs without it and
+NOTE: both optional. Where no C compiler is found the package installs without them:
 ``prefixcache replay`` runs every configuration on the reference engine (the real
-``PrefixCache``), only slower; the results say which engine ran.
+``PrefixCache``), only slower, and the results say which engine ran; a disk load takes
+the same steps in Python (storage/placed.py), one GIL-holding call each.
 """
 
 from setuptools import Extension, setup
@@ -21,6 +23,12 @@ setup(
                 "-Wno-missing-field-initializers",
             ],
             optional=True,
-        )
+        ),
+        Extension(
+            "prefixcache.storage._placed",
+            ["src/prefixcache/storage/_placed.c"],
+            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            optional=True,
+        ),
     ]
 )

@@ -322,6 +322,36 @@ def test_a_damaged_disk_block_shortens_the_match_and_is_counted(tmp_path: Path, 
         check_tiers(cache)
 
 
+@pytest.mark.parametrize("impl", ["native", "python"])
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
+def test_a_placed_disk_load_stops_at_a_damaged_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, impl: str
+) -> None:
+    """A disk tier alone: its blocks are read straight into place (storage/placed.py),
+    checked after; a bad one ends the load there, is counted and lost, as in any tier."""
+    from prefixcache.storage import placed
+
+    if impl == "python":
+        monkeypatch.setattr(placed, "_placed", None)
+    elif not placed.NATIVE:
+        pytest.skip("the compiled _placed helper is not built")
+    with cache_with(disk(tmp_path)) as cache:
+        a = prompt(1)
+        store(cache, a)
+        assert cache.flush(timeout=30)
+        assert fetch(cache, a)[:2] == (24, 24)
+        damage(cache, a, 3, how)
+        cached, loaded, _ = fetch(cache, a)
+        assert cached == 24 and loaded == 12
+        errors = cache.stats().tiers[0].errors
+        assert errors[{"flip": "CorruptFrame", "truncate": "TruncatedFrame", "delete": "missing"}[how]] >= 1
+        assert cache.stats().removed(RemovalReason.LOST) >= 1
+        assert fetch(cache, a)[:2] == (12, 12)
+        store(cache, a)
+        assert fetch(cache, a)[:2] == (24, 24)
+        check_tiers(cache)
+
+
 def test_a_full_disk_declines_blocks_and_never_serves_wrong_bytes(tmp_path: Path) -> None:
     with cache_with(mem(2), disk(tmp_path, 4)) as cache:
         for i in range(6):

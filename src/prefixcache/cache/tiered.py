@@ -101,6 +101,7 @@ class TieredPath:
         books = self.books
         reads: list[Read] = []
         requested = 0
+        last = len(books.tiers) - 1
         for i, b in enumerate(path):
             use = partial_tokens if partial_tokens and i == len(path) - 1 else b.num_tokens
             requested += use
@@ -108,7 +109,8 @@ class TieredPath:
             if k == NONE or len(reads) < i:
                 continue
             assert b.res is not None
-            reads.append(Read(b.key, b.tokens, use, k, not b.res.held & (1 << k)))
+            keep = k > 0 or (k < last and books.tiers[k].config.write == "selective")  # promoted, copied down
+            reads.append(Read(b.key, b.tokens, use, k, not b.res.held & (1 << k), keep))
         return LoadPlan(path, reads, requested, Pin(path))
 
     def load(self, plan: LoadPlan, out: np.ndarray | None) -> LoadedKV:

@@ -14,7 +14,10 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from prefixcache.storage.placed import Place, Placed
 
 Frame = bytes | bytearray | memoryview
 
@@ -57,6 +60,9 @@ class TierStore(ABC):
     # Whether a write is a copy into this process's memory: the cache then writes (and
     # frees) here from the thread that decided it, not through its write queue.
     sync: ClassVar[bool] = False
+    # Whether ``read_placed`` is offered: a loader then reads frame by frame straight
+    # into place rather than in batches of fresh frames it copies afterwards.
+    places_reads: ClassVar[bool] = False
 
     def __init__(self, capacity_bytes: int) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
@@ -77,6 +83,13 @@ class TierStore(ABC):
     @abstractmethod
     def get_many(self, keys: Sequence[bytes]) -> list[Frame | None]:
         """The frames of ``keys``, in order; ``None`` for a miss of any kind."""
+
+    def read_placed(self, key: bytes, buffer: bytearray, place: Place) -> Placed | None:
+        """For a store that ``places_reads``: ``key``'s frame read into ``buffer`` and its
+        payload's rows copied to ``place`` in the same pass (``placed.read_placed``), or
+        ``None`` for a miss. Unverified: the caller checks the frame against the
+        checksum computed on the way before it trusts the placed bytes."""
+        raise NotImplementedError(f"a {self.kind} store does not place its reads")
 
     @abstractmethod
     def delete(self, key: bytes) -> bool:

@@ -257,6 +257,7 @@ def decode(
     shape: tuple[int, ...] | None = None,
     dtype: str | None = None,
     check_payload: bool = True,
+    computed_checksum: bytes | None = None,
 ) -> np.ndarray:
     """The KV tensor of a frame, verified, as a view over the frame's bytes (no copy).
 
@@ -268,6 +269,8 @@ def decode(
     checksum and every length are still checked). It is for frames whose exact,
     immutable bytes a store has just verified (``TierStore.verifies_reads``), so that
     a load hashes each payload once; anything else must keep the check.
+    ``computed_checksum`` is the payload's checksum as the caller computed it while it
+    read the bytes (``placed.read_placed``): compared to the header's instead of hashing.
     """
     _check_key(key)
     if tokens is not None:
@@ -277,7 +280,7 @@ def decode(
     view = byte_view(frame)
     head = parse_header(view)
     _check_expected(head, key, tokens, shape, dtype)
-    _check_payload(view, head, check_payload)
+    _check_payload(view, head, check_payload, computed_checksum)
     out: np.ndarray = np.frombuffer(view, _OUT[CODES[head.dtype]], math.prod(head.shape), head.header_length)
     return out.reshape(head.shape)
 
@@ -302,7 +305,7 @@ def _check_expected(
         raise DtypeMismatch(f"dtype: expected {dtype}, found {head.dtype}")
 
 
-def _check_payload(view: memoryview, head: FrameHeader, checksum: bool = True) -> None:
+def _check_payload(view: memoryview, head: FrameHeader, checksum: bool = True, computed: bytes | None = None) -> None:
     found = len(view) - head.header_length
     if found < head.payload_length:
         raise TruncatedFrame(f"payload: expected {head.payload_length} bytes, found {found}")
@@ -310,6 +313,7 @@ def _check_payload(view: memoryview, head: FrameHeader, checksum: bool = True) -
         raise CorruptFrame(f"payload: expected {head.payload_length} bytes, found {found} (trailing bytes)")
     if not checksum:
         return
-    computed = xxhash.xxh3_128_digest(view[head.header_length :])
+    if computed is None:
+        computed = xxhash.xxh3_128_digest(view[head.header_length :])
     if computed != head.payload_checksum:
         raise CorruptFrame(f"payload checksum: expected {computed.hex()}, found {head.payload_checksum.hex()}")

@@ -2,10 +2,11 @@
 and running the write queue's jobs against the stores.
 
 A load reads every block from the tier the plan names (a queued write's frame first,
-for a block whose only copy is on its way down), one batched ``get_many`` per tier,
-the slower tiers in I/O threads; it verifies each frame against the block's key and
-tokens, and copies the blocks into the destination along the token axis. It stops at
-the first missing or bad block: what came before it is the true length (invariant 6).
+for a block whose only copy is on its way down), in runs spread over the I/O threads:
+batched ``get_many`` calls, or for a store that places its reads (disk) each frame
+straight into its place; it verifies each frame against the block's key and tokens,
+and places the blocks along the token axis of the destination. It stops at the first
+missing or bad block: what came before it is the true length (invariant 6).
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ import numpy as np
 from prefixcache.config import KVLayout
 from prefixcache.storage import codec
 from prefixcache.storage.base import Frame, TierError, TierFull, TierStore
+from prefixcache.storage.placed import Place
 from prefixcache.storage.queue import Job, JobKind, WriteQueue
 
 __all__ = ["Loaded", "Outcome", "Read", "Transfer"]
 
 _PARALLEL_COPY_BYTES = 4 << 20  # below this a load's copy stays on the calling thread
+_BATCH_BYTES = 1 << 20  # one get_many of a run fetches about this much
+_HEADER_ROOM = 4096  # a run's read buffer: one frame's payload and this, more than any header
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,18 +44,31 @@ class Read:
     use: int  # how many of its tokens the load takes (fewer for a partial hit)
     tier: int
     queued: bool  # its frame is in the write queue (its only copy is on its way to ``tier``)
+    keep: bool  # the frame may be wanted after the load (a promotion or a copy down)
 
 
 @dataclass(slots=True)
 class Loaded:
     """What a load read: ``good`` leading blocks landed in ``kv``; ``frames`` are the raw
-    frames read (kept for promotion), ``failures`` the reads that ended it, by kind."""
+    frames of the reads marked ``keep`` (for a promotion or a copy down; None for the
+    others), ``failure`` why the read after the good ones ended it."""
 
     good: int
     kv: np.ndarray
     frames: list[Frame | None]
     failure: str | None  # why block ``good`` could not be used (None when all were good)
     seconds: dict[int, float]  # tier -> time spent fetching and checking its blocks
+
+
+@dataclass(slots=True)
+class _Load:
+    """One load's shared state: its threads write disjoint indexes and places."""
+
+    reads: Sequence[Read]
+    out: np.ndarray
+    offsets: list[int]  # token offset of each read in ``out`` (and the end)
+    frames: list[Frame | None]
+    failures: list[str | None]
 
 
 class Outcome(enum.Enum):
@@ -105,29 +122,17 @@ class Transfer:
         offsets = [0]
         for read in reads:
             offsets.append(offsets[-1] + read.use)
-        frames: list[Frame | None] = [None] * len(reads)
-        failures: list[str | None] = [None] * len(reads)
+        job = _Load(reads, out, offsets, [None] * len(reads), [None] * len(reads))
         runs = self._runs(reads)
-        seconds: dict[int, float] = {}
-
-        def run(lo: int, hi: int) -> tuple[int, float]:
-            started = time.perf_counter()
-            self._fetch(reads, lo, hi, frames)
-            for i in range(lo, hi):
-                arr, failures[i] = self._decode(reads[i], frames[i])
-                if arr is not None:
-                    if arr.dtype != out.dtype:
-                        arr = arr.view(out.dtype)  # bfloat16 as ml_dtypes -> its raw bits
-                    out[:, :, :, offsets[i] : offsets[i + 1], :] = arr[:, :, :, : reads[i].use, :]
-            return reads[lo].tier, time.perf_counter() - started
-
-        futures: list[Future[tuple[int, float]]] = [self._io.submit(run, lo, hi) for lo, hi in runs[1:]]
-        done = [run(*runs[0])] if runs else []
+        futures: list[Future[tuple[int, float]]] = [self._io.submit(self._run, job, lo, hi) for lo, hi in runs[1:]]
+        done = [self._run(job, *runs[0])] if runs else []
         done += [f.result() for f in futures]
+        seconds: dict[int, float] = {}
         for tier, took in done:
             seconds[tier] = max(seconds.get(tier, 0.0), took)
+        failures = job.failures
         good = next((i for i, failure in enumerate(failures) if failure is not None), len(reads))
-        return Loaded(good, out, frames, failures[good] if good < len(reads) else None, seconds)
+        return Loaded(good, out, job.frames, failures[good] if good < len(reads) else None, seconds)
 
     def _runs(self, reads: Sequence[Read]) -> list[tuple[int, int]]:
         """The load split into index ranges of one tier each, as many as there are copiers
@@ -141,24 +146,82 @@ class Transfer:
         bounds = sorted(cuts | {0, len(reads)})
         return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
 
-    def _fetch(self, reads: Sequence[Read], lo: int, hi: int, frames: list[Frame | None]) -> None:
-        """The frames of ``reads[lo:hi]`` (one tier): queued frames first, then one ``get_many``."""
+    def _run(self, job: _Load, lo: int, hi: int) -> tuple[int, float]:
+        """One run of a load, on one thread: its tier and how long it took."""
+        started, tier = time.perf_counter(), job.reads[lo].tier
+        store = self.stores[tier]
+        if store.places_reads:
+            self._run_placed(job, lo, hi)
+            return tier, time.perf_counter() - started
+        # NOTE: a store whose frames are fresh bytes (a network's) is fetched in batches of
+        # about _BATCH_BYTES: each frame is copied while it is still in the core's cache, and
+        # the memory of the frames not kept serves the next batch rather than the whole run
+        # being faulted in afresh. A private store's frames are views of what it holds.
+        frame_bytes = self.layout.bytes_per_token * (len(job.reads[lo].tokens) // 4)
+        step = hi - lo if store.private else max(1, _BATCH_BYTES // max(1, frame_bytes))
+        for a in range(lo, hi, step):
+            self._fetch_and_copy(job, a, min(hi, a + step))
+        return tier, time.perf_counter() - started
+
+    def _fetch_and_copy(self, job: _Load, lo: int, hi: int) -> None:
+        """``reads[lo:hi]`` (one tier): queued frames first, then one ``get_many``; each
+        frame checked and copied into its place."""
+        reads, frames = job.reads, job.frames
         tier = reads[lo].tier
         for i in range(lo, hi):
             if reads[i].queued:
                 frames[i] = self.queue.frame(tier, reads[i].key)
         wanted = [i for i in range(lo, hi) if frames[i] is None]
-        if not wanted:
-            return
-        try:
-            got = self.stores[tier].get_many([reads[i].key for i in wanted])
-        except TierError:
-            return  # counted by the store: misses
-        for i, frame in zip(wanted, got, strict=True):
-            frames[i] = frame
+        if wanted:
+            try:
+                got = self.stores[tier].get_many([reads[i].key for i in wanted])
+            except TierError:
+                got = [None] * len(wanted)  # counted by the store: misses
+            for i, frame in zip(wanted, got, strict=True):
+                frames[i] = frame
+        out = job.out
+        for i in range(lo, hi):
+            arr, job.failures[i] = self._decode(reads[i], frames[i])
+            if arr is not None:
+                if arr.dtype != out.dtype:
+                    arr = arr.view(out.dtype)  # bfloat16 as ml_dtypes -> its raw bits
+                out[:, :, :, job.offsets[i] : job.offsets[i + 1], :] = arr[:, :, :, : reads[i].use, :]
+            if not reads[i].keep:
+                frames[i] = None  # NOTE: freed now: its memory serves the next batch
 
-    def _decode(self, read: Read, frame: Frame | None) -> tuple[np.ndarray | None, str | None]:
-        """The block's KV, a view of its verified frame; or why not."""
+    def _run_placed(self, job: _Load, lo: int, hi: int) -> None:
+        """A run from a store that ``places_reads``: each frame read into one buffer and
+        its rows into their place in one pass, then checked; a frame to keep is copied
+        out of the buffer (a queued one takes the fetching way)."""
+        reads, out = job.reads, job.out
+        layers, kv, heads, length, dim = out.shape
+        item = out.itemsize
+        rows, stride = layers * kv * heads, length * dim * item
+        store, raw = self.stores[reads[lo].tier], out.reshape(-1).view(np.uint8).data
+        buffer = bytearray(max(len(r.tokens) for r in reads[lo:hi]) // 4 * self.layout.bytes_per_token + _HEADER_ROOM)
+        for i in range(lo, hi):
+            read = reads[i]
+            if read.queued:
+                self._fetch_and_copy(job, i, i + 1)
+                continue
+            src_row, copy_row = len(read.tokens) // 4 * dim * item, read.use * dim * item
+            place = Place(raw, job.offsets[i] * dim * item, rows, src_row, copy_row, stride)
+            try:
+                got = store.read_placed(read.key, buffer, place)
+            except TierError:
+                got = None  # counted by the store: a miss
+            if got is None:
+                job.failures[i] = "missing"
+                continue
+            _, job.failures[i] = self._decode(read, got.frame, got.checksum)
+            if read.keep and job.failures[i] is None:
+                job.frames[i] = bytes(got.frame)  # NOTE: out of the buffer the next read reuses
+
+    def _decode(
+        self, read: Read, frame: Frame | None, computed: bytes | None = None
+    ) -> tuple[np.ndarray | None, str | None]:
+        """The block's KV, a view of its verified frame; or why not. ``computed``: the
+        payload's checksum as a placed read computed it (compared, not hashed again)."""
         if frame is None:
             return None, "missing"
         try:
@@ -168,7 +231,8 @@ class Transfer:
                 tokens=read.tokens,
                 shape=self.layout.shape(len(read.tokens) // 4),
                 dtype=self.layout.dtype,
-                check_payload=not (self.trusts[read.tier] and not read.queued),
+                check_payload=computed is not None or not (self.trusts[read.tier] and not read.queued),
+                computed_checksum=computed,
             )
         except codec.FrameError as exc:
             return None, type(exc).__name__
