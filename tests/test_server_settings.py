@@ -19,7 +19,7 @@ def test_defaults_serve_locally_and_write_through_to_disk() -> None:
     assert (settings.server.host, settings.server.port) == ("127.0.0.1", 8000)
     assert settings.auth.local_mode and settings.cache.isolation == "namespace"
     config = settings.cache_config(SMOLLM2)
-    assert [(t.kind, t.write) for t in config.tiers] == [("memory", "through"), ("disk", "back")]
+    assert [(t.kind, t.write) for t in config.tiers] == [("memory", "through"), ("disk", "through")]
     assert config.tiers[1].path == ".prefixcache/disk" and config.writer == "background"
     assert config.kv_layout is not None and config.kv_layout.bytes_per_token == 30 * 2 * 3 * 64 * 4
     assert config == dataclasses.replace(SERVER_CACHE, kv_layout=SMOLLM2)

@@ -59,7 +59,7 @@ SERVER_CACHE = CacheConfig(
     partial_blocks=True,
     tiers=(
         TierConfig(kind="memory", capacity_bytes=2 * GiB, write="through"),
-        TierConfig(kind="disk", capacity_bytes=20 * GiB, path=".prefixcache/disk"),
+        TierConfig(kind="disk", capacity_bytes=20 * GiB, path=".prefixcache/disk", write="through"),
     ),
 )
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
