@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-test
 
-.PHONY: test serve lint bench setup clean system-deps
+.PHONY: test unit serve lint bench setup clean system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ system-deps:
 
 test: lint system-deps
 	$(BIN)/python -m pytest
+
+# The fast loop: the tests that need only the venv (no model, Redis or Chromium, nothing slow).
+unit: $(STAMP) $(KERNEL)
+	$(BIN)/python -m pytest -m "not (slow or model or redis or chromium)"
 
 # The OpenAI-compatible server on its defaults (127.0.0.1:8000, SmolLM2, cache under ./.prefixcache/);
 # it prints its URL and an example curl. Settings: prefixcache.toml when present, PREFIXCACHE_* env vars.
