@@ -1,6 +1,6 @@
 """``prefixcache diagnose``: read /metrics (or saved scrapes), say what is wrong and what to do.
 
-The runbook of the README's alert sections, as code. Two scrapes some seconds apart
+The runbook of docs/operations.md, as code. Two scrapes some seconds apart
 give rates (what is happening now); one scrape gives the counters since the server
 started (what has happened on average), which still tells pressure, dead tiers and
 low hit rates apart, only not how fast.
