@@ -1,0 +1,1 @@
+"""prefixcache inside other engines (``vllm``: a KV connector for vLLM v1)."""

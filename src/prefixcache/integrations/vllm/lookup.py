@@ -1,0 +1,172 @@
+"""How vLLM's scheduler asks the worker what prefixcache holds.
+
+vLLM runs its scheduler and its workers in different processes (on CPU always), and
+the cache (its ledger and its bytes) lives in the worker, beside the KV it fills. The
+scheduler's ``get_num_new_matched_tokens`` asks it over a Unix socket: one request,
+one answer, a fixed binary format (no pickle)::
+
+    request:  magic "PCL1", u32 tenant bytes, u32 tokens, tenant (UTF-8), tokens (u32 LE)
+    answer:   u32 cached tokens
+
+A lookup is side-effect free (nothing stays pinned): the worker matches again when it
+loads, and reports the blocks it could not load, which vLLM then recomputes. A worker
+that does not answer within the timeout counts as a miss: the scheduler never waits
+on a slow cache longer than that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["LookupClient", "LookupServer", "socket_path"]
+
+log = logging.getLogger("prefixcache.vllm")
+
+MAGIC = b"PCL1"
+_HEAD = struct.Struct("<4sII")
+_ANSWER = struct.Struct("<I")
+MAX_TOKENS = 1 << 24
+MAX_TENANT = 1 << 12
+
+Lookup = Callable[[np.ndarray, str], int]  # (tokens, tenant) -> cached tokens
+
+
+def socket_path(engine_id: str, directory: str | None = None) -> str:
+    """Where the worker of engine ``engine_id`` listens (short: Unix paths are limited)."""
+    base = Path(directory or os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
+    safe = "".join(c for c in engine_id if c.isalnum() or c in "-_")[:40] or "engine"
+    return str(base / f"prefixcache-{safe}.sock")
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("peer closed")
+        got += k
+    return bytes(buf)
+
+
+class LookupServer:
+    """The worker's side: a thread that answers lookups with ``lookup(tokens, tenant)``."""
+
+    def __init__(self, path: str, lookup: Lookup) -> None:
+        self.path = path
+        self._lookup = lookup
+        if os.path.exists(path):
+            os.unlink(path)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(path)
+        self._sock.listen(8)
+        self._closed = False
+        self._conns: set[socket.socket] = set()
+        self._thread = threading.Thread(target=self._accept, name="prefixcache-lookup", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="prefixcache-lookup-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            self._answer(conn)
+        self._conns.discard(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        while True:
+            try:
+                magic, n_tenant, n_tokens = _HEAD.unpack(_recv_exact(conn, _HEAD.size))
+                if magic != MAGIC or n_tenant > MAX_TENANT or n_tokens > MAX_TOKENS:
+                    log.warning("prefixcache lookup: malformed request, closing the connection")
+                    return
+                tenant = _recv_exact(conn, n_tenant).decode()
+                tokens = np.frombuffer(_recv_exact(conn, 4 * n_tokens), dtype="<u4")
+            except (ConnectionError, OSError, UnicodeDecodeError):
+                return
+            try:
+                cached = self._lookup(tokens, tenant)
+            except Exception:  # a lookup that fails is a miss, never a dead scheduler
+                log.exception("prefixcache lookup failed")
+                cached = 0
+            try:
+                conn.sendall(_ANSWER.pack(cached))
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+        for conn in list(self._conns):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+class LookupClient:
+    """The scheduler's side: ``lookup`` returns the cached tokens, 0 when the worker
+    cannot be asked (not up yet, gone, slower than ``timeout`` seconds)."""
+
+    def __init__(self, path: str, timeout: float = 1.0) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._conn: socket.socket | None = None
+        self._lock = threading.Lock()
+        self.failures = 0
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray, tenant: str) -> int:
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= 1 << 32):
+            raise ValueError("token ids must fit in 32 bits")
+        body = tenant.encode()
+        if len(body) > MAX_TENANT or ids.size > MAX_TOKENS:
+            raise ValueError("lookup too large")
+        message = _HEAD.pack(MAGIC, len(body), ids.size) + body + ids.astype("<u4").tobytes()
+        with self._lock:
+            try:
+                conn = self._connect()
+                conn.sendall(message)
+                (cached,) = _ANSWER.unpack(_recv_exact(conn, _ANSWER.size))
+                return int(cached)
+            except OSError as exc:  # socket.timeout and ConnectionError are OSErrors
+                self.failures += 1
+                log.warning("prefixcache lookup unavailable (%s): counted as a miss", exc)
+                self._drop()
+                return 0
+
+    def _connect(self) -> socket.socket:
+        if self._conn is None:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.settimeout(self.timeout)
+            try:
+                conn.connect(self.path)
+            except OSError:
+                conn.close()
+                raise
+            self._conn = conn
+        return self._conn
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()

@@ -1,0 +1,146 @@
+"""vLLM's paged KV cache, seen as prefixcache frames.
+
+vLLM keeps one tensor per attention layer, in the layout of its attention backend;
+prefixcache stores a block as ``[layers, 2 (K, V), kv_heads, block_tokens, head_dim]``.
+``PagedKV`` recognizes the backend's layout from the tensors' shapes (checked against
+the model's heads, head size and block size, so a layout it does not know is an error
+that says what it saw, never a silent misreading) and moves whole blocks between the
+two: ``gather`` copies some vLLM blocks out as one ``[layers, 2, kv_heads, tokens,
+head_dim]`` array (what ``PrefixCache.insert`` reads), ``scatter`` copies such an
+array into some vLLM blocks (what ``PrefixCache.load`` returns).
+
+Layouts known:
+
+- ``cpu``: vLLM's CPU attention backend, ``[blocks, kv_heads, block_size, 2 * head_size]``,
+  which the backend reads as ``[blocks, kv_heads, 2, block_size, head_size]`` (each head's
+  keys, then its values);
+- ``flash``: the ``[2, blocks, block_size, kv_heads, head_size]`` of the GPU backends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+import torch
+
+from prefixcache.config import KVLayout
+
+__all__ = ["Layout", "PagedKV", "PagedSource"]
+
+
+class Layout(Enum):
+    CPU = "cpu"
+    FLASH = "flash"
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+def _detect(shape: tuple[int, ...], g: _Geometry) -> Layout:
+    h, d, n = g.kv_heads, g.head_dim, g.block_size
+    if len(shape) == 4 and shape[1:] == (h, n, 2 * d):
+        return Layout.CPU
+    if len(shape) == 5 and shape[0] == 2 and shape[2:] == (n, h, d):
+        return Layout.FLASH
+    raise ValueError(
+        f"unknown vLLM KV cache layout {tuple(shape)} for kv_heads={h}, head_size={d}, block_size={n}; "
+        "known: [blocks, kv_heads, block_size, 2*head_size] (CPU) and [2, blocks, block_size, kv_heads, head_size]"
+    )
+
+
+def _blocks_view(tensor: torch.Tensor, layout: Layout, g: _Geometry) -> torch.Tensor:
+    """``tensor`` as ``[blocks, 2, kv_heads, block_size, head_dim]``, a view (no copy)."""
+    if layout is Layout.CPU:
+        blocks = tensor.shape[0]
+        return tensor.view(blocks, g.kv_heads, 2, g.block_size, g.head_dim).permute(0, 2, 1, 3, 4)
+    return tensor.permute(1, 0, 3, 2, 4)
+
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class PagedKV:
+    """vLLM's per-layer KV tensors (in layer order), as blocks of prefixcache frames."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], *, kv_heads: int, head_dim: int, block_size: int) -> None:
+        if not tensors:
+            raise ValueError("no KV cache tensors to register")
+        g = _Geometry(kv_heads, head_dim, block_size)
+        self.names = tuple(tensors)
+        first = next(iter(tensors.values()))
+        if first.dtype not in _DTYPES:
+            raise ValueError(f"KV cache dtype {first.dtype} is not supported; supported: {', '.join(_DTYPES.values())}")
+        self.layout = _detect(tuple(first.shape), g)
+        self.views: list[torch.Tensor] = []
+        for name, tensor in tensors.items():
+            if tensor.shape != first.shape or tensor.dtype != first.dtype:
+                raise ValueError(f"layer {name}: {tuple(tensor.shape)} {tensor.dtype} differs from the first layer's")
+            self.views.append(_blocks_view(tensor, self.layout, g))
+        self.geometry = g
+        self.dtype = first.dtype
+        self.kv_layout = KVLayout(
+            layers=len(self.views), kv_heads=kv_heads, head_dim=head_dim, dtype=_DTYPES[first.dtype]
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.geometry.block_size
+
+    def gather(self, block_ids: Sequence[int]) -> np.ndarray:
+        """The KV of these vLLM blocks, in order, as ``[layers, 2, kv_heads, len * block_size, head_dim]``."""
+        g = self.geometry
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+        out = torch.empty((len(self.views), 2, g.kv_heads, len(ids), g.block_size, g.head_dim), dtype=self.dtype)
+        for layer, view in enumerate(self.views):
+            # [n, 2, H, N, D] -> [2, H, n, N, D]
+            out[layer].copy_(view.index_select(0, ids.to(view.device)).permute(1, 2, 0, 3, 4))
+        return _numpy(out.view(len(self.views), 2, g.kv_heads, len(ids) * g.block_size, g.head_dim))
+
+    def scatter(self, kv: np.ndarray, block_ids: Sequence[int]) -> None:
+        """Copy ``kv`` (``[layers, 2, kv_heads, len(block_ids) * block_size, head_dim]``)
+        into these vLLM blocks."""
+        g = self.geometry
+        n = len(block_ids)
+        expected = (len(self.views), 2, g.kv_heads, n * g.block_size, g.head_dim)
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"scatter of {tuple(kv.shape)} into {n} blocks: expected {expected}")
+        source = _tensor(kv, self.dtype).view(len(self.views), 2, g.kv_heads, n, g.block_size, g.head_dim)
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+        for layer, view in enumerate(self.views):
+            view.index_copy_(0, ids.to(view.device), source[layer].permute(2, 0, 1, 3, 4).to(view.device))
+
+
+class PagedSource:
+    """A ``KVSource`` over some of a request's vLLM blocks (block ``i`` holds its tokens
+    ``i * block_size ..``): ``PrefixCache.insert`` reads from it only the range it stores."""
+
+    def __init__(self, paged: PagedKV, block_ids: Sequence[int]) -> None:
+        self.paged = paged
+        self.block_ids = list(block_ids)
+
+    def read(self, begin: int, end: int) -> np.ndarray:
+        n = self.paged.block_size
+        first, last = begin // n, -(-end // n)
+        if end > len(self.block_ids) * n or begin < 0 or begin > end:
+            raise ValueError(f"range {begin}..{end} is beyond the request's {len(self.block_ids)} blocks")
+        kv = self.paged.gather(self.block_ids[first:last])
+        return kv[:, :, :, begin - first * n : end - first * n, :]
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))

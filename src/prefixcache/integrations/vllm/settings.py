@@ -1,0 +1,91 @@
+"""The connector's settings: vLLM's ``kv_connector_extra_config``, one typed schema.
+
+``cache`` is ``CacheConfig`` field for field, exactly the server's ``[cache]`` table
+(tiers, policies, write policies, TTL, quotas, publication, hash); ``block_size`` and
+the KV layout come from vLLM. An unknown key is an error that names it and the valid
+ones. Example::
+
+    --kv-transfer-config '{"kv_connector": "PrefixCacheConnector",
+      "kv_connector_module_path": "prefixcache.integrations.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"cache": {"tiers": [
+          {"kind": "memory", "capacity_bytes": 4294967296, "write": "through"},
+          {"kind": "disk", "capacity_bytes": 107374182400, "path": "/var/cache/prefixcache"}]}}}'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from prefixcache.config import CacheConfig, KVLayout, PublishConfig, TierConfig
+
+__all__ = ["VLLM_CACHE", "ConnectorSettings", "model_key", "parse_settings"]
+
+for _cls in (CacheConfig, TierConfig, PublishConfig, KVLayout):
+    setattr(_cls, "__pydantic_config__", {"extra": "forbid"})  # noqa: B010 - refuse unknown keys
+
+GiB = 1 << 30
+VLLM_CACHE = CacheConfig(
+    tiers=(
+        TierConfig(kind="memory", capacity_bytes=2 * GiB, write="through"),
+        TierConfig(kind="disk", capacity_bytes=20 * GiB, path=".prefixcache/vllm-disk", write="through"),
+    ),
+)
+
+
+class ConnectorSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cache: CacheConfig = VLLM_CACHE
+    default_tenant: str = Field(default="default", min_length=1)  # a request with no cache_salt
+    model_id: str = ""  # the model's name in cache keys; default: vLLM's served model name
+    lookup_timeout_s: float = Field(default=1.0, gt=0)  # the scheduler waits no longer for a lookup
+    socket_dir: str = ""  # where the worker's lookup socket lives; default $XDG_RUNTIME_DIR or /tmp
+    flush_timeout_s: float = Field(default=30.0, ge=0)  # on shutdown: how long queued writes may take
+
+
+def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
+    """``kv_connector_extra_config`` as settings; a bad key or value is a ``ValueError``."""
+    try:
+        settings = ConnectorSettings(**dict(extra or {}))
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(p) for p in error["loc"] if not isinstance(p, int)) or "settings"
+        if error["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+            raise ValueError(f"unknown kv_connector_extra_config key {where}; valid: {_valid(error['loc'])}") from None
+        raise ValueError(f"invalid kv_connector_extra_config {where}: {error['msg']}") from None
+    if settings.cache.kv_layout is not None:
+        raise ValueError("kv_connector_extra_config cache.kv_layout comes from vLLM; remove it")
+    return settings
+
+
+def _valid(loc: tuple[Any, ...]) -> str:
+    names = [str(p) for p in loc if not isinstance(p, int)][:-1]
+    if not names:
+        return ", ".join(ConnectorSettings.model_fields)
+    if names[0] == "cache" and len(names) == 1:
+        return ", ".join(f for f in CacheConfig.__dataclass_fields__ if f != "kv_layout")
+    if names[:2] == ["cache", "tiers"]:
+        return ", ".join(TierConfig.__dataclass_fields__)
+    return ", ".join(PublishConfig.__dataclass_fields__)
+
+
+def model_key(name: str, model_dir: str | None, dtype: str) -> str:
+    """The model's identity in cache keys: its name, the KV dtype, and a fingerprint of
+    its ``config.json`` and weight files (names and sizes) when it is a local folder, so
+    that changed weights under the same name start a new key space (the old blocks are
+    never matched again and leave by eviction)."""
+    digest = hashlib.sha256(json.dumps([name, dtype]).encode())
+    folder = Path(model_dir) if model_dir else None
+    if folder is not None and folder.is_dir():
+        config = folder / "config.json"
+        if config.is_file():
+            digest.update(config.read_bytes())
+        for weights in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+            digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+    return f"{name}@{digest.hexdigest()[:16]}"

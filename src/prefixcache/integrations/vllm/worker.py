@@ -1,0 +1,196 @@
+"""The worker's half of the connector, free of vLLM: what a step loads and saves.
+
+The scheduler's half (``scheduler.py``) turns vLLM's scheduler output into ``LoadSpec``
+and ``SaveSpec`` records; this half carries them out against vLLM's paged KV
+(``paged.py``) and the ``PrefixCache`` it owns:
+
+- ``load``: match the request's prefix again (the scheduler's lookup pinned nothing),
+  load its KV (every frame verified; a lost or corrupt block shortens it, invariant 6)
+  and scatter it into the vLLM blocks the scheduler allocated. The blocks it could not
+  fill are returned: vLLM recomputes them.
+- ``save``: ``insert`` the request's computed full blocks; the cache reads from vLLM's
+  blocks only the range it stores (into host memory, before vLLM may reuse them), and
+  the writer copies it to slower tiers in the background.
+
+``Tally`` counts what happened for vLLM's metrics (``metrics.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from prefixcache.cache.facade import PrefixCache
+from prefixcache.config import CacheConfig
+from prefixcache.hashing import CacheContext
+from prefixcache.integrations.vllm.paged import PagedKV, PagedSource
+
+__all__ = ["ConnectorWorker", "LoadSpec", "SaveSpec", "Tally"]
+
+log = logging.getLogger("prefixcache.vllm")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load ``tokens`` (block-aligned, the prefix to reuse) for ``req_id``: its blocks
+    ``first_block ..`` go into vLLM blocks ``block_ids`` (the ones before are vLLM's own
+    prefix-cache hits)."""
+
+    req_id: str
+    tenant: str
+    tokens: tuple[int, ...]
+    first_block: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Store the first ``len(tokens)`` (block-aligned) tokens of ``req_id``, whose KV is
+    in vLLM blocks ``block_ids`` (one per block of ``tokens``)."""
+
+    req_id: str
+    tenant: str
+    tokens: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class Tally:
+    """What the worker did since the last ``take``: plain data, since vLLM ships it from
+    the worker process to the one that serves ``/metrics``."""
+
+    hit_tokens: Counter[tuple[str, str]] = field(default_factory=Counter)  # (tenant, tier) -> tokens loaded
+    lost_tokens: Counter[str] = field(default_factory=Counter)  # tenant -> tokens promised but not loaded
+    saved_tokens: Counter[str] = field(default_factory=Counter)  # tenant -> tokens newly stored
+    load_seconds: list[float] = field(default_factory=list)
+    save_seconds: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)  # "load" / "save" -> calls that raised
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hit_tokens": [[t, tier, n] for (t, tier), n in self.hit_tokens.items()],
+            "lost_tokens": dict(self.lost_tokens),
+            "saved_tokens": dict(self.saved_tokens),
+            "load_seconds": list(self.load_seconds),
+            "save_seconds": list(self.save_seconds),
+            "errors": dict(self.errors),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Tally:
+        return cls(
+            hit_tokens=Counter({(t, tier): n for t, tier, n in data.get("hit_tokens", ())}),
+            lost_tokens=Counter(data.get("lost_tokens", {})),
+            saved_tokens=Counter(data.get("saved_tokens", {})),
+            load_seconds=list(data.get("load_seconds", ())),
+            save_seconds=list(data.get("save_seconds", ())),
+            errors=Counter(data.get("errors", {})),
+        )
+
+    def merge(self, other: Tally) -> Tally:
+        return Tally(
+            self.hit_tokens + other.hit_tokens,
+            self.lost_tokens + other.lost_tokens,
+            self.saved_tokens + other.saved_tokens,
+            self.load_seconds + other.load_seconds,
+            self.save_seconds + other.save_seconds,
+            self.errors + other.errors,
+        )
+
+    def is_empty(self) -> bool:
+        return not (
+            self.hit_tokens
+            or self.lost_tokens
+            or self.saved_tokens
+            or self.load_seconds
+            or self.save_seconds
+            or self.errors
+        )
+
+
+class ConnectorWorker:
+    """Owns the ``PrefixCache`` of one vLLM worker and the view of its paged KV."""
+
+    def __init__(self, config: CacheConfig, paged: PagedKV, model: str) -> None:
+        self.paged = paged
+        self.model = model
+        self.cache = PrefixCache(
+            dataclasses.replace(config, block_size=paged.block_size, partial_blocks=False, kv_layout=paged.kv_layout)
+        )
+        self.tally = Tally()
+        self._contexts: dict[str, CacheContext] = {}
+
+    def context(self, tenant: str) -> CacheContext:
+        ctx = self._contexts.get(tenant)
+        if ctx is None:
+            ctx = self._contexts[tenant] = CacheContext(tenant=tenant, model=self.model)
+        return ctx
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray, tenant: str) -> int:
+        """How many leading tokens (whole blocks) the cache holds for this tenant."""
+        with self.cache.match(tokens, self.context(tenant)) as m:
+            return m.num_blocks * self.paged.block_size
+
+    def load(self, spec: LoadSpec) -> list[int]:
+        """Fill the spec's vLLM blocks; returns those it could not fill (for vLLM to recompute)."""
+        n = self.paged.block_size
+        start = time.perf_counter()
+        loaded_blocks = 0
+        try:
+            with self.cache.match(spec.tokens, self.context(spec.tenant)) as m:
+                if m.num_blocks > spec.first_block:
+                    got = self.cache.load(m)
+                    loaded_blocks = min(got.tokens // n, spec.first_block + len(spec.block_ids))
+                    if loaded_blocks > spec.first_block:
+                        kv = got.kv[:, :, :, spec.first_block * n : loaded_blocks * n, :]
+                        self.paged.scatter(kv, spec.block_ids[: loaded_blocks - spec.first_block])
+                        self._count_hits(
+                            spec.tenant, got.tier_tokens, (loaded_blocks - spec.first_block) * n, got.tokens
+                        )
+        except Exception:  # a failed load is a miss for those blocks, never a failed request
+            log.exception("prefixcache: load for request %s failed", spec.req_id)
+            self.tally.errors["load"] += 1
+        self.tally.load_seconds.append(time.perf_counter() - start)
+        done = max(loaded_blocks - spec.first_block, 0)
+        failed = list(spec.block_ids[done:])
+        if failed:
+            self.tally.lost_tokens[spec.tenant] += len(failed) * n
+        return failed
+
+    def _count_hits(self, tenant: str, tier_tokens: dict[str, int], used: int, total: int) -> None:
+        """Split the ``used`` tokens (the tail of the ``total`` loaded) by tier, fastest tiers first."""
+        skip = total - used
+        for tier, tokens in tier_tokens.items():
+            take = max(0, tokens - skip)
+            skip = max(0, skip - tokens)
+            if take:
+                self.tally.hit_tokens[(tenant, tier)] += take
+
+    def save(self, spec: SaveSpec) -> int:
+        """Store the spec's blocks; returns the tokens newly stored."""
+        start = time.perf_counter()
+        stored = 0
+        try:
+            source = PagedSource(self.paged, spec.block_ids)
+            stored = self.cache.insert(spec.tokens, self.context(spec.tenant), kv=source)
+        except Exception:  # a failed save costs a future hit, never the request
+            log.exception("prefixcache: save for request %s failed", spec.req_id)
+            self.tally.errors["save"] += 1
+        self.tally.save_seconds.append(time.perf_counter() - start)
+        if stored:
+            self.tally.saved_tokens[spec.tenant] += stored
+        return stored
+
+    def take_tally(self) -> Tally | None:
+        tally, self.tally = self.tally, Tally()
+        return None if tally.is_empty() else tally
+
+    def close(self, timeout: float | None) -> bool:
+        return self.cache.close(timeout)

@@ -1,0 +1,306 @@
+"""The vLLM connector's parts that run without vLLM: its view of vLLM's paged KV, the
+scheduler's lookups over a socket, the scheduler's step plans and the worker's loads
+and saves against a real ``PrefixCache``. The connector inside real vLLM is tested in
+``tests_vllm/`` (in the ``.venv-vllm`` that ``make test`` builds)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixcache.config import CacheConfig, TierConfig
+from prefixcache.integrations.vllm.lookup import LookupClient, LookupServer, socket_path
+from prefixcache.integrations.vllm.paged import Layout, PagedKV, PagedSource
+from prefixcache.integrations.vllm.scheduler import SchedulerState, tenant_of
+from prefixcache.integrations.vllm.settings import model_key, parse_settings
+from prefixcache.integrations.vllm.worker import ConnectorWorker, LoadSpec, SaveSpec, Tally
+
+H, D, N, LAYERS, BLOCKS = 3, 8, 4, 2, 10
+
+
+def cpu_caches(seed: int = 0, blocks: int = BLOCKS) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.attn": torch.randn(blocks, H, N, 2 * D, generator=g) for i in range(LAYERS)}
+
+
+def paged(caches: dict[str, torch.Tensor]) -> PagedKV:
+    return PagedKV(caches, kv_heads=H, head_dim=D, block_size=N)
+
+
+def test_cpu_layout_reads_each_heads_keys_then_values() -> None:
+    caches = cpu_caches()
+    kv = paged(caches).gather([3, 7])
+    assert kv.shape == (LAYERS, 2, H, 2 * N, D)
+    for layer, tensor in enumerate(caches.values()):
+        as_backend = tensor.view(BLOCKS, H, 2 * N, D)  # how vLLM's CPU backend reads it
+        keys, values = as_backend[:, :, :N], as_backend[:, :, N:]
+        for i, block in enumerate([3, 7]):
+            assert np.array_equal(kv[layer, 0, :, i * N : (i + 1) * N], keys[block].numpy())
+            assert np.array_equal(kv[layer, 1, :, i * N : (i + 1) * N], values[block].numpy())
+
+
+@pytest.mark.parametrize("layout", [Layout.CPU, Layout.FLASH])
+@settings(max_examples=25, deadline=None)
+@given(ids=st.lists(st.integers(0, BLOCKS - 1), min_size=1, max_size=BLOCKS, unique=True))
+def test_scatter_then_gather_round_trips_and_touches_only_its_blocks(layout: Layout, ids: list[int]) -> None:
+    if layout is Layout.CPU:
+        caches = cpu_caches(1)
+    else:
+        caches = {f"l{i}": torch.randn(2, BLOCKS, N, H, D) for i in range(LAYERS)}
+    before = {k: v.clone() for k, v in caches.items()}
+    view = paged(caches)
+    assert view.layout is layout
+    kv = np.random.default_rng(2).standard_normal((LAYERS, 2, H, len(ids) * N, D)).astype(np.float32)
+    view.scatter(kv, ids)
+    assert np.array_equal(view.gather(ids), kv)
+    others = [b for b in range(BLOCKS) if b not in ids]
+    if others:
+        assert np.array_equal(view.gather(others), PagedKV(before, kv_heads=H, head_dim=D, block_size=N).gather(others))
+
+
+def test_an_unknown_layout_or_mixed_layers_is_an_error_that_says_what_it_saw() -> None:
+    with pytest.raises(ValueError, match=r"unknown vLLM KV cache layout \(10, 3, 4, 17\)"):
+        paged({"a": torch.zeros(BLOCKS, H, N, 2 * D + 1)})
+    with pytest.raises(ValueError, match="differs from the first layer"):
+        paged({"a": torch.zeros(BLOCKS, H, N, 2 * D), "b": torch.zeros(BLOCKS + 1, H, N, 2 * D)})
+    with pytest.raises(ValueError, match="dtype"):
+        paged({"a": torch.zeros(BLOCKS, H, N, 2 * D, dtype=torch.int8)})
+    with pytest.raises(ValueError, match="expected"):
+        paged(cpu_caches()).scatter(np.zeros((LAYERS, 2, H, N, D), np.float32), [1, 2])
+
+
+def test_a_paged_source_reads_any_range_of_its_blocks() -> None:
+    view = paged(cpu_caches())
+    whole = view.gather([5, 1, 8])
+    source = PagedSource(view, [5, 1, 8])
+    assert np.array_equal(source.read(3, 10), whole[:, :, :, 3:10])
+    with pytest.raises(ValueError, match="beyond"):
+        source.read(0, 13)
+
+
+# ---------------------------------------------------------------------------- lookups
+
+
+def test_lookups_travel_over_the_socket_and_a_dead_worker_is_a_miss(tmp_path: Path) -> None:
+    asked: list[tuple[list[int], str]] = []
+
+    def lookup(tokens: np.ndarray, tenant: str) -> int:
+        asked.append((tokens.tolist(), tenant))
+        return len(tokens) // 2
+
+    path = socket_path("engine-1", str(tmp_path))
+    server = LookupServer(path, lookup)
+    client = LookupClient(path, timeout=2.0)
+    assert client.lookup([1, 2, 3, 4_000_000_000], "acmé") == 2
+    assert asked == [([1, 2, 3, 4_000_000_000], "acmé")]
+    with pytest.raises(ValueError, match="32 bits"):
+        client.lookup([-1], "a")
+    server.close()
+    assert client.lookup([1, 2], "a") == 0 and client.failures == 1
+    assert LookupClient(str(tmp_path / "none.sock")).lookup([1], "a") == 0
+
+
+def test_a_malformed_lookup_closes_that_connection_only(tmp_path: Path) -> None:
+    path = socket_path("e", str(tmp_path))
+    server = LookupServer(path, lambda tokens, tenant: 7)
+    try:
+        with socket.socket(socket.AF_UNIX) as raw:
+            raw.connect(path)
+            raw.sendall(b"XXXX" + b"\0" * 8)
+            raw.settimeout(2)
+            assert raw.recv(4) == b""  # closed, no answer
+        assert LookupClient(path).lookup([1], "t") == 7
+    finally:
+        server.close()
+
+
+def test_a_slow_worker_costs_the_scheduler_its_timeout_only(tmp_path: Path) -> None:
+    release = threading.Event()
+    path = socket_path("slow", str(tmp_path))
+    server = LookupServer(path, lambda tokens, tenant: 5 if release.wait(5) else 0)
+    try:
+        assert LookupClient(path, timeout=0.2).lookup([1], "t") == 0
+    finally:
+        release.set()
+        server.close()
+
+
+# ---------------------------------------------------------------------------- worker
+
+
+def worker(tmp_path: Path, caches: dict[str, torch.Tensor], model: str = "m@1") -> ConnectorWorker:
+    config = CacheConfig(
+        tiers=(
+            TierConfig(kind="memory", capacity_bytes=1 << 20, write="through"),
+            TierConfig(kind="disk", capacity_bytes=1 << 22, path=str(tmp_path / "disk")),
+        ),
+        writer="inline",
+    )
+    return ConnectorWorker(config, paged(caches), model)
+
+
+def test_a_saved_prefix_loads_bit_exact_into_other_blocks_for_its_tenant_only(tmp_path: Path) -> None:
+    source = cpu_caches(3)
+    tokens = tuple(range(100, 100 + 3 * N))
+    w = worker(tmp_path, source)
+    assert w.save(SaveSpec("r1", "alice", tokens, (4, 0, 9))) == 3 * N
+    assert w.lookup(list(tokens), "alice") == 3 * N and w.lookup(list(tokens), "bob") == 0
+    assert w.lookup([*tokens[:N], 7, 7, 7, 7], "alice") == N
+
+    target = cpu_caches(4)
+    w2 = ConnectorWorker(w.cache.config, paged(target), "m@1")  # a second process on the same disk
+    w.close(5)
+    assert w2.lookup(list(tokens), "alice") == 3 * N
+    failed = w2.load(LoadSpec("r2", "alice", tokens, 1, (6, 2)))  # block 0 is vLLM's own hit
+    assert failed == []
+    assert np.array_equal(paged(target).gather([6, 2]), paged(source).gather([0, 9]))
+    tally = w2.take_tally()
+    assert tally is not None and sum(tally.hit_tokens.values()) == 2 * N
+    assert {tier for _, tier in tally.hit_tokens} <= {"memory", "disk"}
+    assert w2.take_tally() is None
+    w2.close(5)
+
+
+def test_a_corrupt_block_loads_the_blocks_before_it_and_reports_the_rest(tmp_path: Path) -> None:
+    tokens = tuple(range(3 * N))
+    w = worker(tmp_path, cpu_caches(5))
+    w.save(SaveSpec("r", "t", tokens, (1, 2, 3)))
+    with w.cache.match(tokens, w.context("t")) as m:
+        keys = m.block_keys
+    w.close(5)
+    second = tmp_path / "disk" / "blocks" / keys[1].hex()[:2] / f"{keys[1].hex()}.blk"  # the chain's second block
+    data = bytearray(second.read_bytes())
+    data[-5] ^= 0xFF
+    second.write_bytes(bytes(data))
+    target = cpu_caches(6)
+    before = paged(target).gather([7, 8])
+    w2 = worker(tmp_path, target)
+    assert w2.load(LoadSpec("r", "t", tokens, 0, (5, 7, 8))) == [7, 8]
+    assert np.array_equal(paged(target).gather([7, 8]), before)  # nothing wrong was written
+    assert w2.tally.lost_tokens["t"] == 2 * N
+    w2.close(5)
+
+
+def test_a_tally_survives_its_trip_between_processes() -> None:
+    t = Tally()
+    t.hit_tokens[("a", "disk")] += 5
+    t.saved_tokens["a"] += 3
+    t.load_seconds.append(0.25)
+    back = Tally.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert back.merge(back).hit_tokens[("a", "disk")] == 10 and back.saved_tokens["a"] == 3
+
+
+# ---------------------------------------------------------------------------- scheduler
+
+
+def request(req_id: str, prompt: list[int], salt: str | None = None, params: Any = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=req_id, prompt_token_ids=prompt, cache_salt=salt, kv_transfer_params=params, num_computed_tokens=0
+    )
+
+
+def output(new: list[Any] = (), cached: Any = None, scheduled: dict[str, int] | None = None) -> SimpleNamespace:
+    cached = cached or SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=scheduled or {},
+        finished_req_ids=set(),
+    )
+
+
+def test_the_tenant_is_the_transfer_params_then_the_salt_then_the_default() -> None:
+    assert tenant_of(request("r", [1], "s", {"tenant": "t"}), "d") == "t"
+    assert tenant_of(request("r", [1], "s", {"other": 1}), "d") == "s"
+    assert tenant_of(request("r", [1]), "d") == "d"
+
+
+def test_the_scheduler_offers_whole_blocks_beyond_vllms_hit_never_the_last_token() -> None:
+    asked: list[tuple[int, str]] = []
+
+    def lookup(tokens: list[int], tenant: str) -> int:
+        asked.append((len(tokens), tenant))
+        return 100
+
+    state = SchedulerState(N, lookup, "default")
+    r = request("r", list(range(13)), "acme")  # 12 = 3 blocks may be offered, never token 13
+    state.seen(r)
+    assert state.matched(r, 4) == 8 and asked == [(12, "acme")]
+    assert state.matched(request("x", list(range(4))), 0) == 0  # one block and the last token: nothing
+    state.allocated(r, 8)
+    new = SimpleNamespace(
+        req_id="r", prompt_token_ids=list(range(13)), block_ids=([10, 11, 12, 13],), num_computed_tokens=4
+    )
+    plan = state.step(output([new], scheduled={"r": 1}))
+    assert plan.loads == [LoadSpec("r", "acme", tuple(range(12)), 1, (11, 12))]
+    assert plan.saves == []  # what it loads or had is in the cache already
+    cached = SimpleNamespace(req_ids=["r"], new_block_ids=[([14],)], num_computed_tokens=[13], resumed_req_ids=set())
+    assert state.step(output(cached=cached, scheduled={"r": 1})).saves == []  # decode: no new prompt block
+
+
+def test_the_scheduler_saves_each_prompt_block_once_as_chunks_complete() -> None:
+    state = SchedulerState(N, lambda tokens, tenant: 0, "d")
+    r = request("r", list(range(11)))
+    state.seen(r)
+    assert state.matched(r, 0) == 0
+    state.allocated(r, 0)
+    new = SimpleNamespace(req_id="r", prompt_token_ids=list(range(11)), block_ids=([3, 4],), num_computed_tokens=0)
+    first = state.step(output([new], scheduled={"r": 6}))  # a chunk of 6: one full block
+    assert first.saves == [SaveSpec("r", "d", tuple(range(4)), (3,))]
+    cached = SimpleNamespace(req_ids=["r"], new_block_ids=[([9],)], num_computed_tokens=[6], resumed_req_ids=set())
+    second = state.step(output(cached=cached, scheduled={"r": 5}))
+    assert second.saves == [SaveSpec("r", "d", tuple(range(8)), (3, 4))]
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+def test_settings_refuse_unknown_keys_and_name_the_valid_ones() -> None:
+    assert parse_settings(None).cache.tiers[0].kind == "memory"
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key cachee; valid: cache, default_tenant"):
+        parse_settings({"cachee": {}})
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key cache.policyy; valid: block_size"):
+        parse_settings({"cache": {"policyy": "lru"}})
+    with pytest.raises(ValueError, match="lookup_timeout_s"):
+        parse_settings({"lookup_timeout_s": 0})
+    cfg = parse_settings({"cache": {"policy": "lru", "tiers": [{"kind": "memory", "capacity_bytes": 1 << 20}]}})
+    assert cfg.cache.policy == "lru" and cfg.cache.tiers[0].capacity_bytes == 1 << 20
+
+
+def test_the_model_key_changes_when_the_weights_or_dtype_change(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    first = model_key("smol", str(tmp_path), "float32")
+    assert first == model_key("smol", str(tmp_path), "float32") and first.startswith("smol@")
+    assert model_key("smol", str(tmp_path), "bfloat16") != first
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 11)
+    assert model_key("smol", str(tmp_path), "float32") != first
+
+
+def test_a_preempted_request_matched_again_loads_into_its_new_blocks() -> None:
+    state = SchedulerState(N, lambda tokens, tenant: 8, "d")
+    r = request("r", list(range(13)), "s")
+    state.seen(r)
+    state.allocated(r, 0)
+    new = SimpleNamespace(
+        req_id="r", prompt_token_ids=list(range(13)), block_ids=([1, 2, 3, 4],), num_computed_tokens=0
+    )
+    state.step(output([new], scheduled={"r": 13}))
+    assert state.matched(r, 0) == 8  # back from preemption: its blocks were freed
+    state.allocated(r, 8)
+    cached = SimpleNamespace(
+        req_ids=["r"], new_block_ids=[([7, 6, 5, 9],)], num_computed_tokens=[8], resumed_req_ids={"r"}
+    )
+    plan = state.step(output(cached=cached, scheduled={"r": 5}))
+    assert plan.loads == [LoadSpec("r", "s", tuple(range(8)), 0, (7, 6))]
+    assert plan.saves == [SaveSpec("r", "s", tuple(range(12)), (7, 6, 5))]
