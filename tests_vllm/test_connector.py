@@ -1,0 +1,186 @@
+"""prefixcache inside real vLLM (CPU, SmolLM2-135M, float32), run from ``.venv-vllm``.
+
+Three vLLM processes, each running ``scenario.py``: vLLM alone (the reference outputs),
+vLLM with the connector over memory + disk, and a second vLLM process over the same
+disk plus a Redis that is killed mid-run. vLLM's own prefix cache is off in all three,
+so every cached token a request reports came from prefixcache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from redis_server import RedisServer
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MODEL = os.environ.get("PREFIXCACHE_VLLM_MODEL", str(ROOT / ".prefixcache/models/SmolLM2-135M-Instruct.Q4_1"))
+BLOCK = 128  # vLLM's block size on CPU
+
+PASSAGE = (
+    "The lighthouse keeper wrote in the log every evening: the wind, the height of the waves, the ships that "
+    "passed and the ones that did not. {topic} In winter the lamp burned for sixteen hours, and the keeper "
+    "counted the oil by the cup, because the supply boat came only when the sea allowed it. "
+)
+
+
+def prompt(topic: str, repeats: int, question: str) -> str:
+    return "".join(PASSAGE.format(topic=f"{topic} {i}.") for i in range(repeats)) + f"\nQuestion: {question}\nAnswer:"
+
+
+PROMPTS = {
+    "p1": prompt("Gulls", 8, "What did the keeper count?"),
+    "p2": prompt("Fog", 6, "How long did the lamp burn?"),
+    "p3": prompt("Storms", 7, "Who brought the oil?"),
+    "p4": prompt("Seals", 5, "What was in the log?"),
+    "p5": prompt("Ice", 10, "When did the boat come?"),
+    "p6": prompt("Stars", 6, "What did the keeper see?"),
+}
+
+
+def gen(*pairs: tuple[str, str | None]) -> dict[str, Any]:
+    return {"generate": [{"name": name, "prompt": PROMPTS[name], "salt": salt} for name, salt in pairs]}
+
+
+def run(tmp: Path, name: str, job: dict[str, Any]) -> list[dict[str, Any]]:
+    job_path, out_path = tmp / f"{name}.json", tmp / f"{name}-out.json"
+    job_path.write_text(json.dumps({"model": MODEL, **job}))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "scenario.py"), str(job_path), str(out_path)],
+        env=env,
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out_path.read_text())
+
+
+def tiers(disk: Path, redis_url: str | None = None) -> dict[str, Any]:
+    listed: list[dict[str, Any]] = [
+        {"kind": "memory", "capacity_bytes": 1 << 30, "write": "through"},
+        {"kind": "disk", "capacity_bytes": 4 << 30, "path": str(disk), "write": "through"},
+    ]
+    if redis_url:
+        listed.append({"kind": "redis", "capacity_bytes": 1 << 30, "url": redis_url})
+    return {"cache": {"tiers": listed}}
+
+
+def full(name: str, results: dict[str, Any]) -> int:
+    return (results["prompt_tokens"] - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if not Path(MODEL, "config.json").is_file():
+        pytest.fail(f"no converted model at {MODEL} (make test converts it first)")
+    tmp = tmp_path_factory.mktemp("vllm")
+    disk = tmp / "disk"
+    baseline = run(tmp, "baseline", {"connector": None, "steps": [gen(*((n, None) for n in PROMPTS))]})
+    first = run(
+        tmp,
+        "first",
+        {
+            "connector": tiers(disk),
+            "steps": [
+                gen(("p1", "alice")),
+                gen(("p1", "alice")),
+                gen(("p1", "bob")),
+                gen(("p2", "alice"), ("p3", "bob"), ("p4", None)),
+                gen(("p5", "carol")),
+            ],
+        },
+    )
+    # the second process finds p5's blocks on disk with its second block corrupted: the newest
+    # files are p5's chain, written root first by the background writer
+    chain = sorted((disk / "blocks").rglob("*.blk"), key=lambda p: p.stat().st_mtime_ns)[
+        -(full("p5", first[-1]) // BLOCK) :
+    ]
+    data = bytearray(chain[1].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chain[1].write_bytes(bytes(data))
+    (tmp / "redis").mkdir()
+    redis = RedisServer(tmp / "redis").start()
+    assert redis.proc is not None
+    try:
+        second = run(
+            tmp,
+            "second",
+            {
+                "connector": tiers(disk, redis.url),
+                "steps": [
+                    gen(("p1", "alice")),
+                    gen(("p5", "carol")),
+                    gen(("p2", "alice")),
+                    {"kill": redis.proc.pid},
+                    gen(("p3", "bob"), ("p6", "dave")),
+                    gen(("p6", "dave")),
+                ],
+            },
+        )
+    finally:
+        redis.stop()
+    return {
+        "baseline": {r["name"]: r for r in baseline},
+        "first": first,
+        "second": [r for r in second if "name" in r],
+        "tmp": tmp,
+    }
+
+
+def test_greedy_outputs_are_the_same_with_and_without_the_connector(runs: dict[str, Any]) -> None:
+    reference = runs["baseline"]
+    for result in runs["first"] + runs["second"]:
+        assert result["output"] == reference[result["name"]]["output"], result["name"]
+    assert all(r["cached"] == 0 for r in reference.values())
+
+
+def test_a_repeated_prompt_is_served_by_prefixcache_with_vllms_prefix_cache_off(runs: dict[str, Any]) -> None:
+    first, again = runs["first"][0], runs["first"][1]
+    assert first["cached"] == 0
+    assert again["cached"] == full("p1", again) > 0
+
+
+def test_another_tenant_never_receives_the_blocks(runs: dict[str, Any]) -> None:
+    bob = runs["first"][2]
+    assert bob["name"] == "p1" and bob["cached"] == 0
+    batch = {r["name"]: r for r in runs["first"][3:6]}
+    assert batch["p3"]["cached"] == 0 and batch["p4"]["cached"] == 0  # never seen by these tenants
+
+
+def test_a_second_vllm_process_hits_on_the_first_ones_prompts(runs: dict[str, Any]) -> None:
+    p1 = runs["second"][0]
+    assert p1["cached"] == full("p1", p1)
+    p2 = runs["second"][2]
+    assert p2["cached"] == full("p2", p2)
+
+
+def test_a_corrupted_block_gives_a_shorter_hit_never_a_wrong_token(runs: dict[str, Any]) -> None:
+    """The scheduler was told of p5's whole chain (its files are there); the worker
+    loaded the first block, found the second corrupt, and vLLM recomputed the rest (its
+    ``num_cached_tokens`` keeps the first figure, so its log is the witness)."""
+    p5 = runs["second"][1]
+    assert p5["name"] == "p5" and p5["output"] == runs["baseline"]["p5"]["output"]
+    log = (runs["tmp"] / "second.log").read_text()
+    recomputed = re.findall(
+        r"Recovered from KV load failure: 1 request\(s\) rescheduled \((\d+) tokens affected\)", log
+    )
+    assert recomputed == [str(full("p5", p5) - BLOCK)]
+
+
+def test_vllm_keeps_answering_after_redis_is_killed(runs: dict[str, Any]) -> None:
+    after = runs["second"][3:]
+    assert [r["name"] for r in after] == ["p3", "p6", "p6"]
+    assert after[2]["cached"] == full("p6", after[2])  # still cached, in memory and on disk
