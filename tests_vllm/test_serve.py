@@ -67,7 +67,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ]
     log = (tmp / "vllm.log").open("w")
     proc = subprocess.Popen(
-        args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+        args,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
     )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -16,6 +16,7 @@ a failed request.
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -121,6 +122,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         )
         self._worker = ConnectorWorker(self.settings.cache, paged, self.model)
         self._server = LookupServer(self.socket, self._worker.lookup)
+        atexit.register(self.shutdown)  # vLLM may end a worker without calling shutdown: flush anyway
         fastest = self.settings.cache.tiers[0]
         self._medium = fastest.name or fastest.kind
         log.info(
@@ -183,12 +185,15 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         return None
 
     def shutdown(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        if self._worker is not None and not self._worker.close(self.settings.flush_timeout_s):
+        """Stop answering lookups and flush queued writes (bounded); a second call does nothing."""
+        server, worker, client = self._server, self._worker, self._client
+        self._server = self._client = None
+        if server is not None:
+            server.close()
+        if worker is not None and not worker.closed and not worker.close(self.settings.flush_timeout_s):
             log.warning("prefixcache: writes still queued after %.0f s were dropped", self.settings.flush_timeout_s)
-        if self._client is not None:
-            self._client.close()
+        if client is not None:
+            client.close()
 
     # ================================================================ scheduler side
 

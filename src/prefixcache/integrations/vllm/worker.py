@@ -126,6 +126,7 @@ class ConnectorWorker:
         )
         self.tally = Tally()
         self._contexts: dict[str, CacheContext] = {}
+        self._closed = False
 
     def context(self, tenant: str) -> CacheContext:
         ctx = self._contexts.get(tenant)
@@ -192,5 +193,11 @@ class ConnectorWorker:
         tally, self.tally = self.tally, Tally()
         return None if tally.is_empty() else tally
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self, timeout: float | None) -> bool:
+        """Flush what is queued for slower tiers (within ``timeout`` seconds) and close."""
+        self._closed = True
         return self.cache.close(timeout)
