@@ -132,6 +132,11 @@ def chat_body(**extra: Any) -> dict[str, Any]:
     return {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2} | extra
 
 
+def raw(**extra: Any) -> bytes:
+    """A chat body as JSON bytes with escapes, for text httpx would not encode (lone surrogates)."""
+    return json.dumps(chat_body(**extra)).encode()
+
+
 BAD = [
     ("malformed json", b'{"model": "x", "messages": [', 400, "invalid_json"),
     ("missing messages", {"model": MODEL_ID}, 400, "invalid_value"),
@@ -148,6 +153,16 @@ BAD = [
     ("n > 1", chat_body(n=3), 400, "invalid_value"),
     ("five stops", chat_body(stop=["a", "b", "c", "d", "e"]), 400, "invalid_value"),
     ("body is a list", b"[1, 2]", 400, "invalid_value"),
+    ("seed of 2**64", chat_body(seed=1 << 64), 400, "invalid_value"),
+    ("seed below -2**63", chat_body(seed=-(1 << 63) - 1), 400, "invalid_value"),
+    ("lone surrogate in a message", raw(messages=[{"role": "user", "content": "a\ud800b"}]), 400, "invalid_value"),
+    (
+        "lone surrogate in a content part",
+        raw(messages=[{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]),
+        400,
+        "invalid_value",
+    ),
+    ("lone surrogate in stop", raw(stop="x\ud800"), 400, "invalid_value"),
 ]
 
 
@@ -160,6 +175,29 @@ def test_bad_input_is_an_openai_error_and_the_server_stays_healthy(
     error = response.json()["error"]
     assert error["code"] == code and error["message"] and error["type"]
     assert httpx.get(live.url + "/healthz").status_code == 200
+
+
+def test_one_bad_request_names_its_parameter_and_keeps_the_connection_usable(live: LiveServer) -> None:
+    with httpx.Client(base_url=live.url, headers={"Authorization": "Bearer sk-acme-0123456789"}, timeout=60) as http:
+        for path, body, param in [
+            ("/v1/chat/completions", chat_body(seed=1 << 64), "seed"),
+            ("/v1/completions", {"model": MODEL_ID, "prompt": "a\ud800b", "max_tokens": 2}, "prompt"),
+            ("/v1/chat/completions", chat_body(messages=[{"role": "user", "content": "a\ud800b"}]), "messages"),
+        ]:
+            refused = http.post(path, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+            assert http.post("/v1/chat/completions", json=chat_body()).status_code == 200  # same connection
+
+
+@pytest.mark.parametrize(
+    "extreme", [{"temperature": 5e-324}, {"temperature": 1e-300}, {"top_p": 5e-324}, {"top_p": 1e-300}]
+)
+def test_tiny_temperatures_and_top_ps_sample_the_top_token(live: LiveServer, extreme: dict[str, float]) -> None:
+    greedy = post(live, "/v1/chat/completions", chat_body(max_tokens=4, temperature=0)).json()
+    sampled = post(live, "/v1/chat/completions", chat_body(max_tokens=4, seed=(1 << 64) - 1, **extreme))
+    assert sampled.status_code == 200, sampled.text
+    # the limit of a vanishing temperature, and a nucleus that keeps the top token only, is greedy decoding
+    assert sampled.json()["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
 
 
 def test_prompt_over_the_context_limit(live: LiveServer) -> None:
@@ -226,6 +264,9 @@ def test_admin_routes(live: LiveServer) -> None:
     assert admin("/admin/epoch", {"model": MODEL_ID}).json()["epoch"] >= 1
     assert ask(live, "Where are you based?").usage.prompt_tokens_details.cached_tokens == 0
     assert admin("/admin/purge", {"tenant": "globex"}).status_code == 200
+    for empty in ({"tenant": "acme", "messages": []}, {"tenant": "acme", "prompt": ""}):
+        refused = admin("/admin/purge", empty)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] in ("messages", "prompt"), refused.text
 
 
 def test_metrics_exposition(live: LiveServer) -> None:

@@ -26,6 +26,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be between 0 and 2, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            raise ValueError(f"seed must be between -2**63 and 2**64 - 1, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop) or len(self.stop) > 4:
             raise ValueError("stop must be at most 4 non-empty strings")
 
@@ -34,11 +36,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """The next token from the last position's ``logits`` ([vocab])."""
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    scores = logits.double()
+    # NOTE: in float64 (which holds a temperature as small as 5e-324) and with the max taken
+    # out before dividing, a tiny temperature gives 0 for the top token and -inf for the
+    # rest (greedy, its limit), never inf - inf.
+    probs = torch.softmax((scores - scores.max()) / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest set of tokens whose mass reaches top_p (the top token always).
+        # Keep the smallest set of tokens whose mass reaches top_p, and the top token always
+        # (a top_p below float32's smallest number would otherwise keep none).
         outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        outside[0] = False
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -7,6 +7,19 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_TOKENS_LIMIT = 1 << 20  # any larger value is refused as such, before the context check
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a torch generator takes
+
+
+def _unicode(value: Any) -> Any:
+    """Refuse text a tokenizer cannot encode: JSON allows a lone surrogate (``"\\ud800"``),
+    UTF-8 does not."""
+    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else ():
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"not valid Unicode text (a lone surrogate at character {exc.start})") from None
+    return value
 
 
 class _Request(BaseModel):
@@ -22,11 +35,12 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        _unicode(value)
         stops = [value] if isinstance(value, str) else value or []
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop must be at most 4 non-empty strings")
@@ -45,12 +59,16 @@ class ContentPart(BaseModel):
     type: Literal["text"]
     text: str
 
+    _text = field_validator("text")(_unicode)
+
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
+
+    _content = field_validator("content")(_unicode)
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -74,7 +92,7 @@ class CompletionRequest(_Request):
             raise ValueError("one prompt per request (a list of several prompts is not supported)")
         if (isinstance(value, list) and not value) or value == "":
             raise ValueError("the prompt is empty")
-        return value
+        return _unicode(value)
 
 
 class EpochRequest(BaseModel):
@@ -83,5 +101,7 @@ class EpochRequest(BaseModel):
 
 class PurgeRequest(BaseModel):
     tenant: str = Field(min_length=1)
-    prompt: str | None = None  # purge only cached sequences that start with this text (raw tokens)
-    messages: list[Message] | None = None  # ... or with this chat (template, no generation prompt)
+    prompt: str | None = Field(default=None, min_length=1)  # purge only sequences that start with this text
+    messages: list[Message] | None = Field(default=None, min_length=1)  # ... or with this chat (template)
+
+    _prompt = field_validator("prompt")(_unicode)
