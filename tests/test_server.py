@@ -200,6 +200,36 @@ def test_tiny_temperatures_and_top_ps_sample_the_top_token(live: LiveServer, ext
     assert sampled.json()["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
 
 
+UNSUPPORTED = [
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/chat/completions", "tool_choice", "auto"),
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "logprobs", True),
+    ("/v1/completions", "echo", True),
+    ("/v1/completions", "best_of", 3),
+    ("/v1/completions", "suffix", "done"),
+    ("/v1/completions", "logprobs", 2),
+]
+
+
+@pytest.mark.parametrize(("path", "field", "value"), UNSUPPORTED, ids=[f"{u[0]}:{u[1]}" for u in UNSUPPORTED])
+def test_an_unsupported_openai_field_is_refused_by_name(live: LiveServer, path: str, field: str, value: Any) -> None:
+    body = chat_body() if "chat" in path else {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 2}
+    refused = post(live, path, body | {field: value})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == field and "not supported" in error["message"]
+    off = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False}
+    if field in off:  # its "off" value asks for nothing: answered
+        assert post(live, path, body | {field: off[field]}).status_code == 200
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_tokens", "10"), ("stream", "yes"), ("temperature", "0.5")])
+def test_no_lax_coercion(live: LiveServer, field: str, value: str) -> None:
+    refused = post(live, "/v1/chat/completions", chat_body(**{field: value}))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+
+
 def test_prompt_over_the_context_limit(live: LiveServer) -> None:
     body = chat_body(messages=[{"role": "user", "content": "garden " * 9000}])
     response = post(live, "/v1/chat/completions", body)

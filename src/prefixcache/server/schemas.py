@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_TOKENS_LIMIT = 1 << 20  # any larger value is refused as such, before the context check
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a torch generator takes
@@ -22,10 +22,36 @@ def _unicode(value: Any) -> Any:
     return value
 
 
+# Fields of OpenAI's API this server does not implement, with the values that ask for
+# nothing: a request that sets one to anything else is refused with a 400 naming it,
+# never answered as if it had not asked.
+_OFF: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+
+
+def _off(value: Any, info: ValidationInfo) -> Any:
+    name = info.field_name or ""
+    if not any(value == off and type(value) is type(off) for off in _OFF[name]):
+        raise ValueError(f"{name} is not supported by this server")
+    return value
+
+
 class _Request(BaseModel):
-    # NOTE: unknown fields are accepted and ignored, as OpenAI-compatible servers do:
-    # clients send options (user, logprobs=False, ...) that change nothing here.
-    model_config = ConfigDict(extra="ignore")
+    # NOTE: unknown fields are accepted and ignored, as OpenAI-compatible servers do
+    # (user, metadata, ...), except the ones of ``_OFF``, refused when they ask for
+    # something; and no lax coercion: "10" is not a number, "yes" is not a boolean.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -36,6 +62,25 @@ class _Request(BaseModel):
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+
+    _unsupported = field_validator(
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "response_format",
+        "logprobs",
+        "top_logprobs",
+        "logit_bias",
+    )(_off)
 
     @field_validator("stop")
     @classmethod
@@ -56,6 +101,8 @@ class _Request(BaseModel):
 
 
 class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
@@ -63,7 +110,7 @@ class ContentPart(BaseModel):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
@@ -84,6 +131,11 @@ class ChatRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int]
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    _unsupported_here = field_validator("echo", "best_of", "suffix")(_off)
 
     @field_validator("prompt")
     @classmethod
@@ -92,7 +144,8 @@ class CompletionRequest(_Request):
             raise ValueError("one prompt per request (a list of several prompts is not supported)")
         if (isinstance(value, list) and not value) or value == "":
             raise ValueError("the prompt is empty")
-        return _unicode(value)
+        _unicode(value)
+        return value
 
 
 class EpochRequest(BaseModel):
