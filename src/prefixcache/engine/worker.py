@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from prefixcache.cache import PrefixCache
+from prefixcache.engine.chat import chat_tokens
 from prefixcache.engine.kv import SequenceKV
 from prefixcache.engine.model import LoadedModel
 from prefixcache.engine.requests import (
@@ -104,11 +105,9 @@ class Engine:
 
     def tokenize_chat(self, messages: list[dict[str, str]], generation_prompt: bool = True) -> list[int]:
         """The chat template's tokens for ``messages``, ending with the assistant's turn
-        (without it: the prefix that later conversations starting this way share)."""
-        tokenizer = self.loaded.tokenizer
-        out: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
-        ids = out if isinstance(out, list) else out["input_ids"]  # transformers >= 5 returns a BatchEncoding
-        return [int(t) for t in ids]
+        (without it: the prefix that later conversations starting this way share). Control
+        tokens come from the template only, never from a message's text (``chat.py``)."""
+        return chat_tokens(self.loaded.tokenizer, messages, generation_prompt)
 
     def tokenize_text(self, text: str) -> list[int]:
         return [int(t) for t in self.loaded.tokenizer.encode(text, add_special_tokens=False)]
