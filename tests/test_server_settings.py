@@ -4,6 +4,9 @@ equal to ``CacheConfig`` field for field, errors that name the culprit and the v
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,3 +143,35 @@ def test_bad_settings_name_the_problem(tmp_path: Path, toml: str, env: dict[str,
 def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot read the config file"):
         load_settings(tmp_path / "nope.toml", env={})
+
+
+def test_shared_isolation_with_several_tenants_needs_the_operators_word() -> None:
+    shared = {"PREFIXCACHE_CACHE_ISOLATION": "shared"}
+    with pytest.raises(ValueError, match=r"allow_cross_tenant_reuse = true"):
+        load_settings(env=shared | {"PREFIXCACHE_AUTH_API_KEYS": "sk-a=acme,sk-b=globex"})
+    with pytest.raises(ValueError, match=r"allow_cross_tenant_reuse = true"):
+        load_settings(env=shared | {"PREFIXCACHE_AUTH_TENANT_HEADER": "x-tenant"})  # tenants named by a gateway
+    allowed = load_settings(
+        env=shared
+        | {"PREFIXCACHE_AUTH_API_KEYS": "sk-a=acme,sk-b=globex", "PREFIXCACHE_AUTH_ALLOW_CROSS_TENANT_REUSE": "1"}
+    )
+    assert allowed.cross_tenant_reuse
+    one_tenant = load_settings(env=shared | {"PREFIXCACHE_AUTH_API_KEYS": "sk-a=acme,sk-a2=acme"})
+    assert not one_tenant.cross_tenant_reuse  # two keys of one tenant share nothing across tenants
+    assert not load_settings(env={"PREFIXCACHE_AUTH_API_KEYS": "sk-a=acme,sk-b=globex"}).cross_tenant_reuse
+
+
+def test_prefixcache_serve_refuses_it_at_start_up() -> None:
+    env = {
+        **os.environ,
+        "PREFIXCACHE_CACHE_ISOLATION": "shared",
+        "PREFIXCACHE_AUTH_API_KEYS": "sk-a=acme,sk-b=globex",
+    }
+    refused = subprocess.run(
+        [str(Path(sys.executable).with_name("prefixcache")), "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0 and "allow_cross_tenant_reuse" in refused.stderr

@@ -85,6 +85,11 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     log.info("settings (defaults < file < PREFIXCACHE_* env < flags): %s", describe(settings))
     if settings.auth.local_mode:
         log.warning("no [auth] api_keys configured: single-tenant local mode, no authentication (tenant 'local')")
+    if settings.cross_tenant_reuse:
+        log.warning(
+            "isolation = 'shared' with several tenants (auth.allow_cross_tenant_reuse): every tenant reuses, "
+            "and so can detect, the prefixes any other tenant sent"
+        )
     service = build_service(settings)
     host, port = settings.server.host, settings.server.port
     url = f"http://{host}:{port}"

@@ -29,7 +29,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -118,6 +118,9 @@ class AuthSettings(BaseModel):
     )  # key -> tenant
     admin_key: str = ""
     tenant_header: str = ""  # a header set by a trusted gateway that names the tenant; off when empty
+    # isolation = "shared" with several tenants lets each see (by cached_tokens and by
+    # time) what the others sent: refused unless the operator says so here
+    allow_cross_tenant_reuse: bool = False
 
     @property
     def local_mode(self) -> bool:
@@ -205,6 +208,23 @@ class Settings(BaseSettings):
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
         return tuple(sources)
 
+    @model_validator(mode="after")
+    def _isolated(self) -> Settings:
+        if self.cross_tenant_reuse and not self.auth.allow_cross_tenant_reuse:
+            raise ValueError(
+                "cache.isolation = 'shared' with several tenants lets every tenant see what the others sent "
+                "(cached_tokens and response time reveal it); use 'namespace' or 'partitioned', or set "
+                "auth.allow_cross_tenant_reuse = true to accept that"
+            )
+        return self
+
+    @property
+    def cross_tenant_reuse(self) -> bool:
+        """Whether tenants share cached prefixes beyond publication (shared isolation, allowed)."""
+        return self.cache.isolation == "shared" and (
+            len(set(self.auth.api_keys.values())) > 1 or bool(self.auth.tenant_header)
+        )
+
     def cache_config(self, layout: KVLayout) -> CacheConfig:
         """The cache this server opens: ``[cache]`` with the model's KV layout."""
         if self.cache.kv_layout is not None:
@@ -287,6 +307,7 @@ def describe(settings: Settings) -> dict[str, Any]:
             "tenants": sorted(set(settings.auth.api_keys.values())),
             "admin_key": "***" if settings.auth.admin_key else "",
             "tenant_header": settings.auth.tenant_header,
+            "allow_cross_tenant_reuse": settings.auth.allow_cross_tenant_reuse,
         },
     }
     return out
