@@ -276,7 +276,11 @@ def test_admin_routes(live: LiveServer) -> None:
             return httpx.get(live.url + path, headers=headers)
         return httpx.post(live.url + path, json=body, headers=headers)
 
-    assert admin("/admin/stats", key="sk-acme-0123456789").status_code == 401  # a tenant key is not the admin key
+    as_tenant = admin("/admin/stats", key="sk-acme-0123456789")  # a tenant key is recognised, and not enough
+    assert as_tenant.status_code == 403 and as_tenant.json()["error"]["code"] == "admin_key_required"
+    assert admin("/admin/stats", key="sk-nobody").status_code == 401
+    unknown = admin("/admin/epoch", {"model": "gpt-17"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
     ask(live, "Where are you based?")
     assert ask(live, "Where are you based?").usage.prompt_tokens_details.cached_tokens > 0
     stats = admin("/admin/stats").json()

@@ -175,3 +175,11 @@ def test_prefixcache_serve_refuses_it_at_start_up() -> None:
         timeout=120,
     )
     assert refused.returncode != 0 and "allow_cross_tenant_reuse" in refused.stderr
+
+
+def test_listening_beyond_loopback_without_keys_needs_the_operators_word() -> None:
+    with pytest.raises(ValueError, match=r"allow_open_access"):
+        load_settings(env={"PREFIXCACHE_SERVER_HOST": "0.0.0.0"})
+    assert load_settings(env={"PREFIXCACHE_SERVER_HOST": "0.0.0.0", "PREFIXCACHE_SERVER_ALLOW_OPEN_ACCESS": "1"})
+    assert load_settings(env={"PREFIXCACHE_SERVER_HOST": "0.0.0.0", "PREFIXCACHE_AUTH_API_KEYS": "sk-a=acme"})
+    assert load_settings(env={"PREFIXCACHE_SERVER_HOST": "127.0.0.2"})  # loopback

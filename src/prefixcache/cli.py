@@ -98,6 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--config", help="TOML settings file (default: $PREFIXCACHE_CONFIG, else built-in defaults)")
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    serve.add_argument(
+        "--allow-open-access",
+        action="store_true",
+        help="listen beyond loopback with no API keys configured (anyone who reaches the port may use it)",
+    )
     serve.add_argument("--model", help="'smollm2-135m-instruct' (default) or a local transformers model folder")
     demo = sub.add_parser("demo", help="replay synthetic multi-tenant chat traffic through the cache")
     demo.add_argument("--requests", type=int, default=2000, help="number of requests (default 2000)")

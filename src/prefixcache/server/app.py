@@ -151,6 +151,8 @@ def _operator_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/admin/epoch", dependencies=[Depends(auth.admin)])
     def bump_epoch(body: EpochRequest) -> dict[str, Any]:
+        if body.model != server.model_id:  # a typo would otherwise count an epoch of a model nobody serves
+            raise APIError(404, f"The model `{body.model}` is not served here.", code="model_not_found", param="model")
         return {"model": body.model, "epoch": server.need_cache().bump_epoch(body.model)}
 
     @app.post("/admin/purge", dependencies=[Depends(auth.admin)])

@@ -47,8 +47,16 @@ class Auth:
                 return  # local mode: no keys at all, the admin routes are as open as the rest
             raise APIError(403, "admin routes are disabled: set [auth] admin_key", code="admin_disabled")
         key = self._key(request)
-        if key is None or not hmac.compare_digest(key.encode(), auth.admin_key.encode()):
-            raise APIError(401, "Incorrect admin key provided.", code="invalid_api_key")
+        if key is not None and hmac.compare_digest(key.encode(), auth.admin_key.encode()):
+            return
+        if key is not None and _lookup(auth.api_keys, key) is not None:
+            raise APIError(
+                403,
+                "Admin routes are for the operator: this route needs the admin key, not a tenant's API key.",
+                type_="permission_error",
+                code="admin_key_required",
+            )
+        raise APIError(401, "Incorrect admin key provided.", code="invalid_api_key")
 
     def operator(self, request: Request) -> None:
         """Guard the per-tenant figures (/metrics, /dashboard/data): the admin key only.

@@ -76,6 +76,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         flags["server"]["host"] = args.host
     if args.port is not None:
         flags["server"]["port"] = args.port
+    if args.allow_open_access:
+        flags["server"]["allow_open_access"] = True
     if args.model is not None:
         flags["model"]["name"] = args.model
     try:

@@ -76,6 +76,7 @@ class ServerSettings(BaseModel):
     default_max_tokens: int = Field(default=256, gt=0)  # when a chat request names none (capped by the context)
     cache: bool = True  # off: every prompt is prefilled in full
     flush_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM or SIGINT: how long queued writes may take
+    allow_open_access: bool = False  # needed to listen beyond loopback with no [auth] api_keys
 
 
 class ModelSettings(BaseModel):
@@ -207,6 +208,17 @@ class Settings(BaseSettings):
         if path is not None:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
         return tuple(sources)
+
+    @model_validator(mode="after")
+    def _reachable(self) -> Settings:
+        loopback = self.server.host in ("127.0.0.1", "localhost", "::1") or self.server.host.startswith("127.")
+        if not loopback and self.auth.local_mode and not self.server.allow_open_access:
+            raise ValueError(
+                f"server.host = {self.server.host!r} with no [auth] api_keys lets anyone who reaches the port use "
+                "the model and the cache unauthenticated; configure api_keys, or set server.allow_open_access = true "
+                "(--allow-open-access)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _isolated(self) -> Settings:
