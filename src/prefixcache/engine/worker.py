@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import random
 import threading
@@ -83,7 +84,7 @@ class Engine:
         self._rng = rng or random.Random()
         self._queue: queue.Queue[Handle | None] = queue.Queue(maxsize=max_queue)
         self._ids = itertools.count(1)
-        self._busy_s = 1.0  # a running estimate of one request's seconds, for Retry-After
+        self._busy_s = 1.0  # a running estimate of one request's service seconds, for Retry-After
         self._thread: threading.Thread | None = None
         self._closed = False
         self.stats = EngineStats()
@@ -141,8 +142,9 @@ class Engine:
         except queue.Full:
             self._count(-1)
             waiting = self._queue.qsize() + 1
+            # a place in the queue frees when the running request ends: within one service time
             raise QueueFull(
-                f"the server is busy ({waiting} requests waiting); retry later", max(1, round(waiting * self._busy_s))
+                f"the server is busy ({waiting} requests waiting); retry later", max(1, math.ceil(self._busy_s))
             ) from None
         return handle
 
