@@ -5,6 +5,7 @@ within bounded time by the circuit breaker."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
@@ -147,7 +148,10 @@ def test_corrupt_values_are_counted_misses_and_deleted(redis_server: RedisServer
 # ============================================================================ failures
 
 
-def test_killed_redis_opens_the_breaker_which_backs_off_and_recovers(redis_server: RedisServer, clock: Clock) -> None:
+def test_killed_redis_opens_the_breaker_which_backs_off_and_recovers(
+    redis_server: RedisServer, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="prefixcache.tiers")
     with store_at(redis_server.url, clock) as store:
         store.put(key_of(1), frame_of(1))
         assert store.get_many([key_of(1)]) == [frame_of(1)]
@@ -156,6 +160,7 @@ def test_killed_redis_opens_the_breaker_which_backs_off_and_recovers(redis_serve
             out, elapsed = timed(store.get_many, [key_of(1), key_of(2)])
             assert out == [None, None] and elapsed < 1.0
         assert store.stats.errors["connection"] == 3 and store.breaker.state == "open"
+        assert [r.getMessage().split()[0] for r in caplog.records] == ["event=tier_breaker_open"]  # once, not per call
         out, elapsed = timed(store.get_many, [key_of(1)])
         assert out == [None] and elapsed < 0.005  # no network while open
         _, elapsed = timed(store.contains_prefix, [key_of(1)])
@@ -174,8 +179,16 @@ def test_killed_redis_opens_the_breaker_which_backs_off_and_recovers(redis_serve
         clock.now += 1.0
         assert store.get_many([key_of(1)]) == [None]  # the trial reaches Redis: a plain miss
         assert store.breaker.state == "closed" and store.breaker.backoff == 1.0
+        events = [r.getMessage().split()[0] for r in caplog.records]
+        assert events == ["event=tier_breaker_open", "event=tier_breaker_closed"]
         store.put(key_of(1), frame_of(1))
         assert store.get_many([key_of(1)]) == [frame_of(1)]
+
+
+def test_the_breakers_log_lines_name_the_tier_without_its_credentials() -> None:
+    store = RedisStore("redis://admin:s3cret@127.0.0.1:1/2", BIG, "ns")
+    assert store.breaker.name == "redis://127.0.0.1:1/2"
+    store.close()
 
 
 def test_unreachable_at_start_is_misses_not_exceptions() -> None:

@@ -24,10 +24,12 @@ policy at any time, and that is just a miss.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import ClassVar, Final, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -44,6 +46,17 @@ BreakerState = Literal["closed", "open", "half_open"]
 # NOTE: contains_prefix asks in chunks and stops at the first chunk with a hole: a long
 # chain costs one round trip per chunk, and a short match does not pay for the whole chain.
 EXISTS_CHUNK: Final = 128
+
+
+log = logging.getLogger("prefixcache.tiers")
+
+
+def _safe_address(url: str) -> str:
+    """``url`` without its credentials, for log lines."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
 class CircuitBreaker:
@@ -64,6 +77,7 @@ class CircuitBreaker:
         reset_after: float = 1.0,
         max_backoff: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        name: str = "redis",
     ) -> None:
         if failure_threshold < 1:
             raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
@@ -72,6 +86,7 @@ class CircuitBreaker:
         self.failure_threshold = failure_threshold
         self.reset_after = reset_after
         self.max_backoff = max_backoff
+        self.name = name  # what its log lines call the tier (an address without credentials)
         self._clock = clock
         self._lock = threading.Lock()
         self._state: BreakerState = "closed"
@@ -101,19 +116,33 @@ class CircuitBreaker:
 
     def record_success(self) -> None:
         with self._lock:
+            was = self._state
             self._state, self._failures, self._backoff = "closed", 0, self.reset_after
+        if was != "closed":
+            log.warning("event=tier_breaker_closed tier=%s state=closed (reachable again)", self.name)
 
     def record_failure(self) -> None:
         with self._lock:
             if self._state == "closed":
                 self._failures += 1
-                if self._failures >= self.failure_threshold:
+                opened = self._failures >= self.failure_threshold
+                if opened:
                     self._state, self._since = "open", self._clock()
-                return
-            # a failed trial (or a late failure of a call made before the breaker opened)
-            if self._state == "half_open":
-                self._backoff = min(self._backoff * 2, self.max_backoff)
-            self._state, self._since = "open", self._clock()
+                failures, backoff = self._failures, self._backoff
+            else:
+                # a failed trial (or a late failure of a call made before the breaker opened)
+                if self._state == "half_open":
+                    self._backoff = min(self._backoff * 2, self.max_backoff)
+                self._state, self._since = "open", self._clock()
+                opened, failures, backoff = False, self._failures, self._backoff
+        if opened:
+            log.warning(
+                "event=tier_breaker_open tier=%s state=open failures=%d next_trial_s=%.1f "
+                "(its reads are misses and its writes are dropped until it answers)",
+                self.name,
+                failures,
+                backoff,
+            )
 
 
 class RedisStore(TierStore):
@@ -153,7 +182,7 @@ class RedisStore(TierStore):
             raise ValueError("namespace (the deployment seed) must be a non-empty string")
         self.namespace = namespace
         self._prefix = f"{namespace}:".encode()
-        self.breaker = breaker if breaker is not None else CircuitBreaker(clock=clock)
+        self.breaker = breaker if breaker is not None else CircuitBreaker(clock=clock, name=_safe_address(url))
         # NOTE: redis-py retries failed commands by default (with backoff), which would
         # multiply the read deadline; the breaker is our retry policy, so retries are 0.
         self._client: redis.Redis = redis.Redis.from_url(
