@@ -34,6 +34,7 @@ __all__ = [
     "WriterStats",
     "snapshot",
     "to_json",
+    "top_tenants",
 ]
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -216,6 +217,25 @@ class CacheStats:
 
     def removed(self, reason: RemovalReason) -> int:
         return self.removals.get(reason, 0)
+
+
+def top_tenants(tenants: Mapping[str, TenantStats], n: int, other: str = "other") -> dict[str, TenantStats]:
+    """The ``n`` tenants with the most prompt tokens looked up, and the rest summed under
+    ``other`` (so that a report's size is bounded, as /metrics' labels are)."""
+    ranked = sorted(tenants.items(), key=lambda item: (-item[1].lookup_tokens, item[0]))
+    kept = dict(ranked[:n])
+    rest = [t for _, t in ranked[n:]]
+    if rest:
+        used = [t.used_tokens for t in rest if t.used_tokens is not None]
+        kept[other] = TenantStats(
+            sum(t.lookups for t in rest),
+            sum(t.lookup_tokens for t in rest),
+            sum(t.hit_tokens for t in rest),
+            sum(t.hit_requests for t in rest),
+            sum(t.inserted_tokens for t in rest),
+            sum(used) if used else None,
+        )
+    return kept
 
 
 def to_json(value: Any) -> Any:

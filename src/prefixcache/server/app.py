@@ -26,7 +26,7 @@ from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from prefixcache.cache import PrefixCache
-from prefixcache.cache.stats import to_json
+from prefixcache.cache.stats import CacheStats, to_json, top_tenants
 from prefixcache.engine import Engine
 from prefixcache.ops.collector import CacheCollector
 from prefixcache.ops.dashboard import dashboard_data
@@ -46,6 +46,8 @@ PAGE_HEADERS = {
     "Referrer-Policy": "no-referrer",  # the page may be opened as /?key=...
     "Cache-Control": "no-cache",
 }
+
+TOP_TENANTS = 20  # tenants listed by name in /admin/stats, as /metrics labels them
 
 
 class Server:
@@ -174,5 +176,11 @@ def _operator_routes(app: FastAPI, server: Server) -> None:
             "queue_depth": engine.queue_depth(),
             "engine": dataclasses.asdict(engine.stats),
             "prefill_seconds_per_token": recorder.prefill_rate.value,
-            "cache": to_json(server.cache.stats()) if server.cache is not None else None,
+            "cache": to_json(_bounded(server.cache.stats())) if server.cache is not None else None,
         }
+
+
+def _bounded(stats: CacheStats) -> CacheStats:
+    """The stats with their tenants bounded as /metrics bounds its labels (the top ones by
+    prompt tokens, the rest summed under "other"), so that many tenants make no huge page."""
+    return dataclasses.replace(stats, tenants=top_tenants(stats.tenants, TOP_TENANTS))
