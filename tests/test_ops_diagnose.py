@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prefixcache import CacheConfig, CacheContext, PrefixCache
 from prefixcache.cli import main
 from prefixcache.ops.collector import CacheCollector
-from prefixcache.ops.diagnose import diagnose, run_diagnose
+from prefixcache.ops.diagnose import diagnose, run_diagnose, summary
 from prefixcache.ops.metrics import ServingMetrics
 from prefixcache.ops.scrape import Scrape, Window
 from scrape_scenarios import OUT, SCENARIOS, write
@@ -169,3 +169,18 @@ def test_thresholds_follow_the_alert_rules() -> None:
         "HBM (L0) pressure: L0 tier hbm (memory) is full and evicting"
     ]
     assert diagnose(window(40_000)) == []
+
+
+def test_prefill_saved_is_not_measured_until_the_engine_timed_a_prefill() -> None:
+    """As the dashboard says "not measured", never "0.0 %" for a rate nobody measured."""
+    counters = (
+        'prefixcache_prefill_seconds_total{{tenant="a"}} {}\nprefixcache_prefill_seconds_saved_total{{tenant="a"}} {}\n'
+    )
+    before = Scrape.parse(counters.format(0, 0))
+
+    def lines(per_token: float, spent: float, saved: float) -> list[str]:
+        after = counters.format(spent, saved) + f"prefixcache_prefill_seconds_per_token {per_token}\n"
+        return [line for line in summary(Window(Scrape.parse(after), before, 10)) if "prefill" in line]
+
+    assert lines(0.0, 4.0, 0.0) == ["prefill time saved: not measured (the engine has not timed a prefill yet)"]
+    assert lines(0.0002, 4.0, 1.0) == ["prefill time saved 20.0% (1.0 s saved, 4.0 s spent)"]

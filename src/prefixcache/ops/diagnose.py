@@ -270,7 +270,9 @@ def summary(w: Window) -> list[str]:
         lines.append(f"token hit rate {hit / looked:.1%} ({hit:,.0f} of {looked:,.0f} tokens)")
     saved = w.delta("prefixcache_prefill_seconds_saved_total")
     spent = w.delta("prefixcache_prefill_seconds_total")
-    if saved + spent > 0:
+    if w.gauge("prefixcache_prefill_seconds_per_token") <= 0:  # as the dashboard says: no rate, no estimate
+        lines.append("prefill time saved: not measured (the engine has not timed a prefill yet)")
+    elif saved + spent > 0:
         lines.append(f"prefill time saved {saved / (saved + spent):.1%} ({saved:,.1f} s saved, {spent:,.1f} s spent)")
     for tier in tiers(w):
         lines.append(f"{tier.name}: {tier.occupancy:.0%} full, {tier.evictions:,.0f} evictions")
