@@ -304,3 +304,17 @@ def test_a_preempted_request_matched_again_loads_into_its_new_blocks() -> None:
     plan = state.step(output(cached=cached, scheduled={"r": 5}))
     assert plan.loads == [LoadSpec("r", "s", tuple(range(8)), 0, (7, 6))]
     assert plan.saves == [SaveSpec("r", "s", tuple(range(12)), (7, 6, 5))]
+
+
+def test_a_copy_into_vllm_that_fails_reports_every_block_to_recompute(tmp_path: Path) -> None:
+    tokens = tuple(range(2 * N))
+    w = worker(tmp_path, cpu_caches(7))
+    w.save(SaveSpec("r", "t", tokens, (1, 2)))
+
+    def broken(kv: np.ndarray, block_ids: Any) -> None:
+        raise RuntimeError("device lost")
+
+    w.paged.scatter = broken  # type: ignore[method-assign]
+    assert w.load(LoadSpec("r", "t", tokens, 0, (5, 6))) == [5, 6]
+    assert w.tally.errors["load"] == 1 and not w.tally.hit_tokens
+    w.close(5)

@@ -143,23 +143,21 @@ class ConnectorWorker:
         """Fill the spec's vLLM blocks; returns those it could not fill (for vLLM to recompute)."""
         n = self.paged.block_size
         start = time.perf_counter()
-        loaded_blocks = 0
+        done = 0  # blocks of the spec placed in vLLM's memory
         try:
             with self.cache.match(spec.tokens, self.context(spec.tenant)) as m:
                 if m.num_blocks > spec.first_block:
                     got = self.cache.load(m)
-                    loaded_blocks = min(got.tokens // n, spec.first_block + len(spec.block_ids))
-                    if loaded_blocks > spec.first_block:
-                        kv = got.kv[:, :, :, spec.first_block * n : loaded_blocks * n, :]
-                        self.paged.scatter(kv, spec.block_ids[: loaded_blocks - spec.first_block])
-                        self._count_hits(
-                            spec.tenant, got.tier_tokens, (loaded_blocks - spec.first_block) * n, got.tokens
-                        )
+                    end = min(got.tokens // n, spec.first_block + len(spec.block_ids))
+                    if end > spec.first_block:
+                        kv = got.kv[:, :, :, spec.first_block * n : end * n, :]
+                        self.paged.scatter(kv, spec.block_ids[: end - spec.first_block])
+                        done = end - spec.first_block  # only once placed: a failed copy is a miss
+                        self._count_hits(spec.tenant, got.tier_tokens, done * n, got.tokens)
         except Exception:  # a failed load is a miss for those blocks, never a failed request
             log.exception("prefixcache: load for request %s failed", spec.req_id)
             self.tally.errors["load"] += 1
         self.tally.load_seconds.append(time.perf_counter() - start)
-        done = max(loaded_blocks - spec.first_block, 0)
         failed = list(spec.block_ids[done:])
         if failed:
             self.tally.lost_tokens[spec.tenant] += len(failed) * n
