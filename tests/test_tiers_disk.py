@@ -4,6 +4,7 @@ quarantined and counted, never served (design.md invariants 6 and 8)."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import subprocess
@@ -162,13 +163,16 @@ def test_unknown_fsync_policy_lists_the_valid_ones(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- warm restart
 
 
-def test_warm_restart_in_process(tmp_path: Path) -> None:
+def test_warm_restart_in_process(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     keys = [key_of(i) for i in range(20)]
     with DiskStore(tmp_path, 1 << 20) as store:
         for key in keys:
             store.put(key, frame_for(key))
         used = store.used_bytes
+    caplog.set_level(logging.INFO, logger="prefixcache.tiers")
     reopened = DiskStore(tmp_path, 1 << 20)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("event=tier_opened tier=disk") and f"blocks=20 bytes={used} rejected=0" in line
     assert sorted(reopened.keys()) == sorted(keys) and reopened.used_bytes == used
     assert reopened.get_many(keys) == [frame_for(k) for k in keys]
     assert not reopened.stats.errors

@@ -35,6 +35,7 @@ are verified on every read instead, where a bad block costs one miss.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import uuid
@@ -56,6 +57,8 @@ _SUFFIX: Final = ".blk"
 # NOTE: a header is at most 256 bytes for a key of MAX_KEY_BYTES, so one small read
 # finds it; a header that claims to be longer cannot be a key this store writes.
 _HEADER_PROBE: Final = 4096
+
+log = logging.getLogger("prefixcache.tiers")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -127,6 +130,14 @@ class DiskStore(TierStore):
         if fsync == "full":
             _fsync_dir(self._blocks)
         self._scan()
+        rejected = sum(self.stats.errors.values())
+        log.info(
+            "event=tier_opened tier=disk path=%s blocks=%d bytes=%d rejected=%d (kept from before: the warm restart)",
+            self.directory,
+            len(self._index),
+            self._used,
+            rejected,
+        )
 
     # ------------------------------------------------------------------ state
 
