@@ -39,9 +39,9 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import ClassVar, Final
+from typing import ClassVar, Final, TypeVar
 
 from prefixcache.storage import codec
 from prefixcache.storage.base import Frame, TierError, TierFull, TierStore
@@ -59,6 +59,7 @@ _SUFFIX: Final = ".blk"
 _HEADER_PROBE: Final = 4096
 
 log = logging.getLogger("prefixcache.tiers")
+T = TypeVar("T")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -256,33 +257,20 @@ class DiskStore(TierStore):
         """As ``get_many``, read straight into ``place`` (``placed.read_placed``); the
         payload is not verified here but by the caller, against the checksum computed on
         the way. A file whose length cannot be such a frame is quarantined."""
-        if key not in self._index:
-            self.stats.misses += 1
-            return None
-        path = self._file(key)
-        try:
-            got = read_placed(path, buffer, place)
-        except FileNotFoundError:
-            self._miss(key, "missing")
-            return None
-        except OSError:
-            self._miss(key, "io", Path(path))
-            return None
-        except codec.FrameError:
-            self._miss(key, "checksum", Path(path))
-            return None
-        self._count_read(key, len(got.frame))
-        return got
+        return self._read(key, lambda path: read_placed(path, buffer, place), lambda got: len(got.frame))
 
     def _get(self, key: bytes) -> bytes | None:
+        return self._read(key, _read_frame(key), len)
+
+    def _read(self, key: bytes, read: Callable[[str], T], size: Callable[[T], int]) -> T | None:
+        """``read`` the file of ``key``; a missing, unreadable or bad file is a miss (and
+        quarantined when it is there but bad), never an error to the caller."""
         if key not in self._index:
             self.stats.misses += 1
             return None
         path = self._file(key)
         try:
-            with open(path, "rb", buffering=0) as f:
-                data = f.readall()
-            codec.decode(data, key=key)
+            got = read(path)
         except FileNotFoundError:
             self._miss(key, "missing")
             return None
@@ -292,8 +280,8 @@ class DiskStore(TierStore):
         except codec.FrameError:
             self._miss(key, "checksum", Path(path))
             return None
-        self._count_read(key, len(data))
-        return data
+        self._count_read(key, size(got))
+        return got
 
     def _count_read(self, key: bytes, size: int) -> None:
         # NOTE: a whole frame of this key whose length differs from the index's (replaced
@@ -398,3 +386,15 @@ class DiskStore(TierStore):
         """Best-effort unlink: what cannot be removed now is found again by the next open."""
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+def _read_frame(key: bytes) -> Callable[[str], bytes]:
+    """A whole frame's file, read and verified against ``key``."""
+
+    def read(path: str) -> bytes:
+        with open(path, "rb", buffering=0) as f:
+            data = f.readall()
+        codec.decode(data, key=key)
+        return data
+
+    return read
