@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a torch generator takes
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -26,7 +28,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be between 0 and 2, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ValueError(f"seed must be between -2**63 and 2**64 - 1, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop) or len(self.stop) > 4:
             raise ValueError("stop must be at most 4 non-empty strings")

@@ -6,8 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from prefixcache.engine.sampling import SEED_RANGE
+
 MAX_TOKENS_LIMIT = 1 << 20  # any larger value is refused as such, before the context check
-SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a torch generator takes
 
 
 def _unicode(value: Any) -> Any:
