@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 
-def _to_torch(array: np.ndarray[Any, Any], dtype: torch.dtype) -> torch.Tensor:
+def to_torch(array: np.ndarray[Any, Any], dtype: torch.dtype) -> torch.Tensor:
     with warnings.catch_warnings():
         # NOTE: a payload read zero-copy from a tier is read-only; the model never
         # writes into the tensors it is given (a DynamicCache concatenates into new ones).
@@ -38,7 +38,7 @@ def fill_cache(
     payload: np.ndarray[Any, Any] | torch.Tensor, model_config: Any, device: torch.device, dtype: torch.dtype
 ) -> DynamicCache:
     """A ``DynamicCache`` holding ``payload`` ([layers, 2, H, T, D]) as its first T positions."""
-    kv = payload if isinstance(payload, torch.Tensor) else _to_torch(payload, dtype)
+    kv = payload if isinstance(payload, torch.Tensor) else to_torch(payload, dtype)
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"KV payload must be [layers, 2, kv_heads, tokens, head_dim], got {tuple(kv.shape)}")
     cache = DynamicCache(config=model_config)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from prefixcache.config import KVLayout
+from prefixcache.engine.kv import to_torch
 
 __all__ = ["Layout", "PagedKV", "PagedSource"]
 
@@ -93,15 +94,16 @@ class PagedKV:
     def block_size(self) -> int:
         return self.geometry.block_size
 
-    def gather(self, block_ids: Sequence[int]) -> np.ndarray:
-        """The KV of these vLLM blocks, in order, as ``[layers, 2, kv_heads, len * block_size, head_dim]``."""
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The KV of these vLLM blocks, in order, as ``[layers, 2, kv_heads, len * block_size, head_dim]``
+        (a tensor ``PrefixCache.insert`` takes as it is)."""
         g = self.geometry
         ids = torch.as_tensor(list(block_ids), dtype=torch.long)
         out = torch.empty((len(self.views), 2, g.kv_heads, len(ids), g.block_size, g.head_dim), dtype=self.dtype)
         for layer, view in enumerate(self.views):
             # [n, 2, H, N, D] -> [2, H, n, N, D]
             out[layer].copy_(view.index_select(0, ids.to(view.device)).permute(1, 2, 0, 3, 4))
-        return _numpy(out.view(len(self.views), 2, g.kv_heads, len(ids) * g.block_size, g.head_dim))
+        return out.view(len(self.views), 2, g.kv_heads, len(ids) * g.block_size, g.head_dim)
 
     def scatter(self, kv: np.ndarray, block_ids: Sequence[int]) -> None:
         """Copy ``kv`` (``[layers, 2, kv_heads, len(block_ids) * block_size, head_dim]``)
@@ -111,7 +113,7 @@ class PagedKV:
         expected = (len(self.views), 2, g.kv_heads, n * g.block_size, g.head_dim)
         if tuple(kv.shape) != expected:
             raise ValueError(f"scatter of {tuple(kv.shape)} into {n} blocks: expected {expected}")
-        source = _tensor(kv, self.dtype).view(len(self.views), 2, g.kv_heads, n, g.block_size, g.head_dim)
+        source = to_torch(kv, self.dtype).view(len(self.views), 2, g.kv_heads, n, g.block_size, g.head_dim)
         ids = torch.as_tensor(list(block_ids), dtype=torch.long)
         for layer, view in enumerate(self.views):
             view.index_copy_(0, ids.to(view.device), source[layer].permute(2, 0, 1, 3, 4).to(view.device))
@@ -125,22 +127,10 @@ class PagedSource:
         self.paged = paged
         self.block_ids = list(block_ids)
 
-    def read(self, begin: int, end: int) -> np.ndarray:
+    def read(self, begin: int, end: int) -> torch.Tensor:
         n = self.paged.block_size
         first, last = begin // n, -(-end // n)
         if end > len(self.block_ids) * n or begin < 0 or begin > end:
             raise ValueError(f"range {begin}..{end} is beyond the request's {len(self.block_ids)} blocks")
         kv = self.paged.gather(self.block_ids[first:last])
         return kv[:, :, :, begin - first * n : end - first * n, :]
-
-
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
-
-
-def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a))
