@@ -96,10 +96,6 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._events: list[KVCacheEvent] = []
         self._medium = ""  # the tier a stored block enters (KV events' ``medium``)
-        model = vllm_config.model_config
-        self.model = self.settings.model_id or model_key(
-            str(model.served_model_name or model.model), model.model, str(model.dtype)
-        )
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
                 log.info(
@@ -119,6 +115,10 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             kv_heads=model.get_num_kv_heads(parallel),
             head_dim=model.get_head_size(),
             block_size=self.block_size,
+        )
+        # the model's key: only the worker matches (reading the model's files once, here)
+        self.model = self.settings.model_id or model_key(
+            str(model.served_model_name or model.model), model.model, str(model.dtype)
         )
         self._worker = ConnectorWorker(self.settings.cache, paged, self.model)
         self._server = LookupServer(self.socket, self._worker.lookup)
