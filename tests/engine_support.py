@@ -41,9 +41,9 @@ def tiered_cache(loaded: LoadedModel, tmp: Path, memory_bytes: int = 256 << 20, 
 class LiveServer:
     """uvicorn serving ``app`` on 127.0.0.1 at a free port, in a thread."""
 
-    def __init__(self, app: Any, engine: Engine | None = None) -> None:
+    def __init__(self, app: Any, engine: Engine | None = None, config: uvicorn.Config | None = None) -> None:
         self.engine = engine  # the engine behind ``app``, for tests that look at its stats
-        self.config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        self.config = config or uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -21,6 +21,7 @@ from prefixcache.cache import PrefixCache
 from prefixcache.engine import Engine, load_model
 from prefixcache.server.app import create_app
 from prefixcache.server.settings import Settings, describe, load_settings
+from prefixcache.server.transport import uvicorn_config
 
 log = logging.getLogger("prefixcache.serve")
 
@@ -104,7 +105,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     auth = "" if settings.auth.local_mode else "  -H 'Authorization: Bearer YOUR_KEY' \\\n"
     print(f'{auth}  -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n', flush=True)
     try:
-        uvicorn.run(service.app, host=host, port=port, log_level="info")
+        uvicorn.Server(uvicorn_config(service.app, settings)).run()
     finally:
         service.close()  # NOTE: the lifespan's shutdown did it on SIGTERM and SIGINT; this is for the rest
     return 0

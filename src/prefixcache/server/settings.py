@@ -73,6 +73,7 @@ class ServerSettings(BaseModel):
     max_queue: int = Field(default=64, gt=0)  # requests waiting beyond this get 429 + Retry-After
     request_timeout_s: float = Field(default=120.0, gt=0)  # queue wait + generation
     max_body_bytes: int = Field(default=1 << 20, gt=0)  # larger bodies get 413
+    read_timeout_s: float = Field(default=30.0, gt=0)  # a request's head and body must arrive within this
     default_max_tokens: int = Field(default=256, gt=0)  # when a chat request names none (capped by the context)
     cache: bool = True  # off: every prompt is prefilled in full
     flush_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM or SIGINT: how long queued writes may take

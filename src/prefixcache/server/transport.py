@@ -1,0 +1,95 @@
+"""How uvicorn runs the app: one place for the connection's deadlines and the access log.
+
+- **Read deadline.** uvicorn times out an idle keep-alive connection, but not one that
+  opens and sends nothing, or half a request line, or a body a byte a minute: each holds
+  a socket and a slot forever (a slow-loris). ``ReadDeadline`` gives every request
+  ``server.read_timeout_s`` to arrive in full (head and body), counted from the moment the
+  connection is ready for it; past that the connection is closed. A response being
+  generated is never cut: only reading the request is timed.
+- **No secret in a log line.** The access log names the path but never its query string
+  (a key pasted into a URL stays out of the log); request headers are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from typing import Any
+
+import uvicorn
+from uvicorn.config import LOGGING_CONFIG
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from prefixcache.server.settings import Settings
+
+__all__ = ["ReadDeadline", "RedactQuery", "uvicorn_config"]
+
+log = logging.getLogger("prefixcache.serve")
+
+
+class ReadDeadline(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on reading each request."""
+
+    read_timeout_s = 30.0  # set per server by ``uvicorn_config`` (a subclass per config)
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()  # the next request on this connection gets its own deadline
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        if self.transport.is_closing():
+            return
+        waiting_after = self.cycle  # the request read so far (None on a new connection)
+        self._deadline = self.loop.call_later(self.read_timeout_s, self._expire, waiting_after)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self, waiting_after: Any) -> None:
+        self._deadline = None
+        read_in_full = self.cycle is not None and self.cycle is not waiting_after and not self.cycle.more_body
+        if read_in_full or self.transport.is_closing():
+            return
+        log.debug("closing a connection that sent no complete request in %.0f s", self.read_timeout_s)
+        self.transport.close()
+
+
+class RedactQuery(logging.Filter):
+    """Drop the query string from uvicorn's access log lines (their third argument)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+            path, _, _ = args[2].partition("?")
+            record.args = (*args[:2], path + "?[redacted]", *args[3:])
+        return True
+
+
+def uvicorn_config(app: Any, settings: Settings, log_level: str = "info", **extra: Any) -> uvicorn.Config:
+    """The uvicorn configuration ``serve`` runs ``app`` with; ``extra`` overrides (tests
+    listen on port 0)."""
+    log_config: dict[str, Any] = copy.deepcopy(LOGGING_CONFIG)
+    log_config.setdefault("filters", {})["redact_query"] = {"()": RedactQuery}
+    log_config["loggers"]["uvicorn.access"]["filters"] = ["redact_query"]  # before any handler
+    protocol = type("ReadDeadline", (ReadDeadline,), {"read_timeout_s": settings.server.read_timeout_s})
+    where: dict[str, Any] = {"host": settings.server.host, "port": settings.server.port}
+    return uvicorn.Config(
+        app,
+        **(where | extra),
+        http=protocol,
+        log_level=log_level,
+        log_config=log_config,
+    )
