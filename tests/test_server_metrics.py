@@ -16,11 +16,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from browser import Browser
 from engine_support import MODEL_ID, LiveServer, engine, layout, model, tiered_cache
 from prefixcache.config import TierConfig
 from prefixcache.server.app import create_app
 from prefixcache.server.settings import AuthSettings, Settings
-from test_ops_dashboard_page import ARTIFACTS, chromium, run_chromium
+from test_ops_dashboard_page import ARTIFACTS, chromium
 
 pytestmark = pytest.mark.model  # the real model: seconds to load, minutes to run
 
@@ -170,32 +171,67 @@ def test_the_page_is_served_self_contained(live: LiveServer) -> None:
     assert 'fetch("dashboard/data"' in page.text
 
 
+def test_the_dashboard_logs_in_with_a_cookie_never_a_url(live: LiveServer) -> None:
+    with httpx.Client(base_url=live.url) as browser:
+        assert browser.get("/dashboard/data").status_code == 401
+        for key, status in (("sk-not-a-key", 401), (key_of("acme"), 403), ("", 400)):
+            refused = browser.post("/dashboard/login", json={"key": key})
+            assert refused.status_code == status and "set-cookie" not in refused.headers, refused.text
+        assert browser.post("/dashboard/login", content=f"key={ADMIN}").status_code == 400  # JSON only, no form
+        login = browser.post("/dashboard/login", json={"key": ADMIN})
+        assert login.status_code == 204
+        cookie = login.headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/" in cookie, cookie
+        assert ADMIN not in cookie  # a random session token, not the key
+        assert "totals" in browser.get("/dashboard/data").json()
+        for path in ("/metrics", "/admin/stats"):  # the cookie opens the page's data only
+            assert browser.get(path).status_code == 401
+        assert browser.post("/dashboard/logout").status_code == 204
+        assert browser.get("/dashboard/data").status_code == 401  # the session is gone on the server too
+        browser.cookies.set("prefixcache_session", "forged-0123456789")
+        assert browser.get("/dashboard/data").status_code == 401
+
+
 @pytest.mark.chromium
 @pytest.mark.skipif(chromium() is None, reason="chromium not found (Debian package chromium)")
 def test_the_real_apps_page_in_headless_chromium(
     live: LiveServer, traffic: dict[str, list[int]], tmp_path: Path
 ) -> None:
-    without_key = run_chromium(tmp_path, "--dump-dom", live.url + "/").stdout
-    assert "HTTP 401: enter the admin key" in without_key and '<form id="key-form">' in without_key
+    with Browser(tmp_path / "profile") as browser:
+        browser.open(live.url + "/")
+        browser.wait_for("document.getElementById('status').textContent.includes('enter the admin key')")
+        assert browser.js("document.getElementById('key-form').hidden") is False
+        browser.js("document.getElementById('key-input').value = 'sk-not-a-key'")
+        browser.js("document.getElementById('key-form').requestSubmit()")
+        browser.wait_for("document.getElementById('status').textContent.startsWith('login refused')")
+        assert browser.cookies() == []
 
-    page = live.url + f"/?key={ADMIN}"
-    result = run_chromium(tmp_path, "--dump-dom", page)
-    dom = result.stdout
-    assert "live · updated" in dom, dom[-3000:]
-    assert '<form id="key-form" hidden="">' in dom
-    total = sum(map(sum, traffic.values()))
-    prompt = get(live, "/dashboard/data").json()["totals"]["prompt_tokens"]
-    assert f'id="hit-rate-total">{100 * total / prompt:.1f}%<' in dom
-    assert "<td>acme</td><td>4</td>" in dom and "<td>globex</td><td>2</td>" in dom
-    assert dom.count('class="request"') == 6
-    assert 'class="segment L1"' in dom and 'class="segment L2"' in dom and 'class="segment computed"' in dom
-    console = [line for line in result.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
-    assert not console, console
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    shot = ARTIFACTS / "server-dashboard.png"
-    shot.unlink(missing_ok=True)
-    run_chromium(tmp_path, f"--screenshot={shot}", "--window-size=1280,1000", "--hide-scrollbars", page)
-    assert shot.stat().st_size > 10_000
+        browser.js(f"document.getElementById('key-input').value = {ADMIN!r}")
+        browser.js("document.getElementById('key-form').requestSubmit()")
+        browser.wait_for("document.getElementById('status').textContent.startsWith('live')")
+        browser.wait_for("document.querySelectorAll('.request').length === 6")
+        dom = browser.js("document.documentElement.outerHTML")
+        (session,) = browser.cookies()
+        assert session["httpOnly"] and session["sameSite"] == "Strict" and session["value"] != ADMIN
+        assert browser.js("document.cookie") == ""  # no script reads the session
+        stored = "JSON.stringify([location.href, Object.entries(sessionStorage), Object.entries(localStorage)])"
+        assert ADMIN not in browser.js(stored) and ADMIN not in dom
+        assert browser.js("document.getElementById('key-form').hidden") is True
+        total = sum(map(sum, traffic.values()))
+        prompt = get(live, "/dashboard/data").json()["totals"]["prompt_tokens"]
+        assert f'id="hit-rate-total">{100 * total / prompt:.1f}%<' in dom
+        assert "<td>acme</td><td>4</td>" in dom and "<td>globex</td><td>2</td>" in dom
+        assert 'class="segment L1"' in dom and 'class="segment L2"' in dom and 'class="segment computed"' in dom
+        errors = [c for c in browser.console if c.get("type") == "error" or "exceptionDetails" in c]
+        assert not errors, errors
+
+        browser.open(live.url + "/")  # a reload stays logged in: the cookie, not a stored key
+        browser.wait_for("document.getElementById('status').textContent.startsWith('live')")
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        shot = ARTIFACTS / "server-dashboard.png"
+        shot.unlink(missing_ok=True)
+        browser.screenshot(shot)
+        assert shot.stat().st_size > 10_000
 
 
 def test_strip_sources_name_tiers_by_kind_and_fold_slower_tiers_into_l2(tmp_path: Path) -> None:

@@ -7,7 +7,9 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE),
 ``GET /v1/models``, ``GET /healthz``, the dashboard page at ``GET /``; behind the admin
 key ``GET /metrics`` and ``GET /dashboard/data`` (per-tenant figures: a tenant's key
 gets 403, so no tenant sees another's), ``POST /admin/epoch``, ``POST /admin/purge``,
-``GET /admin/stats``. In local mode (no API keys, no admin key) everything is open.
+``GET /admin/stats``. The page logs in with ``POST /dashboard/login`` (the admin key in
+the body, a session cookie back; see sessions.py) and out with ``POST /dashboard/logout``.
+In local mode (no API keys, no admin key) everything is open.
 Every error is OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -34,7 +36,8 @@ from prefixcache.server.auth import Auth
 from prefixcache.server.errors import APIError, BodyLimit, install_error_handlers
 from prefixcache.server.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, Completions
 from prefixcache.server.recording import RECENT_REQUESTS, Recorder
-from prefixcache.server.schemas import ChatRequest, CompletionRequest, EpochRequest, PurgeRequest
+from prefixcache.server.schemas import ChatRequest, CompletionRequest, EpochRequest, LoginRequest, PurgeRequest
+from prefixcache.server.sessions import COOKIE, Sessions
 from prefixcache.server.settings import Settings
 
 __all__ = ["Server", "create_app"]
@@ -43,7 +46,7 @@ __all__ = ["Server", "create_app"]
 PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
     "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
-    "Referrer-Policy": "no-referrer",  # the page may be opened as /?key=...
+    "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",
 }
 
@@ -57,7 +60,8 @@ class Server:
         self.engine, self.settings, self.cache, self.registry = engine, settings, cache, registry
         self.model_id = engine.model_id
         self.created = int(time.time())
-        self.auth = Auth(settings.auth)
+        self.sessions = Sessions(settings.auth.dashboard_session_s)
+        self.auth = Auth(settings.auth, self.sessions)
         self.recorder = Recorder(registry, engine.model_id, cache)
         self.completions = Completions(engine, self.recorder)
 
@@ -146,7 +150,29 @@ def _operator_routes(app: FastAPI, server: Server) -> None:
     async def dashboard_page() -> Response:
         return HTMLResponse(page, headers=PAGE_HEADERS)
 
-    @app.get("/dashboard/data", dependencies=[Depends(auth.operator)])
+    @app.post("/dashboard/login", status_code=204)
+    def login(request: Request, body: LoginRequest) -> Response:
+        auth.admin_key(body.key, "The dashboard is for the operator")
+        response = Response(status_code=204)
+        response.set_cookie(
+            COOKIE,
+            server.sessions.open(),
+            max_age=int(server.sessions.ttl_s),
+            path="/",
+            secure=request.url.scheme == "https",
+            httponly=True,  # no script reads it
+            samesite="strict",  # no other site's page sends it
+        )
+        return response
+
+    @app.post("/dashboard/logout", status_code=204)
+    def logout(request: Request) -> Response:
+        server.sessions.close(request.cookies.get(COOKIE))
+        response = Response(status_code=204)
+        response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
+        return response
+
+    @app.get("/dashboard/data", dependencies=[Depends(auth.dashboard)])
     def dashboard_json() -> dict[str, Any]:
         cache_stats = server.cache.stats() if server.cache is not None else None
         return dashboard_data(cache_stats, recorder.metrics, list(recorder.recent), limit=RECENT_REQUESTS)

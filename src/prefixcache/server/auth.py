@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from fastapi import Request
 
 from prefixcache.server.errors import APIError
+from prefixcache.server.sessions import COOKIE, Sessions
 from prefixcache.server.settings import AuthSettings
 
 __all__ = ["LOCAL_TENANT", "Auth"]
@@ -17,10 +18,10 @@ LOCAL_TENANT = "local"
 
 
 class Auth:
-    """The three guards the routes depend on: ``tenant``, ``admin`` and ``operator``."""
+    """The guards the routes depend on: ``tenant``, ``admin``, ``operator`` and ``dashboard``."""
 
-    def __init__(self, settings: AuthSettings) -> None:
-        self.settings = settings
+    def __init__(self, settings: AuthSettings, sessions: Sessions) -> None:
+        self.settings, self.sessions = settings, sessions
 
     def _key(self, request: Request) -> str | None:
         header = request.headers.get("authorization", "")
@@ -41,30 +42,25 @@ class Auth:
         return tenant
 
     def admin(self, request: Request) -> None:
-        auth = self.settings
-        if not auth.admin_key:
-            if auth.local_mode:
-                return  # local mode: no keys at all, the admin routes are as open as the rest
-            raise APIError(403, "admin routes are disabled: set [auth] admin_key", code="admin_disabled")
-        key = self._key(request)
-        if key is not None and hmac.compare_digest(key.encode(), auth.admin_key.encode()):
-            return
-        if key is not None and _lookup(auth.api_keys, key) is not None:
-            raise APIError(
-                403,
-                "Admin routes are for the operator: this route needs the admin key, not a tenant's API key.",
-                type_="permission_error",
-                code="admin_key_required",
-            )
-        raise APIError(401, "Incorrect admin key provided.", code="invalid_api_key")
+        """Guard the routes that change or read the whole cache (/admin/*)."""
+        if not self._open_to_all():
+            self.admin_key(self._key(request), "Admin routes are for the operator")
 
     def operator(self, request: Request) -> None:
-        """Guard the per-tenant figures (/metrics, /dashboard/data): the admin key only.
-        A tenant's own key is recognised and refused with 403, no key or a wrong one is 401."""
+        """Guard the per-tenant figures (/metrics, /dashboard/data) the same way."""
+        if not self._open_to_all():
+            self.admin_key(self._key(request), "Per-tenant figures are for the operator")
+
+    def dashboard(self, request: Request) -> None:
+        """The dashboard's data: a session cookie from the page's login, or the admin key."""
+        if not self._open_to_all() and not self.sessions.valid(request.cookies.get(COOKIE)):
+            self.admin_key(self._key(request), "Per-tenant figures are for the operator")
+
+    def admin_key(self, key: str | None, whose: str) -> None:
+        """Accept the admin key only: none or a wrong one is 401; a tenant's own key is
+        recognised and refused with 403, so that a tenant learns it has no access rather
+        than that its key is wrong."""
         auth = self.settings
-        if auth.local_mode and not auth.admin_key:
-            return  # a developer's machine: one tenant, nothing to hide from anyone
-        key = self._key(request)
         if key is None:
             raise APIError(401, "This route needs the admin key as a Bearer token.", code="invalid_api_key")
         if auth.admin_key and hmac.compare_digest(key.encode(), auth.admin_key.encode()):
@@ -72,13 +68,17 @@ class Auth:
         if _lookup(auth.api_keys, key) is not None:
             raise APIError(
                 403,
-                "Per-tenant figures are for the operator: this route needs the admin key, not a tenant's API key.",
+                f"{whose}: this route needs the admin key, not a tenant's API key.",
                 type_="permission_error",
                 code="admin_key_required",
             )
         if not auth.admin_key:
-            raise APIError(403, "metrics are disabled: set [auth] admin_key", code="admin_disabled")
+            raise APIError(403, "operator routes are disabled: set [auth] admin_key", code="admin_disabled")
         raise APIError(401, "Incorrect admin key provided.", code="invalid_api_key")
+
+    def _open_to_all(self) -> bool:
+        """A developer's machine (no API keys, no admin key): one tenant, nothing to hide."""
+        return self.settings.local_mode and not self.settings.admin_key
 
 
 def _lookup(keys: Mapping[str, str], key: str) -> str | None:

@@ -159,3 +159,11 @@ class PurgeRequest(BaseModel):
     messages: list[Message] | None = Field(default=None, min_length=1)  # ... or with this chat (template)
 
     _prompt = field_validator("prompt")(_unicode)
+
+
+class LoginRequest(BaseModel):
+    """The dashboard's login: the admin key in the body (never in a URL)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    key: str = Field(min_length=1, max_length=4096)

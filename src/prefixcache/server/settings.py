@@ -123,6 +123,7 @@ class AuthSettings(BaseModel):
     # isolation = "shared" with several tenants lets each see (by cached_tokens and by
     # time) what the others sent: refused unless the operator says so here
     allow_cross_tenant_reuse: bool = False
+    dashboard_session_s: float = Field(default=8 * 3600, gt=0)  # a dashboard login lasts this long
 
     @property
     def local_mode(self) -> bool:
