@@ -5,6 +5,7 @@ restarted server serves at least 95 % of it from the cache, exactly what it comp
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,3 +95,7 @@ def test_a_restarted_server_hits_on_what_it_computed_before_it_stopped(tmp_path:
     assert again == prompt
     assert cached >= 0.95 * prompt, (cached, prompt)
     assert answer_again == answer  # greedy, from the restarted cache's KV: the same answer
+    first_log, second_log = ((tmp_path / f"serve-{s.port}.log").read_text() for s in (first, second))
+    assert "event=cache_flushed" in first_log, first_log[-3000:]  # the stop and the restart say so in the log
+    opened = re.search(r"event=tier_opened tier=disk path=\S+ blocks=(\d+)", second_log)
+    assert opened is not None and int(opened.group(1)) * 16 >= 0.95 * prompt, second_log[-3000:]

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from prefixcache.storage import base as base_module
 from prefixcache.storage import codec
 from prefixcache.storage import disk as disk_module
 from prefixcache.storage.base import TierError, TierFull
@@ -343,6 +344,32 @@ def test_disk_full_enospc_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mon
     assert store.stats.errors["io"] == 2 and store.stats.puts == 1
     assert b not in store and not block_file(store, b).exists() and files_in(tmp_path / "tmp") == []
     assert store.get_many([a, b]) == [frame_for(a), None] and store.used_bytes == len(frame_for(a))
+
+
+def test_write_errors_are_logged_once_a_minute_with_a_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="prefixcache.tiers")
+    now = [1000.0]
+    monkeypatch.setattr(base_module.time, "monotonic", lambda: now[0])
+    store = DiskStore(tmp_path, 1 << 20)
+
+    def full(fd: int, data: memoryview) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(disk_module.os, "write", full)
+    for step in (0.0, 1.0, 1.0, 58.0):  # three failures in the first minute, a fourth a minute after the first
+        now[0] += step
+        with pytest.raises(TierError):
+            store.put(key_of(1), frame_for(key_of(1)))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        f"event=tier_error store=disk:{tmp_path} kind=io total=1 unlogged_since_last=0 "
+        "detail='write: No space left on device'",
+        f"event=tier_error store=disk:{tmp_path} kind=io total=4 unlogged_since_last=2 "
+        "detail='write: No space left on device'",
+    ]
+    assert store.stats.errors["io"] == 4
 
 
 def test_failed_directory_sync_unpublishes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

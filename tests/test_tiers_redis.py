@@ -160,7 +160,9 @@ def test_killed_redis_opens_the_breaker_which_backs_off_and_recovers(
             out, elapsed = timed(store.get_many, [key_of(1), key_of(2)])
             assert out == [None, None] and elapsed < 1.0
         assert store.stats.errors["connection"] == 3 and store.breaker.state == "open"
-        assert [r.getMessage().split()[0] for r in caplog.records] == ["event=tier_breaker_open"]  # once, not per call
+        assert breaker_events(caplog) == ["event=tier_breaker_open"]  # once, not per call
+        (error,) = [r.getMessage() for r in caplog.records if "event=tier_error" in r.getMessage()]  # one a minute
+        assert f"store=redis:redis://127.0.0.1:{redis_server.port}/0 kind=connection total=1" in error, error
         out, elapsed = timed(store.get_many, [key_of(1)])
         assert out == [None] and elapsed < 0.005  # no network while open
         _, elapsed = timed(store.contains_prefix, [key_of(1)])
@@ -179,16 +181,22 @@ def test_killed_redis_opens_the_breaker_which_backs_off_and_recovers(
         clock.now += 1.0
         assert store.get_many([key_of(1)]) == [None]  # the trial reaches Redis: a plain miss
         assert store.breaker.state == "closed" and store.breaker.backoff == 1.0
-        events = [r.getMessage().split()[0] for r in caplog.records]
-        assert events == ["event=tier_breaker_open", "event=tier_breaker_closed"]
+        assert breaker_events(caplog) == ["event=tier_breaker_open", "event=tier_breaker_closed"]
         store.put(key_of(1), frame_of(1))
         assert store.get_many([key_of(1)]) == [frame_of(1)]
 
 
-def test_the_breakers_log_lines_name_the_tier_without_its_credentials() -> None:
-    store = RedisStore("redis://admin:s3cret@127.0.0.1:1/2", BIG, "ns")
-    assert store.breaker.name == "redis://127.0.0.1:1/2"
+def breaker_events(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage().split()[0] for r in caplog.records if "breaker" in r.getMessage().split()[0]]
+
+
+def test_the_log_lines_name_the_tier_without_its_credentials(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="prefixcache.tiers")
+    store = RedisStore(f"redis://admin:s3cret@127.0.0.1:{free_port()}/2", BIG, "ns")
+    assert store.breaker.name.startswith("redis://127.0.0.1:") and store.stats.where.startswith("redis:redis://127.")
+    assert store.get_many([key_of(1)]) == [None]
     store.close()
+    assert caplog.records and not any("s3cret" in r.getMessage() or "admin" in r.getMessage() for r in caplog.records)
 
 
 def test_unreachable_at_start_is_misses_not_exceptions() -> None:

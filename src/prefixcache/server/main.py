@@ -47,11 +47,12 @@ class Service:
             started = time.monotonic()
             flushed = self.cache.close(self.settings.server.flush_timeout_s)
             writer = self.cache.stats().writer
+            took = time.monotonic() - started
             if flushed:
-                log.info("cache flushed in %.1f s", time.monotonic() - started)
+                log.info("event=cache_flushed seconds=%.1f (queued writes landed: a restart hits on them)", took)
             else:
                 abandoned = writer.abandoned if writer is not None else 0
-                log.warning("cache closed with %d writes abandoned after %.1f s", abandoned, time.monotonic() - started)
+                log.warning("event=cache_flush_incomplete seconds=%.1f abandoned_writes=%d", took, abandoned)
 
 
 def build_service(settings: Settings) -> Service:

@@ -10,6 +10,8 @@ fails its checksum.
 
 from __future__ import annotations
 
+import logging
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -20,6 +22,11 @@ if TYPE_CHECKING:
     from prefixcache.storage.placed import Place, Placed
 
 Frame = bytes | bytearray | memoryview
+
+log = logging.getLogger("prefixcache.tiers")
+
+ERROR_LOG_EVERY_S = 60.0  # per store and kind: the first error is logged, then one line a minute at most
+_QUIET_KINDS = frozenset({"breaker_open"})  # the breaker logs its own opening and closing
 
 
 class TierError(Exception):
@@ -41,9 +48,29 @@ class TierStats:
     puts: int = 0
     deletes: int = 0
     errors: Counter[str] = field(default_factory=Counter)  # kind -> count (e.g. "checksum", "io", "timeout")
+    where: str = ""  # the store in log lines: a kind and a path or an address, never a credential
+    _logged: dict[str, tuple[float, int]] = field(default_factory=dict, repr=False)  # kind -> (last line, since)
 
-    def error(self, kind: str) -> None:
+    def error(self, kind: str, detail: str = "") -> None:
+        """Count an error of ``kind``, and say so in the log: the first at once, then at
+        most one line per ``ERROR_LOG_EVERY_S`` with how many came in between."""
         self.errors[kind] += 1
+        if kind in _QUIET_KINDS:
+            return
+        now = time.monotonic()
+        last, since = self._logged.get(kind, (-ERROR_LOG_EVERY_S, 0))
+        if now - last < ERROR_LOG_EVERY_S:
+            self._logged[kind] = (last, since + 1)
+            return
+        self._logged[kind] = (now, 0)
+        log.warning(
+            "event=tier_error store=%s kind=%s total=%d unlogged_since_last=%d%s",
+            self.where or "?",
+            kind,
+            self.errors[kind],
+            since,
+            f" detail={detail!r}" if detail else "",
+        )
 
 
 class TierStore(ABC):

@@ -122,6 +122,7 @@ class DiskStore(TierStore):
         self._used = 0
         self._lock = threading.Lock()  # the index and its byte count
         self._closed = False
+        self.stats.where = f"disk:{self.directory}"
         for path in (self._blocks, self._tmp, self._quarantine):
             path.mkdir(parents=True, exist_ok=True)
         # NOTE: the 256 fan-out directories are made up front (and again on every open,
@@ -202,7 +203,7 @@ class DiskStore(TierStore):
             if self.fsync == "full":
                 _fsync_dir(path.parent)
         except OSError as exc:
-            self.stats.error("io")
+            self.stats.error("io", f"write: {exc.strerror or exc}")
             self._remove(tmp)
             if published:
                 # NOTE: the rename happened but could not be made durable; the old frame is

@@ -181,6 +181,7 @@ class RedisStore(TierStore):
         if not isinstance(namespace, str) or not namespace:
             raise ValueError("namespace (the deployment seed) must be a non-empty string")
         self.namespace = namespace
+        self.stats.where = f"redis:{_safe_address(url)}"
         self._prefix = f"{namespace}:".encode()
         self.breaker = breaker if breaker is not None else CircuitBreaker(clock=clock, name=_safe_address(url))
         # NOTE: redis-py retries failed commands by default (with backoff), which would
@@ -231,23 +232,23 @@ class RedisStore(TierStore):
         try:
             result = op(self._client)
         except (redis.TimeoutError, TimeoutError) as exc:
-            self._fail("timeout")
+            self._fail("timeout", exc)
             raise TierError(f"redis timed out: {exc}") from exc
         except (redis.ConnectionError, OSError) as exc:
-            self._fail("connection")
+            self._fail("connection", exc)
             raise TierError(f"redis unreachable: {exc}") from exc
         except redis.ResponseError as exc:
-            self.stats.error("redis")
+            self.stats.error("redis", str(exc))
             self.breaker.record_success()
             raise TierError(f"redis refused: {exc}") from exc
         except redis.RedisError as exc:
-            self._fail("redis")
+            self._fail("redis", exc)
             raise TierError(f"redis failed: {exc}") from exc
         self.breaker.record_success()
         return result
 
-    def _fail(self, kind: str) -> None:
-        self.stats.error(kind)
+    def _fail(self, kind: str, exc: BaseException) -> None:
+        self.stats.error(kind, str(exc))
         self.breaker.record_failure()
 
     # ------------------------------------------------------------------ writes
