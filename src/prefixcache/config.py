@@ -6,7 +6,9 @@ and why, so that a misconfigured deployment fails at start, not on the first req
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -284,3 +286,28 @@ class CacheConfig:
         if self.capacity_bytes is not None and self.bytes_per_token is not None:
             return units // self.bytes_per_token
         return units
+
+
+# NOTE: the configuration stays free of pydantic; the settings that validate these
+# dataclasses with pydantic (the server's, the vLLM connector's) read this attribute and
+# so refuse unknown keys in them.
+for _cls in (CacheConfig, TierConfig, PublishConfig, KVLayout):
+    setattr(_cls, "__pydantic_config__", {"extra": "forbid"})  # noqa: B010
+
+
+def valid_names(root: type, path: Sequence[str]) -> list[str]:
+    """The field names valid at ``path`` (nested field names) under ``root``, a dataclass
+    or a pydantic model, for an error that names the valid ones."""
+    kind: Any = root
+    for name in path:
+        hints = typing.get_type_hints(kind)
+        kind = hints.get(name)
+        for arg in typing.get_args(kind) or (kind,):
+            if isinstance(arg, type) and (dataclasses.is_dataclass(arg) or hasattr(arg, "model_fields")):
+                kind = arg
+                break
+    if isinstance(kind, type) and hasattr(kind, "model_fields"):
+        return list(kind.model_fields)
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        return [f.name for f in dataclasses.fields(kind)]
+    return []

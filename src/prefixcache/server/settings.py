@@ -41,18 +41,13 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from prefixcache.config import CacheConfig, KVLayout, PublishConfig, TierConfig
+from prefixcache.config import CacheConfig, KVLayout, TierConfig, valid_names
 from prefixcache.engine.model import DEFAULT_MODEL
 
 __all__ = ["ENV_PREFIX", "SERVER_CACHE", "AuthSettings", "ModelSettings", "ServerSettings", "Settings", "load_settings"]
 
 ENV_PREFIX = "PREFIXCACHE_"
 CONFIG_VAR = f"{ENV_PREFIX}CONFIG"
-
-for _cls in (CacheConfig, TierConfig, PublishConfig, KVLayout):
-    # NOTE: the library's configuration stays free of pydantic; this is how pydantic is told
-    # to refuse unknown keys in these dataclasses (``__pydantic_config__``, read when validating).
-    setattr(_cls, "__pydantic_config__", {"extra": "forbid"})  # noqa: B010
 
 GiB = 1 << 30
 SERVER_CACHE = CacheConfig(
@@ -285,30 +280,13 @@ def _explain(exc: ValidationError) -> str:
     loc = [str(part) for part in error["loc"] if not isinstance(part, int)]
     where = ".".join(loc) or "settings"
     if error["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
-        valid = _valid_names(loc[:-1])
+        valid = valid_names(Settings, loc[:-1])
         env = ENV_PREFIX + "_".join(loc).upper()
         return f"unknown setting {where} (in the file, or as {env}); valid: {', '.join(valid)}"
     message = str(error["msg"]).removeprefix("Value error, ")
     given = error.get("input")
     shown = "" if isinstance(given, dict | list | tuple) else f" (got {given!r})"
     return f"invalid setting {where}: {message}{shown}"
-
-
-def _valid_names(path: list[str]) -> list[str]:
-    """The field names valid at ``path`` (a section, or a nested table)."""
-    kind: Any = Settings
-    for name in path:
-        hints = typing.get_type_hints(kind)
-        kind = hints.get(name)
-        for arg in typing.get_args(kind) or (kind,):
-            if isinstance(arg, type) and (dataclasses.is_dataclass(arg) or issubclass(arg, BaseModel)):
-                kind = arg
-                break
-    if isinstance(kind, type) and issubclass(kind, BaseModel):
-        return list(kind.model_fields)
-    if dataclasses.is_dataclass(kind):
-        return [f.name for f in dataclasses.fields(kind)]
-    return []
 
 
 def describe(settings: Settings) -> dict[str, Any]:

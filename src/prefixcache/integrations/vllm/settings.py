@@ -22,12 +22,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from prefixcache.config import CacheConfig, KVLayout, PublishConfig, TierConfig
+from prefixcache.config import CacheConfig, TierConfig, valid_names
 
 __all__ = ["VLLM_CACHE", "ConnectorSettings", "model_key", "parse_settings"]
-
-for _cls in (CacheConfig, TierConfig, PublishConfig, KVLayout):
-    setattr(_cls, "__pydantic_config__", {"extra": "forbid"})  # noqa: B010 - refuse unknown keys
 
 GiB = 1 << 30
 VLLM_CACHE = CacheConfig(
@@ -57,22 +54,13 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         error = exc.errors()[0]
         where = ".".join(str(p) for p in error["loc"] if not isinstance(p, int)) or "settings"
         if error["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
-            raise ValueError(f"unknown kv_connector_extra_config key {where}; valid: {_valid(error['loc'])}") from None
+            names = [str(p) for p in error["loc"] if not isinstance(p, int)][:-1]
+            valid = ", ".join(n for n in valid_names(ConnectorSettings, names) if n != "kv_layout")
+            raise ValueError(f"unknown kv_connector_extra_config key {where}; valid: {valid}") from None
         raise ValueError(f"invalid kv_connector_extra_config {where}: {error['msg']}") from None
     if settings.cache.kv_layout is not None:
         raise ValueError("kv_connector_extra_config cache.kv_layout comes from vLLM; remove it")
     return settings
-
-
-def _valid(loc: tuple[Any, ...]) -> str:
-    names = [str(p) for p in loc if not isinstance(p, int)][:-1]
-    if not names:
-        return ", ".join(ConnectorSettings.model_fields)
-    if names[0] == "cache" and len(names) == 1:
-        return ", ".join(f for f in CacheConfig.__dataclass_fields__ if f != "kv_layout")
-    if names[:2] == ["cache", "tiers"]:
-        return ", ".join(TierConfig.__dataclass_fields__)
-    return ", ".join(PublishConfig.__dataclass_fields__)
 
 
 def model_key(name: str, model_dir: str | None, dtype: str) -> str:
