@@ -1,0 +1,1 @@
+"""Candidate eviction policies (registered in policies.REGISTRY)."""
