@@ -6,6 +6,8 @@
 - ``prefixcache serve``: the OpenAI-compatible server on a real model, with the cache.
 - ``prefixcache diagnose URL_OR_FILE``: read /metrics (or saved scrapes) and print a
   diagnosis with the next action; exit 1 when something needs action.
+- ``prefixcache audit-timing URL``: audit a server for prompt-cache timing leaks between
+  tenants; exit 1 on a leak, 2 when inconclusive.
 - ``prefixcache demo``: drive the cache with synthetic chat traffic and print what it saved.
 """
 
@@ -20,6 +22,7 @@ from prefixcache import __version__
 from prefixcache.cache import PrefixCache
 from prefixcache.config import ISOLATION_MODES, CacheConfig, PublishConfig
 from prefixcache.hashing import CacheContext
+from prefixcache.ops.audit_cli import add_audit_parser, run_audit_timing
 from prefixcache.ops.diagnose import add_diagnose_parser, run_diagnose
 from prefixcache.policies import POLICIES
 from prefixcache.sim.cli import add_replay_parser, add_workload_parser, run_replay, run_workload
@@ -94,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_replay_parser(sub)
     add_workload_parser(sub)
     add_diagnose_parser(sub)
+    add_audit_parser(sub)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server with the prefix cache")
     serve.add_argument("--config", help="TOML settings file (default: $PREFIXCACHE_CONFIG, else built-in defaults)")
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
@@ -118,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_workload(args, parser)
     if args.command == "diagnose":
         return run_diagnose(args)
+    if args.command == "audit-timing":
+        return run_audit_timing(args, parser)
     if args.command == "serve":
         from prefixcache.server.main import run_serve  # torch and transformers load only here
 

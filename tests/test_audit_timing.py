@@ -1,0 +1,349 @@
+"""``prefixcache audit-timing``: the KS test against scipy, the procedure against fake
+servers whose cache is known (no model), bad input, and live servers on the stand-in
+model in each isolation mode.
+
+Timing under the null: an isolated server's cross-tenant p-value is uniform, below 0.01
+in 1 % of runs. The audit calls a leak only when an independent second run agrees
+(0.01 % of runs of an isolated server), and the tests assert that verdict; so they can
+still fail on a real leak, which both runs find.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import random
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from scipy import special, stats
+
+from engine_support import LiveServer
+from prefixcache import cli
+from prefixcache.cache import PrefixCache
+from prefixcache.config import CacheConfig, TierConfig
+from prefixcache.engine import Engine
+from prefixcache.ops import audit as audit_module
+from prefixcache.ops import kstest
+from prefixcache.ops.audit import AuditConfig, AuditError, AuditResult, audit
+from prefixcache.ops.audit_cli import ATTACKER_VAR, VICTIM_VAR, report, to_json
+from prefixcache.ops.kstest import kolmogorov_sf, ks_2samp
+from prefixcache.server.app import create_app
+from prefixcache.server.settings import AuthSettings, Settings
+from standin import STANDIN_ID, standin
+
+# ============================================================================ the KS test
+
+values = st.lists(st.integers(-6, 6).map(lambda v: v / 2), min_size=1, max_size=40)  # many ties
+
+
+def same_as_scipy(a: list[float], b: list[float]) -> None:
+    ours = ks_2samp(a, b)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        theirs = stats.ks_2samp(a, b, method="exact")
+    assert ours.method == "exact"
+    assert ours.statistic == pytest.approx(float(theirs.statistic), abs=1e-12)
+    if warned:  # NOTE: scipy's exact sum fails at the smallest D of equal sizes (then p = 1) and falls back
+        assert ours.p_value == 1.0 and len(a) == len(b) and ours.statistic == pytest.approx(1 / len(a))
+    else:
+        assert ours.p_value == pytest.approx(float(theirs.pvalue), rel=1e-9, abs=1e-300)
+
+
+@given(values, values)
+def test_ks_matches_scipy_exact(a: list[float], b: list[float]) -> None:
+    same_as_scipy(a, b)
+
+
+@given(
+    st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=300),
+    st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=300),
+)
+def test_ks_matches_scipy_on_continuous_samples(a: list[float], b: list[float]) -> None:
+    same_as_scipy(a, b)
+
+
+def test_ks_exact_p_value_of_separated_groups_is_tiny_and_exact() -> None:
+    result = ks_2samp([float(i) for i in range(250)], [1000.0 + i for i in range(250)])
+    assert result.statistic == 1.0
+    assert result.p_value == pytest.approx(2 / math.comb(500, 250), rel=1e-12)
+    assert result.p_value == pytest.approx(float(stats.ks_2samp(range(250), range(1000, 1250)).pvalue), rel=1e-9)
+
+
+@given(st.floats(0, 8))
+def test_kolmogorov_sf_matches_scipy(x: float) -> None:
+    assert kolmogorov_sf(x) == pytest.approx(float(special.kolmogorov(x)), rel=1e-9, abs=1e-15)
+
+
+@given(st.lists(st.floats(0, 1), min_size=50, max_size=200), st.lists(st.floats(0, 1), min_size=50, max_size=200))
+def test_ks_asymptotic_is_kolmogorovs_limit(a: list[float], b: list[float]) -> None:
+    ours = ks_2samp(a, b, method="asymptotic")
+    en = len(a) * len(b) / (len(a) + len(b))
+    assert ours.method == "asymptotic"
+    assert ours.p_value == pytest.approx(float(special.kolmogorov(math.sqrt(en) * ours.statistic)), rel=1e-9)
+    assert ours.statistic == ks_2samp(a, b, method="exact").statistic
+
+
+def test_ks_auto_counts_exactly_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = [0.1, 0.5, 0.9, 1.3], [0.2, 0.3, 1.0]
+    assert ks_2samp(a, b).method == "exact"
+    monkeypatch.setattr(kstest, "EXACT_LIMIT", 11)
+    assert ks_2samp(a, b).method == "asymptotic" and ks_2samp(a, b, method="exact").method == "exact"
+
+
+def test_ks_refuses_empty_samples_and_unknown_methods() -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        ks_2samp([], [1.0])
+    with pytest.raises(ValueError, match="valid: auto, exact, asymptotic"):
+        ks_2samp([1.0], [2.0], method="bootstrap")
+
+
+# ============================================================================ fake servers
+
+KEYS = {"sk-victim-000": "victim", "sk-attacker-000": "attacker", "sk-third-000": "third", "sk-fourth-000": "fourth"}
+STREAM = (
+    'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+    'data: {"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
+    'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
+    'data: {"choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":%d}}}\n\n'
+    "data: [DONE]\n\n"
+)
+
+
+class FakeServer:
+    """An OpenAI-compatible server whose only latency is its cache, in virtual time: a
+    hit takes 0-1 ms, a miss 3-4 ms (seeded, so every run is the same). ``mode``:
+    "shared", "isolated", "none" (no cache), or "publish" (a prompt becomes everyone's
+    once ``k`` distinct tenants sent it)."""
+
+    def __init__(self, mode: str, k: int = 3) -> None:
+        self.mode, self.k = mode, k
+        self.senders: dict[str, set[str]] = {}
+        self.paths: list[str] = []
+        self.now = 0.0
+        self.rng = random.Random(7)
+
+    def clock(self) -> float:
+        return self.now
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.paths.append(request.url.path)
+        tenant = KEYS.get(request.headers.get("authorization", "").removeprefix("Bearer "))
+        if tenant is None:
+            return httpx.Response(401, json={"error": {"message": "Incorrect API key provided.", "code": "x"}})
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model"}]})
+        body = json.loads(request.content)
+        text = body["messages"][0]["content"] if "messages" in body else body["prompt"]
+        senders = self.senders.setdefault(text, set())
+        hit = {
+            "shared": bool(senders),
+            "isolated": tenant in senders,
+            "none": False,
+            "publish": tenant in senders or len(senders) >= self.k,
+        }[self.mode]
+        senders.add(tenant)
+        self.now += self.rng.uniform(0, 0.001) + (0 if hit else 0.003)
+        return httpx.Response(200, content=(STREAM % (9 if hit else 0)).encode())
+
+
+def fake_audit(server: FakeServer, victims: tuple[str, ...] = ("sk-victim-000",), **extra: Any) -> AuditResult:
+    config = AuditConfig("http://fake:1", "sk-attacker-000", victims, samples=20, prompt_words=30, **extra)
+    return audit(config, transport=httpx.MockTransport(server), clock=server.clock)
+
+
+def test_isolated_cache_no_leak() -> None:
+    result = fake_audit(FakeServer("isolated"))
+    assert result.verdict == "no leak" and result.exit_code == 0
+    assert result.control.runs[0].test.p_value < 1e-6 and len(result.cross.runs) <= 2
+    assert result.control.runs[0].median_cached("hit") == 9 and result.cross.runs[0].median_cached("hit") == 0
+    assert result.model == "fake-model" and result.url == "http://fake:1/v1"
+
+
+def test_shared_cache_leaks_in_two_runs() -> None:
+    result = fake_audit(FakeServer("shared"))
+    assert result.verdict == "leak" and result.exit_code == 1
+    assert [run.test.p_value < 1e-6 for run in result.cross.runs] == [True, True]  # found, then confirmed
+    assert len(fake_audit(FakeServer("shared"), confirm=False).cross.runs) == 1
+
+
+def test_no_cache_is_inconclusive() -> None:
+    result = fake_audit(FakeServer("none"))
+    assert result.verdict == "inconclusive" and result.exit_code == 2
+
+
+def test_publication_shows_from_k_victims_on() -> None:
+    """With k = 3, two victims and the attacker make three senders, but the attacker's own
+    request is counted only after it was answered: no difference. Three victims publish."""
+    two = fake_audit(FakeServer("publish"), victims=("sk-victim-000", "sk-third-000"))
+    three = fake_audit(FakeServer("publish"), victims=("sk-victim-000", "sk-third-000", "sk-fourth-000"))
+    assert (two.verdict, three.verdict) == ("no leak", "leak")
+    assert three.cross.victims == 3 and "cross-tenant (3 victims)" in report(three)
+
+
+def test_completions_endpoint_and_the_trial_design() -> None:
+    server = FakeServer("isolated")
+    result = fake_audit(server, endpoint="completions", warmup=2)
+    assert set(server.paths) == {"/v1/models", "/v1/completions"}
+    n = result.samples
+    # the models list, every key's warm-up, 2 warm-up trials, then per trial a victim and the attacker
+    assert len(server.paths) == 1 + 2 + 2 * 2 + 4 * n * 2
+    assert [len(run.hit) for run in (*result.control.runs, result.cross.runs[0])] == [n, n]
+
+
+def test_report_and_json_name_no_key() -> None:
+    result = fake_audit(FakeServer("shared"))
+    text, data = report(result), json.dumps(to_json(result))
+    assert "LEAK" in text and "same-tenant control" in text and "p-value" in text
+    assert json.loads(data)["verdict"] == "leak" and json.loads(data)["cross"]["detected"] is True
+    for key in KEYS:
+        assert key not in text and key not in data and key not in repr(AuditConfig("u", key, ("other",)))
+
+
+def fails(server: Callable[[httpx.Request], httpx.Response]) -> str:
+    config = AuditConfig("http://fake:1", "sk-attacker-000", ("sk-victim-000",), samples=20)
+    with pytest.raises(AuditError) as caught:
+        audit(config, transport=httpx.MockTransport(server))
+    return str(caught.value)
+
+
+def answering(text: str) -> Callable[[httpx.Request], httpx.Response]:
+    """A server that lists a model and answers every completion with ``text``."""
+
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(200, text=text)
+
+    return server
+
+
+def refusing_the_victim(request: httpx.Request) -> httpx.Response:
+    if "victim" in request.headers["authorization"]:
+        return httpx.Response(401, json={"error": {"message": "Incorrect API key provided."}})
+    return FakeServer("shared")(request)
+
+
+def test_bad_answers_are_audit_errors_naming_the_role() -> None:
+    assert "refused the victim key's request: 401 Incorrect API key provided." in fails(refusing_the_victim)
+    assert "lists no model" in fails(lambda r: httpx.Response(200, json={"data": []}))
+    assert "lists no model" in fails(lambda r: httpx.Response(200, text="<html>hello</html>"))
+    assert "had no token" in fails(answering("<p>hello</p>"))
+    assert "failed mid-stream: engine on fire" in fails(answering('data: {"error": {"message": "engine on fire"}}\n\n'))
+    assert "not an OpenAI stream" in fails(answering("data: {nope\n\n"))
+
+
+# ============================================================================ the command, bad input
+
+
+def test_unreachable_server_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["audit-timing", "http://127.0.0.1:9", "--victim-key", "sk-v-123", "--attacker-key", "sk-a-123"])
+    err = capsys.readouterr().err
+    assert rc == 3 and "audit-timing: cannot reach http://127.0.0.1:9/v1" in err
+    assert "Traceback" not in err and "sk-v-123" not in err and "sk-a-123" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "needs --victim-key"),
+        (["--victim-key", "sk-same", "--attacker-key", "sk-same"], "a victim key is the attacker key"),
+        (["--victim-key", "sk-v", "--attacker-key", "sk-a", "--samples", "3"], "no p-value can be below alpha"),
+        (["--victim-key", "sk-v", "--victim-key", "sk-v", "--attacker-key", "sk-a"], "the victim keys must differ"),
+        (["--victim-key", "sk-v", "--attacker-key", "sk-a", "--alpha", "1.5"], "alpha must be between 0 and 1"),
+        (["--victim-key", "sk-v", "--attacker-key", "sk-a", "--chat", "--completions"], "not allowed with"),
+    ],
+)
+def test_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["audit-timing", "http://127.0.0.1:9", *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    server = FakeServer("publish", k=2)
+    fake = functools.partial(audit, transport=httpx.MockTransport(server), clock=server.clock)
+    monkeypatch.setattr(audit_module, "audit", fake)
+    monkeypatch.setenv(VICTIM_VAR, "sk-victim-000, sk-third-000")
+    monkeypatch.setenv(ATTACKER_VAR, "sk-attacker-000")
+    rc = cli.main(["audit-timing", "http://fake:1", "--samples", "20", "--prompt-tokens", "20", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 1 and data["verdict"] == "leak" and data["cross"]["victims"] == 2  # two victims publish at k = 2
+
+
+# ============================================================================ live servers, stand-in model
+
+# NOTE: sized for the stand-in on two shared cores. On it a hit costs a fixed part (HTTP,
+# template, loading the KV) that is as large as the prefill of a short prompt, so the
+# prompts are long: a 500-word miss takes about three times a hit, and 25 TTFTs a group
+# tell them apart (D > 0.56 is p < 0.001) even while other processes share the cores.
+SAMPLES, PROMPT_WORDS = 25, 500
+LIVE_KEYS = {"sk-victim-0123": "victim", "sk-attacker-0123": "attacker"}
+
+
+@contextlib.contextmanager
+def serving(isolation: str) -> Iterator[str]:
+    lm = standin()
+    memory = (TierConfig(kind="memory", capacity_bytes=256 << 20),)
+    cache = PrefixCache(
+        CacheConfig(block_size=16, kv_layout=lm.kv, tiers=memory, partial_blocks=True, isolation=isolation)
+    )
+    auth = AuthSettings(api_keys=LIVE_KEYS, allow_cross_tenant_reuse=isolation == "shared")
+    eng = Engine(lm, STANDIN_ID, cache=cache)
+    server = LiveServer(create_app(eng, Settings(auth=auth), cache), eng).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+        eng.close()
+        cache.close()
+
+
+def audit_argv(url: str, *extra: str) -> list[str]:
+    keys = ["--victim-key", "sk-victim-0123", "--attacker-key", "sk-attacker-0123"]
+    return ["audit-timing", url, *keys, "--samples", str(SAMPLES), "--prompt-tokens", str(PROMPT_WORDS), *extra]
+
+
+@pytest.mark.model
+def test_namespace_isolation_shows_no_leak(capsys: pytest.CaptureFixture[str]) -> None:
+    with serving("namespace") as url:
+        rc = cli.main(audit_argv(url, "--json"))
+    data = json.loads(capsys.readouterr().out)
+    assert data["control"]["runs"][0]["test"]["p_value"] < 0.001
+    assert max(run["test"]["p_value"] for run in data["cross"]["runs"]) >= 0.01  # not found, or not confirmed
+    assert (rc, data["verdict"]) == (0, "no leak")
+    assert data["cross"]["runs"][0]["median_cached_tokens"]["hit"] < PROMPT_WORDS / 2  # only the template's own
+
+
+@pytest.mark.model
+def test_partitioned_isolation_shows_no_leak() -> None:
+    with serving("partitioned") as url:
+        config = AuditConfig(url, "sk-attacker-0123", ("sk-victim-0123",), samples=SAMPLES, prompt_words=PROMPT_WORDS)
+        result = audit(config)
+    assert result.control.runs[0].test.p_value < 0.001
+    assert not result.cross.detected and result.verdict == "no leak"
+
+
+@pytest.mark.model
+def test_shared_isolation_leaks(capsys: pytest.CaptureFixture[str]) -> None:
+    with serving("shared") as url:
+        rc = cli.main(audit_argv(url))
+    out = capsys.readouterr().out
+    assert rc == 1 and "verdict: LEAK" in out and "cross-tenant, again" in out
+    assert "sk-victim-0123" not in out and "sk-attacker-0123" not in out
+
+
+@pytest.mark.model
+def test_wrong_key_is_the_servers_401(capsys: pytest.CaptureFixture[str]) -> None:
+    with serving("namespace") as url:
+        rc = cli.main(["audit-timing", url, "--victim-key", "sk-wrong-0123", "--attacker-key", "sk-attacker-0123"])
+    err = capsys.readouterr().err
+    assert rc == 3 and "the server refused the victim key's request: 401 Incorrect API key provided." in err
+    assert "Traceback" not in err and "sk-wrong-0123" not in err
