@@ -36,7 +36,7 @@ from prefixcache.ops.audit import AuditConfig, AuditError, AuditResult, audit
 from prefixcache.ops.audit_cli import ATTACKER_VAR, VICTIM_VAR, report, to_json
 from prefixcache.ops.kstest import kolmogorov_sf, ks_2samp
 from prefixcache.server.app import create_app
-from prefixcache.server.settings import AuthSettings, Settings
+from prefixcache.server.settings import AuthSettings, Settings, load_settings
 from standin import STANDIN_ID, standin
 
 # ============================================================================ the KS test
@@ -276,6 +276,12 @@ def test_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     rc = cli.main(["audit-timing", "http://fake:1", "--samples", "20", "--prompt-tokens", "20", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert rc == 1 and data["verdict"] == "leak" and data["cross"]["victims"] == 2  # two victims publish at k = 2
+
+
+def test_the_keys_variables_are_no_server_setting() -> None:
+    """``prefixcache serve`` refuses unknown PREFIXCACHE_* variables, but not these: one
+    shell may run the server and the audit."""
+    assert load_settings(env={VICTIM_VAR: "sk-v", ATTACKER_VAR: "sk-a"}).auth.api_keys == {}
 
 
 # ============================================================================ live servers, stand-in model

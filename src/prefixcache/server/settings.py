@@ -48,6 +48,7 @@ __all__ = ["ENV_PREFIX", "SERVER_CACHE", "AuthSettings", "ModelSettings", "Serve
 
 ENV_PREFIX = "PREFIXCACHE_"
 CONFIG_VAR = f"{ENV_PREFIX}CONFIG"
+COMMAND_VARS = f"{ENV_PREFIX}AUDIT_"  # read by `prefixcache audit-timing` (its keys), not settings
 
 GiB = 1 << 30
 SERVER_CACHE = CacheConfig(
@@ -145,7 +146,7 @@ class _Env(EnvSettingsSource):
     def _load_env_vars(self) -> Mapping[str, str | None]:
         environ = self._environ
         loaded = super()._load_env_vars() if environ is None else {k.lower(): v for k, v in environ.items()}
-        return {k: v for k, v in loaded.items() if k != CONFIG_VAR.lower()}
+        return {k: v for k, v in loaded.items() if k != CONFIG_VAR.lower() and not k.startswith(COMMAND_VARS.lower())}
 
     def __call__(self) -> dict[str, Any]:
         sections = tuple(self.settings_cls.model_fields)
