@@ -1,10 +1,12 @@
 """The compiled parts: the trace simulator's replay kernel (src/prefixcache/sim/_kernel.c)
-and the disk tier's placed read (src/prefixcache/storage/_placed.c).
+and offline optimum (src/prefixcache/sim/_optimum.c), and the disk tier's placed read
+(src/prefixcache/storage/_placed.c).
 
-NOTE: both optional. Where no C compiler is found the package installs without them:
+NOTE: all optional. Where no C compiler is found the package installs without them:
 ``prefixcache replay`` runs every configuration on the reference engine (the real
 ``PrefixCache``), only slower, and the results say which engine ran; a disk load takes
-the same steps in Python (storage/placed.py), one GIL-holding call each.
+the same steps in Python (storage/placed.py), one GIL-holding call each; the optimum is
+computed by its Python reference (sim/optimum.py), slower and in memory.
 """
 
 from setuptools import Extension, setup
@@ -22,6 +24,12 @@ setup(
                 "-Wno-unused-parameter",
                 "-Wno-missing-field-initializers",
             ],
+            optional=True,
+        ),
+        Extension(
+            "prefixcache.sim._optimum",
+            ["src/prefixcache/sim/_optimum.c"],
+            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         ),
         Extension(

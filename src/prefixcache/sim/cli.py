@@ -148,9 +148,7 @@ def add_replay_parser(sub: Any) -> None:
         action="store_true",
         help="also insert each request's output tokens, as its next turn would send them (token traces)",
     )
-    p.add_argument(
-        "--no-optimal", action="store_true", help="skip the Belady optimum (it holds the block sequence in memory)"
-    )
+    p.add_argument("--no-optimal", action="store_true", help="skip the Belady optimum")
     p.add_argument(
         "--model",
         default="llama-3-8b",

@@ -34,7 +34,7 @@ from prefixcache.sim.accounting import RequestCounter
 from prefixcache.sim.blocks import hit_tokens, request_blocks
 from prefixcache.sim.costmodel import CostAccumulator, CostModel
 from prefixcache.sim.engines import make_stepper
-from prefixcache.sim.optimum import belady
+from prefixcache.sim.optimum import optima_by_key
 from prefixcache.sim.results import UNLIMITED, ReplayConfig, ReplayResult
 from prefixcache.sim.summary import TraceSource, TraceSummary, effective_configs, summarize, warmup_requests
 from prefixcache.sim.traces import Request
@@ -219,24 +219,30 @@ def replay(
     for group in passes:
         label = group[0].cfg.label if len(group) == 1 else f"{len(group)} configurations"
         _one_pass(source, group, summary.requests, label, progress)
+    keys = [_optimum_key(run.cfg, include_output, summary) if optimal else None for run in runs]
+    optimum = optima_by_key(source, [key for key in keys if key is not None], skip)
     results = []
-    optimum: dict[tuple[float, int, str], tuple[int, int]] = {}
-    for run in runs:
+    for run, key in zip(runs, keys, strict=True):
         cfg, result = run.cfg, run.counter.result
         if metrics is not None and isinstance(run, _TreeRun) and run.registry is not None:
             metrics(cfg, generate_latest(run.registry))
-        # NOTE: Belady runs on the prompts' full blocks; a policy that also reuses partial
-        # blocks or inserted outputs is not bounded by it, so no optimum is claimed there.
-        comparable = not cfg.cache.partial_blocks and not (include_output and summary.native_block_size is None)
-        if optimal and comparable:
-            # NOTE: publication can at best share what shared mode shares: its optimum is shared mode's.
-            isolation = "shared" if cfg.isolation == "shared" or cfg.cache.publish is not None else "namespace"
-            key = (cfg.capacity_tokens, cfg.block_size, isolation)
-            if key not in optimum:
-                optimum[key] = belady(source, cfg.capacity_tokens / cfg.block_size, cfg.block_size, isolation, skip)
-            result.optimal_hit_tokens = optimum[key][0]
+        if key is not None:
+            result.optimal_hit_tokens = optimum[key].hit_tokens
         results.append(result)
     return results
+
+
+def _optimum_key(cfg: ReplayConfig, include_output: bool, summary: TraceSummary) -> tuple[float, int, str] | None:
+    """(capacity in tokens, block size, isolation) of the optimum that bounds ``cfg``, or
+    ``None`` when none does.
+
+    NOTE: Belady runs on the prompts' full blocks; a policy that also reuses partial
+    blocks or inserted outputs is not bounded by it, so no optimum is claimed there.
+    Publication can at best share what shared mode shares: its optimum is shared mode's."""
+    if cfg.cache.partial_blocks or (include_output and summary.native_block_size is None):
+        return None
+    isolation = "shared" if cfg.isolation == "shared" or cfg.cache.publish is not None else "namespace"
+    return (cfg.capacity_tokens, cfg.block_size, isolation)
 
 
 def _one_pass(
