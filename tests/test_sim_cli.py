@@ -199,6 +199,7 @@ def test_replay_help_is_complete(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 0
     text = capsys.readouterr().out
     options = [
+        "--hashed-blocks",
         *("--format", "--policy", "--capacity-tokens", "--block-size", "--isolation", "--mode", "--partial-blocks"),
         *("--ttl", "--warmup", "--include-output", "--no-optimal", "--model", "--gpu", "--utilization"),
         *("--tokenizer", "--json", "--html", "--no-progress", "--publish", "--publish-min-tokens", "--metrics"),
@@ -283,6 +284,43 @@ def test_mixed_block_size_trace_exits_2(tmp_path: Path) -> None:
     code, _, err = run_cli(["replay", str(path)])
     assert code == 2
     assert "block size" in err
+
+
+def mooncake_600(path: Path, *ids: list[int]) -> Path:
+    """One 600-token Mooncake request per list of hash ids, a second apart."""
+    rows = [{"timestamp": t, "input_length": 600, "output_length": 1, "hash_ids": i} for t, i in enumerate(ids)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("ids", "flag", "code", "expected"),
+    [
+        ([0], [], 0, 512 / 1200),  # detected: only the full block hashed, the tail never a hit
+        ([0], ["--hashed-blocks", "full"], 0, 512 / 1200),
+        ([0, 1], [], 0, 600 / 1200),  # Mooncake's convention
+        ([0], ["--hashed-blocks", "all"], 2, "field 'hash_ids': has 1 ids"),
+        ([0, 1], ["--hashed-blocks", "full"], 2, "hashed blocks 'full' needs 600//512 = 1"),
+    ],
+)
+def test_hashed_blocks_convention_from_the_command_line(
+    tmp_path: Path, ids: list[int], flag: list[str], code: int, expected: float | str
+) -> None:
+    path = mooncake_600(tmp_path / "t.jsonl", ids, ids)
+    got, out, err = run_cli(["replay", str(path), "--model", "none", "--json", *flag])
+    assert got == code, err
+    if isinstance(expected, str):
+        assert f"{path}:1: " in err and expected in err
+    else:
+        (result,) = strict_json(out)["results"]
+        assert result["token_hit_rate"] == result["optimal_token_hit_rate"] == pytest.approx(expected)
+
+
+def test_a_trace_mixing_hashed_block_conventions_exits_2_naming_both_lines(tmp_path: Path) -> None:
+    path = mooncake_600(tmp_path / "mixed.jsonl", [0], [0, 1])
+    code, out, err = run_cli(["replay", str(path), "--json"])
+    assert (code, out) == (2, "")
+    assert f"{path}:2: field 'hash_ids'" in err and f"since {path}:1" in err and "one convention" in err
 
 
 # ---------------------------------------------------------------------------- workload

@@ -386,6 +386,18 @@ def test_blocks_of_different_models_are_never_shared(hashed: bool) -> None:
     assert tree.optimal_hit_tokens == 0
 
 
+@pytest.mark.parametrize(("ids", "hit"), [([7, 8], 600), ([7], 512)])
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_a_partial_tail_without_an_id_is_never_a_hit(tmp_path: Path, ids: list[int], hit: int, engine: str) -> None:
+    """600 tokens in blocks of 512: Mooncake's two ids, or one for the full block only,
+    whose 88-token tail then never counts as a hit, in any mode nor in the optimum."""
+    rows = [{"timestamp": t, "input_length": 600, "output_length": 1, "hash_ids": ids} for t in (0, 1)]
+    path = write_records(tmp_path / "t.jsonl", rows)
+    configs = [sim_config("lru", c, mode=m) for m in ("tree", "flat") for c in (INF, 1024)]
+    for r in replay(lambda: read_trace(path, "mooncake"), configs, engine=engine):
+        assert (r.lookup_tokens, r.hit_tokens, r.optimal_hit_tokens) == (1200, hit, hit), r.config.label
+
+
 # ---------------------------------------------------------------------------- calibration
 
 

@@ -218,8 +218,8 @@ BAD_LINES: list[tuple[str, dict[str, Any], str]] = [
     ("jsonl", {"hash_ids": [1, 2], "block_size": 0, "input_length": 20}, "block_size"),
     ("jsonl", {"hash_ids": [1, 2], "block_size": 16}, "input_length"),
     ("jsonl", {"hash_ids": [1, 2], "block_size": 16, "input_length": 16}, "input_length"),  # 1 block
-    ("jsonl", {"hash_ids": [1, 2], "block_size": 16, "input_length": 33}, "input_length"),  # 3 blocks
-    ("jsonl", {"hash_ids": [], "block_size": 16, "input_length": 1}, "input_length"),
+    ("jsonl", {"hash_ids": [1, 2], "block_size": 16, "input_length": 49}, "input_length"),  # 3 full blocks + tail
+    ("jsonl", {"hash_ids": [], "block_size": 16, "input_length": 16}, "input_length"),  # 1 block either way
     ("jsonl", {"hash_ids": [1, -2], "block_size": 16, "input_length": 20}, "hash_ids"),
     ("jsonl", {"output_length": -1}, "output_length"),
     ("jsonl", {"output_length": 2.5}, "output_length"),
@@ -292,6 +292,106 @@ def test_hash_ids_length_bounds_that_hold(tmp_path: Path, length: int, blocks: i
 def test_mooncake_empty_prompt(tmp_path: Path) -> None:
     (req,) = read_trace(write_lines(tmp_path / "t.jsonl", [mooncake(0, 0, 1, [])]), "mooncake")
     assert req.hash_ids == () and req.input_length == 0
+
+
+# ---------------------------------------------------------------------------- traces that hash only full blocks
+
+
+# NOTE: Mooncake names every block, the partial last one too (ceil(input_length / 512)
+# ids); some trace sets name only the full blocks (input_length // block_size ids). A
+# prompt whose length is a multiple of the block size fits both and decides nothing.
+FULL_ONLY_MOONCAKE = [mooncake(0, 600, ids=[0]), mooncake(1, 1024, ids=[0, 1]), mooncake(2, 511, ids=[])]
+EVERY_BLOCK_MOONCAKE = [mooncake(0, 600, ids=[0, 1]), mooncake(1, 1024, ids=[0, 1]), mooncake(2, 511, ids=[2])]
+
+
+@pytest.mark.parametrize("hashed_blocks", ["auto", "full"])
+def test_a_trace_hashing_only_full_blocks_is_read(tmp_path: Path, hashed_blocks: str) -> None:
+    path = write_lines(tmp_path / "t.jsonl", FULL_ONLY_MOONCAKE)
+    got = [(r.input_length, r.hash_ids) for r in read_trace(path, "mooncake", hashed_blocks=hashed_blocks)]
+    assert got == [(600, (0,)), (1024, (0, 1)), (511, ())]
+
+
+@pytest.mark.parametrize("hashed_blocks", ["auto", "all"])
+def test_a_trace_hashing_every_block_is_read(tmp_path: Path, hashed_blocks: str) -> None:
+    path = write_lines(tmp_path / "t.jsonl", EVERY_BLOCK_MOONCAKE)
+    got = [(r.input_length, r.hash_ids) for r in read_trace(path, "mooncake", hashed_blocks=hashed_blocks)]
+    assert got == [(600, (0, 1)), (1024, (0, 1)), (511, (2,))]
+
+
+def ours_hashed(ts: float, ids: list[int], input_length: int) -> dict[str, Any]:
+    return ours(ts, hash_ids=ids, block_size=16, input_length=input_length)
+
+
+@pytest.mark.parametrize(("hashed_blocks", "length", "ids"), [("auto", 20, [1]), ("full", 20, [1]), ("auto", 5, [])])
+def test_ours_hashing_only_full_blocks_is_read(tmp_path: Path, hashed_blocks: str, length: int, ids: list[int]) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [ours_hashed(0.0, ids, length), ours_hashed(1.0, [1, 2], 32)])
+    got = [(r.input_length, r.hash_ids) for r in read_trace(path, hashed_blocks=hashed_blocks)]
+    assert got == [(length, tuple(ids)), (32, (1, 2))]
+
+
+@pytest.mark.parametrize(
+    ("rows", "first", "second"),
+    [
+        ([mooncake(0, 600, ids=[0, 1]), mooncake(1, 600, ids=[0])], "every block", "only the full blocks"),
+        ([mooncake(0, 600, ids=[0]), mooncake(1, 600, ids=[0, 1])], "only the full blocks", "every block"),
+        # a length that fits both decides nothing: the second line decides, the third breaks it
+        ([mooncake(0, 1024, ids=[0, 1]), mooncake(1, 600, ids=[0]), mooncake(2, 700, ids=[0, 1])], None, None),
+    ],
+)
+def test_a_trace_mixing_the_conventions_is_an_error_naming_both_lines(
+    tmp_path: Path, rows: list[dict[str, Any]], first: str | None, second: str | None
+) -> None:
+    path = write_lines(tmp_path / "t.jsonl", rows)
+    deciding, breaking = (1, 2) if first else (2, 3)
+    with pytest.raises(TraceError) as info:
+        list(read_trace(path, "mooncake"))
+    message = str(info.value)
+    assert message.startswith(f"{path}:{breaking}: field 'hash_ids': ")
+    assert f"since {path}:{deciding}" in message and "one trace must keep one convention" in message
+    if first and second:
+        assert message.index(second) < message.index(first)  # "it hashes <second>, but the trace ... <first>"
+
+
+def test_a_mixed_jsonl_trace_blames_input_length(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [ours_hashed(0.0, [1], 20), ours_hashed(1.0, [1, 2], 20)])
+    with pytest.raises(TraceError, match=rf"^{re.escape(str(path))}:2: field 'input_length': .*since .*:1 "):
+        list(read_trace(path))
+
+
+@pytest.mark.parametrize(
+    ("hashed_blocks", "row", "needs"),
+    [
+        ("all", mooncake(0, 600, ids=[0]), "hashed blocks 'all' needs ceil(600/512) = 2"),
+        ("full", mooncake(0, 600, ids=[0, 1]), "hashed blocks 'full' needs 600//512 = 1"),
+    ],
+)
+def test_a_convention_asked_for_is_enforced(
+    tmp_path: Path, hashed_blocks: str, row: dict[str, Any], needs: str
+) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [mooncake(0, 1024, ids=[0, 1]), row])
+    with pytest.raises(TraceError, match=rf"^{re.escape(str(path))}:2: field 'hash_ids': .*{re.escape(needs)}$"):
+        list(read_trace(path, "mooncake", hashed_blocks=hashed_blocks))
+
+
+def test_a_count_that_fits_no_convention_names_both(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [mooncake(0, 1600, ids=[0])])
+    with pytest.raises(TraceError) as info:
+        list(read_trace(path, "mooncake"))
+    message = str(info.value)
+    assert "has 1 ids for input_length 1600 in blocks of 512" in message
+    assert "ceil(1600/512) = 4 if it hashes every block" in message and "1600//512 = 3 if it hashes only" in message
+
+
+def test_bailian_rows_are_not_counted_under_any_convention(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [bailian(1.0, input_length=20, hash_ids=[1]), bailian(2.0)])
+    for hashed_blocks in ("auto", "all", "full"):
+        assert len(list(read_trace(path, "bailian", hashed_blocks=hashed_blocks))) == 2
+
+
+def test_unknown_hashed_blocks_fails_at_the_call_listing_the_valid_ones(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [mooncake()])
+    with pytest.raises(ValueError, match="unknown hashed_blocks 'tail'; valid: auto, all, full"):
+        read_trace(path, "mooncake", hashed_blocks="tail")
 
 
 def test_unknown_keys_are_ignored_in_third_party_formats(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from prefixcache.sim.replay import replay
 from prefixcache.sim.results import ReplayConfig, cache_capacity
 from prefixcache.sim.summary import summarize
 from prefixcache.sim.tokenizers import load_tokenizer
+from prefixcache.sim.tracefile import HASHED_BLOCKS
 from prefixcache.sim.traces import FORMATS, Request, read_trace
 from prefixcache.sim.workload_spec import WorkloadSpec
 from prefixcache.sim.workloads import write_jsonl
@@ -79,6 +80,14 @@ def add_replay_parser(sub: Any) -> None:
     )
     p.add_argument("trace", type=Path, help="trace file (JSONL, optionally .gz)")
     p.add_argument("--format", choices=("auto", *FORMATS), default="auto", help="trace format (default: auto)")
+    p.add_argument(
+        "--hashed-blocks",
+        choices=HASHED_BLOCKS,
+        default="auto",
+        help="which blocks a pre-hashed trace's hash_ids name: all (the partial last block too: "
+        "ceil(input_length / block_size) ids, as Mooncake), full (only full blocks: input_length // block_size "
+        "ids; the tail is never a hit), auto (detected from the trace; default)",
+    )
     p.add_argument(
         "--policy",
         default="lru",
@@ -231,7 +240,7 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error(str(exc))
 
     def source() -> Iterable[Request]:
-        return read_trace(args.trace, args.format, tokenizer)
+        return read_trace(args.trace, args.format, tokenizer, args.hashed_blocks)
 
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     try:

@@ -3,7 +3,8 @@
 The part of reading a trace that no format changes: a ``.gz`` file is recognised by its
 magic bytes (whatever its name) and decompressed on the fly, blank lines keep their
 numbers, and every error -- a damaged gzip stream, invalid JSON, a field of the wrong
-type -- is a ``TraceError`` that names the file, the 1-based line and the field.
+type, a pre-hashed prompt whose ids do not fit its length -- is a ``TraceError`` that
+names the file, the 1-based line and the field.
 """
 
 from __future__ import annotations
@@ -133,3 +134,60 @@ class Row:
                 if not is_int(item) or item < 0 or (limit is not None and item >= limit):
                     raise self.error(name, f"item {i} must be an integer >= 0{top}, got {show(item)}")
         return tuple(value)
+
+
+# ---------------------------------------------------------------------------- pre-hashed prompts
+
+
+HASHED_BLOCKS = ("auto", "all", "full")
+"""Which blocks of a pre-hashed prompt have an id: ``all`` (a partial last block too:
+``ceil(input_length / block_size)`` ids, as Mooncake), ``full`` (full blocks only:
+``input_length // block_size`` ids), ``auto`` (whichever the trace follows)."""
+
+
+class BlockCount:
+    """Checks that each pre-hashed prompt has as many ids as its length needs, under one
+    convention for the whole trace (``HASHED_BLOCKS``).
+
+    NOTE: a prompt whose length is a multiple of the block size fits both conventions;
+    under ``auto`` the first one that fits only one fixes the trace's, and a later prompt
+    that fits only the other is an error naming both lines: within one trace the two
+    would count a different tail, so which one the trace means cannot be guessed."""
+
+    __slots__ = ("convention", "decided_at")
+
+    def __init__(self, hashed_blocks: str = "auto") -> None:
+        if hashed_blocks not in HASHED_BLOCKS:
+            raise ValueError(f"unknown hashed_blocks {hashed_blocks!r}; valid: {', '.join(HASHED_BLOCKS)}")
+        self.convention: str | None = None if hashed_blocks == "auto" else hashed_blocks
+        self.decided_at: str | None = None  # the line that decided it under "auto"
+
+    def check(self, row: Row, field: str, ids: int, block_size: int, input_length: int) -> None:
+        """Raise a ``TraceError`` on ``field`` of ``row`` unless ``ids`` fit ``input_length``."""
+        need = {"all": -(-input_length // block_size), "full": input_length // block_size}
+        fits = [name for name in HASHED_BLOCKS[1:] if ids == need[name]]
+        if self.convention in fits or (self.convention is None and len(fits) == 2):
+            return
+        if self.convention is None and fits:
+            self.convention, self.decided_at = fits[0], row.where
+            return
+        formula = {
+            "all": f"ceil({input_length}/{block_size}) = {need['all']}",
+            "full": f"{input_length}//{block_size} = {need['full']}",
+        }
+        what = f"has {ids} ids for input_length {input_length} in blocks of {block_size}"
+        if not fits:
+            names = [self.convention] if self.convention else list(HASHED_BLOCKS[1:])
+            raise row.error(field, f"{what}; needs " + " or ".join(f"{formula[n]} if it {_HASHES[n]}" for n in names))
+        found, conv = fits[0], self.convention
+        assert conv is not None
+        if self.decided_at is None:
+            raise row.error(field, f"{what}: it {_HASHES[found]}, but hashed blocks {conv!r} needs {formula[conv]}")
+        raise row.error(
+            field,
+            f"{what}: it {_HASHES[found]}, but the trace since {self.decided_at} {_HASHES[conv]} "
+            f"(needs {formula[conv]}); one trace must keep one convention",
+        )
+
+
+_HASHES = {"all": "hashes every block, the partial last one too", "full": "hashes only the full blocks"}

@@ -12,7 +12,8 @@ Formats (``fmt=``; ``"auto"`` looks at the keys of the first non-empty line):
 
 ``mooncake``  Mooncake FAST'25 (Moonshot AI): ``timestamp`` (ms), ``input_length``,
               ``output_length``, ``hash_ids`` (prefix ids of 512-token blocks,
-              ``len(hash_ids) == ceil(input_length / 512)``). Tenant and model "default".
+              ``ceil(input_length / 512)`` of them; see below for traces that hash only
+              full blocks). Tenant and model "default".
 ``bailian``   Alibaba Qwen "KVCache in the wild": ``chat_id``, ``parent_chat_id``,
               ``timestamp`` (s), ``input_length``, ``output_length``, ``type``, ``turn``,
               ``hash_ids`` (16-token blocks). Tenant and model "default", ``type`` becomes
@@ -37,8 +38,7 @@ field              required  meaning
 ``hash_ids``       one of    prefix block ids (integers >= 0; id i names block i and every
                              block before it), with ``block_size`` (integer >= 1)
 ``input_length``   no/yes    prompt tokens; defaults to the number of tokens; required with
-                             ``hash_ids``, where ``(len(hash_ids) - 1) * block_size <
-                             input_length <= len(hash_ids) * block_size``
+                             ``hash_ids``, whose length it fixes (below)
 ``output_length``  no        generated tokens, integer >= 0; defaults to
                              ``len(output_tokens)``, else 0
 ``output_tokens``  no        generated token ids
@@ -47,6 +47,12 @@ field              required  meaning
 Exactly one of ``tokens``, ``text`` and ``hash_ids`` is given; ``null`` counts as absent
 for optional fields. An unknown key is an error (a misspelt ``endpont`` would otherwise
 quietly become ``""``). In the third-party formats unknown keys are ignored.
+
+Pre-hashed prompts (Mooncake's and ours) come in two conventions: an id for every block,
+the partial last one too (``ceil(input_length / block_size)`` ids, as Mooncake), or for
+the full blocks only (``input_length // block_size`` ids: the tail has no id and is never
+a hit). ``hashed_blocks=`` says which (``"all"``, ``"full"``), or ``"auto"`` detects it;
+one trace keeps one (``tracefile.BlockCount``). Bailian rows are not checked (below).
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.sim.tokenizers import Tokenizer
-from prefixcache.sim.tracefile import Row, TraceError, is_int, load_json, numbered_lines, show
+from prefixcache.sim.tracefile import BlockCount, Row, TraceError, is_int, load_json, numbered_lines, show
 
 FORMATS = ("mooncake", "bailian", "jsonl")
 MOONCAKE_BLOCK_SIZE = 512
@@ -106,12 +112,6 @@ def _parse_mooncake(row: Row, tokenizer: Tokenizer | None) -> Request:
     input_length = row.integer("input_length", row.required("input_length"))
     output_length = row.integer("output_length", row.required("output_length"))
     hash_ids = row.ids("hash_ids", row.required("hash_ids"))
-    expected = -(-input_length // MOONCAKE_BLOCK_SIZE)
-    if len(hash_ids) != expected:
-        raise row.error(
-            "hash_ids",
-            f"has {len(hash_ids)} ids; input_length {input_length} needs ceil({input_length}/512) = {expected}",
-        )
     return Request(
         timestamp=timestamp,
         tenant="default",
@@ -228,12 +228,6 @@ def _jsonl_hash_ids(row: Row) -> tuple[None, tuple[int, ...], int, int]:
     hash_ids = row.ids("hash_ids", row.data["hash_ids"])
     block_size = row.integer("block_size", row.required("block_size"), minimum=1)
     input_length = row.integer("input_length", row.required("input_length"))
-    lo, hi = (len(hash_ids) - 1) * block_size, len(hash_ids) * block_size
-    if not lo < input_length <= hi:
-        raise row.error(
-            "input_length",
-            f"is {input_length}, but {len(hash_ids)} blocks of {block_size} hold more than {lo} and at most {hi}",
-        )
     return None, hash_ids, block_size, input_length
 
 
@@ -254,6 +248,9 @@ _PARSERS: Mapping[str, Parser] = {
     "bailian": _parse_bailian,
     "jsonl": _parse_jsonl,
 }
+# NOTE: the field a prompt with the wrong number of ids is blamed on; Bailian's are not
+# counted (see _parse_bailian).
+_COUNTED: Mapping[str, str] = {"mooncake": "hash_ids", "jsonl": "input_length"}
 
 
 # ---------------------------------------------------------------------------- detection
@@ -297,15 +294,19 @@ def detect_format(path: str | Path) -> str:
 # ---------------------------------------------------------------------------- reading
 
 
-def read_trace(path: str | Path, fmt: str = "auto", tokenizer: Tokenizer | None = None) -> Iterator[Request]:
+def read_trace(
+    path: str | Path, fmt: str = "auto", tokenizer: Tokenizer | None = None, hashed_blocks: str = "auto"
+) -> Iterator[Request]:
     """The requests of a trace, one line at a time.
 
-    The format name and (for ``"auto"``) the first line are checked now; every later
-    line when the iterator reaches it. An empty trace yields nothing.
+    The format name, ``hashed_blocks`` (``tracefile.HASHED_BLOCKS``) and (for ``"auto"``)
+    the first line are checked now; every later line when the iterator reaches it. An
+    empty trace yields nothing.
     """
     path = Path(path)
     if fmt != "auto" and fmt not in _PARSERS:
         raise ValueError(f"unknown trace format {fmt!r}; valid: auto, {', '.join(FORMATS)}")
+    BlockCount(hashed_blocks)  # NOTE: checks the name now, not at the first line
     if not path.is_file():
         raise FileNotFoundError(f"no trace file {str(path)!r}")
     if fmt == "auto":
@@ -313,14 +314,17 @@ def read_trace(path: str | Path, fmt: str = "auto", tokenizer: Tokenizer | None 
         if first is None:
             return iter(())
         fmt = _guess(first[1], first[0])
-    return _read(path, _PARSERS[fmt], tokenizer)
+    return _read(path, fmt, tokenizer, hashed_blocks)
 
 
-def _read(path: Path, parse: Parser, tokenizer: Tokenizer | None) -> Iterator[Request]:
+def _read(path: Path, fmt: str, tokenizer: Tokenizer | None, hashed_blocks: str) -> Iterator[Request]:
+    parse, counted, count = _PARSERS[fmt], _COUNTED.get(fmt), BlockCount(hashed_blocks)
     previous: tuple[float, Any] | None = None  # (seconds, the value as written)
     for lineno, line in numbered_lines(path):
         row = Row(load_json(line, f"{path}:{lineno}"), f"{path}:{lineno}")
         request = parse(row, tokenizer)
+        if counted is not None and request.hash_ids is not None and request.block_size is not None:
+            count.check(row, counted, len(request.hash_ids), request.block_size, request.input_length)
         # NOTE: the replay drives TTLs and time windows by these, so a step back in time
         # is an error here rather than a negative age there.
         if previous is not None and request.timestamp < previous[0]:
