@@ -282,6 +282,11 @@ def test_bad_arguments_are_clear_errors(
         belady(list, capacity, block_size, isolation, warmup)
 
 
+def test_arguments_are_checked_without_capacities_too() -> None:
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
+        optima(list, [], 0, "shared", 0)
+
+
 def test_unknown_engine_lists_the_valid_ones() -> None:
     with pytest.raises(ValueError, match="unknown optimum engine 'c'; valid: auto, native, python"):
         optima(list, [1], 16, "shared", 0, engine="c")

@@ -58,15 +58,18 @@ def optima(
     """The optimum at each capacity (in blocks, ``math.inf`` for unlimited), in order.
 
     The compiled engine reads the trace once for all the capacities and shares the passes
-    that do not depend on them; ``engine="python"`` runs the reference once per capacity,
-    ``"auto"`` the compiled one where it is built. ``chunk`` sets the compiled engine's
-    accesses per read or write (the tests cross its chunk boundaries with tiny ones)."""
-    caps = [_check(c, block_size, isolation, warmup) for c in capacities]
+    that do not depend on them; its temporary files (12 bytes per block access and 16 per
+    request) go to ``tempfile.gettempdir()`` (``TMPDIR``). ``engine="python"`` runs the
+    reference once per capacity, ``"auto"`` the compiled one where it is built. ``chunk``
+    sets the compiled engine's accesses per read or write (the tests cross its chunk
+    boundaries with tiny ones)."""
+    _check(block_size, isolation, warmup)
+    caps = [_blocks(c) for c in capacities]
     if engine not in ENGINES:
         raise ValueError(f"unknown optimum engine {engine!r}; valid: {', '.join(ENGINES)}")
     if engine == "native" and _optimum is None:
         raise ValueError("the compiled optimum (sim/_optimum.c) is not built; use engine 'python' or 'auto'")
-    if engine == "python" or _optimum is None:
+    if engine == "python" or _optimum is None or not caps:
         return [belady(source, c, block_size, isolation, warmup) for c in capacities]
     seq = _optimum.Sequence(tempfile.gettempdir(), *([] if chunk is None else [chunk]))
     try:
@@ -98,20 +101,22 @@ def optima_by_key(
     return out
 
 
-def _check(capacity_blocks: float, block_size: int, isolation: str, warmup: int) -> int | None:
-    """The capacity as a whole number of blocks (``None``: unlimited), after checking
-    every argument."""
+def _blocks(capacity_blocks: float) -> int | None:
+    """The capacity as a whole number of blocks, ``None`` when unlimited."""
     if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int | float):
         raise TypeError(f"capacity must be a number of blocks, got {capacity_blocks!r}")
     if math.isnan(capacity_blocks) or capacity_blocks < 0:
         raise ValueError(f"capacity must be >= 0 blocks (inf: unlimited), got {capacity_blocks!r}")
+    return None if math.isinf(capacity_blocks) else int(capacity_blocks)
+
+
+def _check(block_size: int, isolation: str, warmup: int) -> None:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     if isolation not in ISOLATION_MODES:
         raise ValueError(f"unknown isolation {isolation!r}; valid: {', '.join(ISOLATION_MODES)}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be a number of requests >= 0, got {warmup!r}")
-    return None if math.isinf(capacity_blocks) else int(capacity_blocks)
 
 
 def belady(source: TraceSource, capacity_blocks: float, block_size: int, isolation: str, warmup: int) -> Optimum:
@@ -120,7 +125,8 @@ def belady(source: TraceSource, capacity_blocks: float, block_size: int, isolati
 
     NOTE: the reference: needs the whole block sequence in memory (8 bytes and a list
     slot per block access). ``optima`` runs the compiled engine, which streams."""
-    cap_blocks = _check(capacity_blocks, block_size, isolation, warmup)
+    _check(block_size, isolation, warmup)
+    cap_blocks = _blocks(capacity_blocks)
     ids: dict[object, int] = {}
     seq: list[int] = []
     bounds: list[int] = [0]
