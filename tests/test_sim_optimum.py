@@ -25,8 +25,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from prefixcache.config import CacheConfig
 from prefixcache.sim import optimum
-from prefixcache.sim.optimum import Optimum, belady, optima, optima_by_key
+from prefixcache.sim.optimum import Optimum, OptimumSweep, belady, optima
+from prefixcache.sim.replay import replay
+from prefixcache.sim.results import ReplayConfig, cache_capacity
 from prefixcache.sim.traces import Request, read_trace
 from support import CONVERSATION, SYNTHETIC
 
@@ -38,6 +41,11 @@ ISOLATIONS = ("shared", "namespace", "partitioned")
 
 def hashed(ids: Sequence[int], input_length: int, tenant: str = "a", model: str = "m", block_size: int = 4) -> Request:
     return Request(0.0, tenant, model, "", input_length, 0, hash_ids=tuple(ids), block_size=block_size)
+
+
+def sim_config(capacity: float, isolation: str) -> ReplayConfig:
+    cache = CacheConfig(policy="lru", capacity_tokens=cache_capacity(capacity), block_size=4, isolation=isolation)
+    return ReplayConfig(cache)
 
 
 def reference(
@@ -206,17 +214,45 @@ def test_a_capacity_sweep_reads_the_trace_once() -> None:
 
 
 @native
-def test_optima_by_key_reads_once_per_block_size_and_isolation() -> None:
+def test_a_sweep_is_fed_once_for_every_block_size_and_isolation() -> None:
     requests = [hashed([i % 7, i % 5], 8, tenant="ab"[i % 2]) for i in range(40)]
-    reads, source = counting(requests)
     keys = [(c, 4, iso) for iso in ("shared", "namespace") for c in (4.0, 8.0, INF)] + [(8.0, 4, "shared")]
-    found = optima_by_key(source, keys, 0)
-    assert reads == [2]
+    sweep = OptimumSweep(keys, 3)
+    try:
+        assert sweep.feed is not None
+        for req in requests:
+            sweep.feed(req)
+        found = sweep.solve(lambda: pytest.fail("the compiled engine needs no read of its own"))
+    finally:
+        sweep.close()
     assert set(found) == set(keys)
     for capacity, block_size, isolation in keys:
         assert found[(capacity, block_size, isolation)] == belady(
-            lambda: requests, capacity / block_size, block_size, isolation, 0
+            lambda: requests, capacity / block_size, block_size, isolation, 3
         )
+
+
+def test_a_sweep_on_the_reference_reads_the_trace_itself() -> None:
+    requests = [hashed([i % 3], 4) for i in range(10)]
+    reads, source = counting(requests)
+    sweep = OptimumSweep([(4.0, 4, "shared"), (INF, 4, "shared")], 0, engine="python")
+    assert sweep.feed is None
+    # 0 1 2 0 1 2 ...: one block keeps 0 (3 hits), unlimited hits every repeat (7)
+    assert sweep.solve(source) == {(4.0, 4, "shared"): Optimum(12, 3), (INF, 4, "shared"): Optimum(28, 7)}
+    assert reads == [2]
+    assert OptimumSweep([], 0).feed is None
+
+
+@native
+def test_the_replay_builds_the_optimum_in_its_first_pass() -> None:
+    requests = [hashed([i % 7, i % 5], 8, tenant="ab"[i % 2], block_size=4) for i in range(40)]
+    reads, source = counting(requests)
+    configs = [sim_config(capacity=c, isolation=iso) for c in (16, 32, INF) for iso in ("shared", "namespace")]
+    results = replay(source, configs, warmup=0.25)
+    assert reads == [1 + 1]  # the summary, then one pass for the kernel's runs and the optimum
+    for r in results:
+        expected = belady(lambda: requests, r.config.capacity_tokens / 4, 4, r.config.isolation, 10)
+        assert r.optimal_hit_tokens == expected.hit_tokens, r.config.label
 
 
 @native

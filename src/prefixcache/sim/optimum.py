@@ -15,13 +15,14 @@ from __future__ import annotations
 import heapq
 import math
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
 from prefixcache.config import ISOLATION_MODES
 from prefixcache.sim.blocks import block_ids, block_salt, request_blocks
 from prefixcache.sim.summary import TraceSource
+from prefixcache.sim.traces import Request
 
 _optimum: ModuleType | None
 try:
@@ -65,40 +66,97 @@ def optima(
     boundaries with tiny ones)."""
     _check(block_size, isolation, warmup)
     caps = [_blocks(c) for c in capacities]
+    if _python(engine) or not caps:
+        return [belady(source, c, block_size, isolation, warmup) for c in capacities]
+    stream = _Stream(block_size, isolation, chunk)
+    try:
+        for req in source():
+            stream.feed(req)
+        return stream.solve(caps, warmup)
+    finally:
+        stream.close()
+
+
+class OptimumSweep:
+    """The optimum for many (capacity in tokens, block size, isolation) keys, fed the
+    trace request by request: the replay feeds it in its first pass, so that the
+    optimum needs no read of its own.
+
+    The compiled engine builds one block sequence per block size and isolation as it is
+    fed and solves all of its capacities at once; without it ``feed`` is ``None`` and
+    ``solve`` runs the reference, which reads the trace once per key."""
+
+    def __init__(self, keys: Iterable[tuple[float, int, str]], warmup: int, *, engine: str = "auto") -> None:
+        self.keys = list(dict.fromkeys(keys))
+        self.warmup = warmup
+        for capacity, block_size, isolation in self.keys:
+            _check(block_size, isolation, warmup)
+            _blocks(capacity / block_size)
+        self._streams: dict[tuple[int, str], _Stream] = {}
+        if not _python(engine):
+            for _, block_size, isolation in self.keys:
+                if (block_size, isolation) not in self._streams:
+                    self._streams[(block_size, isolation)] = _Stream(block_size, isolation)
+
+    @property
+    def feed(self) -> Callable[[Request], None] | None:
+        """What takes each request of the trace, in order; ``None`` when nothing needs them."""
+        streams = list(self._streams.values())
+        if not streams:
+            return None
+        if len(streams) == 1:
+            return streams[0].feed
+
+        def feed_all(req: Request) -> None:
+            for stream in streams:
+                stream.feed(req)
+
+        return feed_all
+
+    def solve(self, source: TraceSource) -> dict[tuple[float, int, str], Optimum]:
+        """The optimum of every key, once every request was fed (the reference reads ``source``)."""
+        if not self._streams:
+            return {(c, bs, iso): belady(source, c / bs, bs, iso, self.warmup) for c, bs, iso in self.keys}
+        out: dict[tuple[float, int, str], Optimum] = {}
+        for (block_size, isolation), stream in self._streams.items():
+            tokens = [c for c, bs, iso in self.keys if (bs, iso) == (block_size, isolation)]
+            found = stream.solve([_blocks(c / block_size) for c in tokens], self.warmup)
+            out.update({(c, block_size, isolation): o for c, o in zip(tokens, found, strict=True)})
+        return out
+
+    def close(self) -> None:
+        for stream in self._streams.values():
+            stream.close()
+
+
+class _Stream:
+    """One block sequence (a block size and an isolation) in the compiled engine."""
+
+    def __init__(self, block_size: int, isolation: str, chunk: int | None = None) -> None:
+        assert _optimum is not None
+        self.block_size, self.isolation = block_size, isolation
+        self.contexts: dict[object, int] = {}
+        self.seq = _optimum.Sequence(tempfile.gettempdir(), *([] if chunk is None else [chunk]))
+
+    def feed(self, req: Request) -> None:
+        salt = block_salt(req, self.isolation)
+        context = self.contexts.setdefault(salt, len(self.contexts))
+        self.seq.add(context, block_ids(req, self.block_size), req.input_length)
+
+    def solve(self, capacities: list[int | None], warmup: int) -> list[Optimum]:
+        return [Optimum(hits, blocks) for hits, blocks in self.seq.solve(capacities, self.block_size, warmup)]
+
+    def close(self) -> None:
+        self.seq.close()
+
+
+def _python(engine: str) -> bool:
+    """Whether ``engine`` means the reference (checking its name)."""
     if engine not in ENGINES:
         raise ValueError(f"unknown optimum engine {engine!r}; valid: {', '.join(ENGINES)}")
     if engine == "native" and _optimum is None:
         raise ValueError("the compiled optimum (sim/_optimum.c) is not built; use engine 'python' or 'auto'")
-    if engine == "python" or _optimum is None or not caps:
-        return [belady(source, c, block_size, isolation, warmup) for c in capacities]
-    seq = _optimum.Sequence(tempfile.gettempdir(), *([] if chunk is None else [chunk]))
-    try:
-        contexts: dict[object, int] = {}
-        for req in source():
-            salt = block_salt(req, isolation)
-            seq.add(contexts.setdefault(salt, len(contexts)), block_ids(req, block_size), req.input_length)
-        solved = seq.solve(caps, block_size, warmup)
-    finally:
-        seq.close()
-    return [Optimum(hits, blocks) for hits, blocks in solved]
-
-
-def optima_by_key(
-    source: TraceSource, keys: Iterable[tuple[float, int, str]], warmup: int, *, engine: str = "auto"
-) -> dict[tuple[float, int, str], Optimum]:
-    """The optimum for each (capacity in tokens, block size, isolation): one ``optima``
-    per block size and isolation (they make the block sequence), all its capacities at once."""
-    groups: dict[tuple[int, str], list[float]] = {}
-    for capacity, block_size, isolation in keys:
-        group = groups.setdefault((block_size, isolation), [])
-        if capacity not in group:
-            group.append(capacity)
-    out: dict[tuple[float, int, str], Optimum] = {}
-    for (block_size, isolation), tokens in groups.items():
-        blocks = [c / block_size for c in tokens]
-        found = optima(source, blocks, block_size, isolation, warmup, engine=engine)
-        out.update({(c, block_size, isolation): o for c, o in zip(tokens, found, strict=True)})
-    return out
+    return engine == "python" or _optimum is None
 
 
 def _blocks(capacity_blocks: float) -> int | None:

@@ -34,7 +34,7 @@ from prefixcache.sim.accounting import RequestCounter
 from prefixcache.sim.blocks import hit_tokens, request_blocks
 from prefixcache.sim.costmodel import CostAccumulator, CostModel
 from prefixcache.sim.engines import make_stepper
-from prefixcache.sim.optimum import optima_by_key
+from prefixcache.sim.optimum import OptimumSweep
 from prefixcache.sim.results import UNLIMITED, ReplayConfig, ReplayResult
 from prefixcache.sim.summary import TraceSource, TraceSummary, effective_configs, summarize, warmup_requests
 from prefixcache.sim.traces import Request
@@ -193,7 +193,9 @@ def replay(
     The configurations replayed by the compiled kernel and the flat ones share one pass
     over the trace (each request is read once and fed to all of them: reading a trace
     costs more than their replays); each one on the ``PrefixCache`` gets a pass of its
-    own. ``progress(total, label)`` may supply a context manager yielding a bar with
+    own. The first pass also builds the optimum's block sequences (``OptimumSweep``;
+    without the compiled optimum, its reference reads the trace once more per
+    capacity). ``progress(total, label)`` may supply a context manager yielding a bar with
     ``advance(n)``, entered once per pass. ``metrics(config, text)`` receives each
     tree-mode replay's Prometheus exposition (which needs the ``PrefixCache``).
     ``engine`` picks tree mode's engine (``make_stepper``); each result names the one that
@@ -216,11 +218,15 @@ def replay(
             raise ValueError(f"unknown replay mode {cfg.mode!r}; valid: flat, tree")
     shared = [run for run in runs if run.light]
     passes = ([shared] if shared else []) + [[run] for run in runs if not run.light]
-    for group in passes:
-        label = group[0].cfg.label if len(group) == 1 else f"{len(group)} configurations"
-        _one_pass(source, group, summary.requests, label, progress)
     keys = [_optimum_key(run.cfg, include_output, summary) if optimal else None for run in runs]
-    optimum = optima_by_key(source, [key for key in keys if key is not None], skip)
+    sweep = OptimumSweep([key for key in keys if key is not None], skip)
+    try:
+        for i, group in enumerate(passes):
+            label = group[0].cfg.label if len(group) == 1 else f"{len(group)} configurations"
+            _one_pass(source, group, summary.requests, label, progress, sweep.feed if i == 0 else None)
+        optimum = sweep.solve(source)
+    finally:
+        sweep.close()
     results = []
     for run, key in zip(runs, keys, strict=True):
         cfg, result = run.cfg, run.counter.result
@@ -251,9 +257,11 @@ def _one_pass(
     total: int,
     label: str,
     progress: ProgressFactory | None,
+    also: Callable[[Request], None] | None = None,
 ) -> None:
-    """Stream the trace once, feeding every request to each run in turn; each run's
-    ``seconds`` add up its own share of the time."""
+    """Stream the trace once, feeding every request to each run in turn, and to ``also``
+    (the optimum's block sequences); each run's ``seconds`` add up its own share of the
+    time."""
     clock = time.perf_counter
     spent = [0.0] * len(runs)
     feeds = [run.feed for run in runs]
@@ -263,6 +271,8 @@ def _one_pass(
                 start = clock()
                 feed(req)
                 spent[i] += clock() - start
+            if also is not None:
+                also(req)
             bar.advance(1)
     for run, seconds in zip(runs, spent, strict=True):
         run.finish()
