@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from research.eviction import candidates  # noqa: F401  (registers the candidates)
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(row(opt, None, None), flush=True)
                 results.append(opt)
             lru = None
-            for pname in a.policy.split(";") if ";" in a.policy else a.policy.split(","):
+            for pname in re.split(r",(?![^()]*\))", a.policy):
                 res = replay(trace, make(pname), cap, a.warmup)
                 if pname == "lib:lru":
                     lru = res
