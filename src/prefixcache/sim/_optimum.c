@@ -11,7 +11,7 @@
  *                             request's (blocks, input length) to  requests  (2 x i64)
  *     first solve()         blocks  read backwards in chunks; each access's next use
  *       pass 2                (the position of its block's next access, or NEVER) written
- *                             to  next  (u64 per access); needs last[block] only
+ *                             to  next  (u32 per access); needs last[block] only
  *     solve(capacities)     blocks,  next  and  requests  read forward in chunks, each
  *       pass 3                chunk fed to one Belady state per capacity in turn
  *
@@ -45,7 +45,8 @@
 #define CHUNK ((size_t)1 << 18) /* the default chunk: accesses (and request records, and
                                   segments of pass 3) per buffer, read or write */
 #define AHEAD 16 /* ids whose map slots are being fetched at once */
-#define NEVER UINT64_MAX
+#define NEVER UINT32_MAX /* the next use of a block used no more */
+#define MAX_ACCESSES (UINT32_MAX - 1)
 #define NOT_RESIDENT UINT32_MAX /* where[] of a block not in the cache */
 #define MAX_BLOCKS (UINT32_MAX - 1)
 #define OTHER 0x80000000u /* key flag: an id outside [0, 2**192), numbered by a dict */
@@ -68,6 +69,9 @@ static inline uint64_t mix64(uint64_t x) { /* splitmix64's finalizer */
     x ^= x >> 31;
     return x;
 }
+
+/* A block access's position in the sequence: its next use, a heap's key. */
+typedef uint32_t pos_t;
 
 /* ------------------------------------------------------------------ files */
 
@@ -267,21 +271,21 @@ static int idmap_reserve(IdMap *m, size_t extra, size_t blocks, int wide) {
 typedef struct {
     int64_t cap;     /* blocks; -1: never evicts */
     uint32_t *where; /* heap slot (unlimited: 0) of each resident block, else NOT_RESIDENT */
-    uint64_t *key;   /* heap: next use of the block in each slot (max at 0) */
+    pos_t *key;      /* heap: next use of the block in each slot (max at 0) */
     uint32_t *blk;   /* heap: the block in each slot */
     size_t size;
     int prefix;      /* every block of the request so far hit */
     int64_t prefix_hits, hit_tokens, block_hits;
 } State;
 
-static inline void heap_place(State *s, size_t i, uint64_t key, uint32_t b) {
+static inline void heap_place(State *s, size_t i, pos_t key, uint32_t b) {
     s->key[i] = key;
     s->blk[i] = b;
     s->where[b] = (uint32_t)i;
 }
 
 static void sift_up(State *s, size_t i) {
-    uint64_t key = s->key[i];
+    pos_t key = s->key[i];
     uint32_t b = s->blk[i];
     while (i > 0) {
         size_t parent = (i - 1) / 2;
@@ -293,7 +297,7 @@ static void sift_up(State *s, size_t i) {
 }
 
 static void sift_down(State *s, size_t i) {
-    uint64_t key = s->key[i];
+    pos_t key = s->key[i];
     uint32_t b = s->blk[i];
     for (;;) {
         size_t child = 2 * i + 1;
@@ -316,7 +320,7 @@ static void heap_remove(State *s, size_t i) {
 }
 
 /* One access of a bounded state (optimum.belady's inner loop). */
-static inline void step_bounded(State *s, uint32_t b, uint64_t next, int counted) {
+static inline void step_bounded(State *s, uint32_t b, pos_t next, int counted) {
     uint32_t slot = s->where[b];
     if (slot != NOT_RESIDENT) {
         s->block_hits += counted;
@@ -343,7 +347,7 @@ static inline void step_bounded(State *s, uint32_t b, uint64_t next, int counted
 }
 
 /* One access of a state that never evicts. */
-static inline void step_unlimited(State *s, uint32_t b, uint64_t next, int counted) {
+static inline void step_unlimited(State *s, uint32_t b, pos_t next, int counted) {
     if (s->where[b] != NOT_RESIDENT) {
         s->block_hits += counted;
         s->prefix_hits += s->prefix;
@@ -366,7 +370,7 @@ static inline int64_t hit_tokens(int64_t blocks, int64_t block_size, int64_t inp
     return blocks > input_length / block_size ? input_length : blocks * block_size;
 }
 
-static void run_segments(State *s, const Segment *segs, size_t n, const uint32_t *blk, const uint64_t *next,
+static void run_segments(State *s, const Segment *segs, size_t n, const uint32_t *blk, const pos_t *next,
                          int64_t block_size) {
     for (size_t g = 0; g < n; g++) {
         const Segment *seg = &segs[g];
@@ -600,8 +604,9 @@ static PyObject *Sequence_add(Sequence *s, PyObject *const *args, Py_ssize_t nar
         k->ctx |= (uint32_t)ctx;
         k->hash = key_hash(k->ctx, k->w0, k->w1, k->w2);
     }
-    if ((uint64_t)n > (uint64_t)(MAX_BLOCKS - s->blocks)) {
-        PyErr_Format(PyExc_OverflowError, "more than %u distinct blocks", (unsigned)MAX_BLOCKS);
+    if ((uint64_t)n > (uint64_t)(MAX_BLOCKS - s->blocks) || n > MAX_ACCESSES - s->accesses) {
+        PyErr_Format(PyExc_OverflowError, "more than %u distinct blocks or %u block accesses", (unsigned)MAX_BLOCKS,
+                     (unsigned)MAX_ACCESSES);
         goto done;
     }
     if (idmap_reserve(&s->ids, (size_t)n, s->blocks, wide) < 0) {
@@ -643,12 +648,12 @@ done:
 
 /* Pass 2: each access's next use, from the blocks read backwards. Returns 0 or errno. */
 static int next_uses(Sequence *s) {
-    uint64_t *last = big_calloc(s->blocks, sizeof(uint64_t));
+    pos_t *last = big_calloc(s->blocks, sizeof(pos_t));
     size_t chunk = s->chunk;
     uint32_t *blk = PyMem_RawMalloc(chunk * sizeof(uint32_t));
-    uint64_t *next = PyMem_RawMalloc(chunk * sizeof(uint64_t));
+    pos_t *next = PyMem_RawMalloc(chunk * sizeof(pos_t));
     int err = last && blk && next ? 0 : ENOMEM;
-    if (!err) memset(last, 0xff, (size_t)s->blocks * sizeof(uint64_t)); /* NEVER */
+    if (!err) memset(last, 0xff, (size_t)s->blocks * sizeof(pos_t)); /* NEVER */
     for (int64_t end = s->accesses; end > 0 && !err;) {
         int64_t start = end > (int64_t)chunk ? end - (int64_t)chunk : 0;
         size_t len = (size_t)(end - start);
@@ -656,9 +661,9 @@ static int next_uses(Sequence *s) {
         if (err) break;
         for (size_t i = len; i-- > 0;) {
             next[i] = last[blk[i]];
-            last[blk[i]] = (uint64_t)start + i;
+            last[blk[i]] = (pos_t)(start + (int64_t)i);
         }
-        err = pwrite_all(s->fd_next, next, len * sizeof(uint64_t), start * (int64_t)sizeof(uint64_t));
+        err = pwrite_all(s->fd_next, next, len * sizeof(pos_t), start * (int64_t)sizeof(pos_t));
         end = start;
     }
     PyMem_RawFree(last);
@@ -697,7 +702,7 @@ static int next_request(Requests *r, int64_t *blocks, int64_t *input_length) {
 static int belady(Sequence *s, State *states, size_t n_states, int64_t block_size, int64_t warmup) {
     size_t chunk = s->chunk;
     uint32_t *blk = PyMem_RawMalloc(chunk * sizeof(uint32_t));
-    uint64_t *next = PyMem_RawMalloc(chunk * sizeof(uint64_t));
+    pos_t *next = PyMem_RawMalloc(chunk * sizeof(pos_t));
     Segment *segs = PyMem_RawMalloc(chunk * sizeof(Segment));
     Requests reqs = {s->fd_requests, PyMem_RawMalloc(chunk * 2 * sizeof(int64_t)), chunk, 0, 0, 0};
     int err = blk && next && segs && reqs.buf ? 0 : ENOMEM;
@@ -706,7 +711,7 @@ static int belady(Sequence *s, State *states, size_t n_states, int64_t block_siz
     for (int64_t pos = 0; pos < s->accesses && !err;) {
         size_t len = (size_t)(s->accesses - pos) < chunk ? (size_t)(s->accesses - pos) : chunk;
         err = pread_all(s->fd_blocks, blk, len * sizeof(uint32_t), pos * (int64_t)sizeof(uint32_t));
-        if (!err) err = pread_all(s->fd_next, next, len * sizeof(uint64_t), pos * (int64_t)sizeof(uint64_t));
+        if (!err) err = pread_all(s->fd_next, next, len * sizeof(pos_t), pos * (int64_t)sizeof(pos_t));
         for (size_t i = 0; i < len && !err;) {
             size_t n_segs = 0;
             while (i < len && n_segs < chunk && !err) {
@@ -758,7 +763,7 @@ static int make_states(Sequence *s, const int64_t *caps, size_t n, State **out) 
         if (!st->where) return ENOMEM;
         memset(st->where, 0xff, (size_t)s->blocks * sizeof(uint32_t)); /* NOT_RESIDENT */
         if (st->cap > 0) {
-            st->key = PyMem_RawMalloc((size_t)st->cap * sizeof(uint64_t));
+            st->key = PyMem_RawMalloc((size_t)st->cap * sizeof(pos_t));
             st->blk = PyMem_RawMalloc((size_t)st->cap * sizeof(uint32_t));
             if (!st->key || !st->blk) return ENOMEM;
         }

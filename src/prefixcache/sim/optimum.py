@@ -59,7 +59,7 @@ def optima(
     """The optimum at each capacity (in blocks, ``math.inf`` for unlimited), in order.
 
     The compiled engine reads the trace once for all the capacities and shares the passes
-    that do not depend on them; its temporary files (12 bytes per block access and 16 per
+    that do not depend on them; its temporary files (8 bytes per block access and 16 per
     request) go to ``tempfile.gettempdir()`` (``TMPDIR``). ``engine="python"`` runs the
     reference once per capacity, ``"auto"`` the compiled one where it is built. ``chunk``
     sets the compiled engine's accesses per read or write (the tests cross its chunk
