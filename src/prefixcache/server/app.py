@@ -32,6 +32,7 @@ from prefixcache.cache.stats import CacheStats, to_json, top_tenants
 from prefixcache.engine import Engine
 from prefixcache.ops.collector import CacheCollector
 from prefixcache.ops.dashboard import dashboard_data
+from prefixcache.server.apidoc import install_openapi
 from prefixcache.server.auth import Auth
 from prefixcache.server.errors import APIError, BodyLimit, install_error_handlers
 from prefixcache.server.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, Completions
@@ -93,7 +94,8 @@ def create_app(
         if shutdown is not None:
             await asyncio.to_thread(shutdown)
 
-    app = FastAPI(title="prefixcache", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="prefixcache", docs_url=None, redoc_url=None, openapi_url="/openapi.json", lifespan=lifespan)
+    install_openapi(app, settings.auth)
     app.state.server = server
     _generation_routes(app, server)
     _operator_routes(app, server)

@@ -1,0 +1,94 @@
+"""The served OpenAPI document (public, every route, who may call, OpenAI's errors), on
+a live server with the fast stand-in model; and the regressions of the bad input that
+fuzzing the server with that document found."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+
+from engine_support import LiveServer
+from prefixcache.cache import PrefixCache
+from prefixcache.config import CacheConfig, TierConfig
+from prefixcache.engine import Engine
+from prefixcache.server.app import create_app
+from prefixcache.server.settings import AuthSettings, ServerSettings, Settings
+from standin import STANDIN_ID, standin
+
+pytestmark = pytest.mark.model  # the stand-in takes SmolLM2's converted tokenizer
+
+KEYS = {"sk-acme-0123456789": "acme", "sk-globex-0123456789": "globex"}
+TENANT, ADMIN = "sk-acme-0123456789", "adm-0123456789"
+# NOTE: a short context bounds every answer to a few dozen tokens, so that a test's time
+# is set by its requests, not by how many tokens a generated max_tokens asks for.
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveServer]:
+    # NOTE: one intra-op thread: the stand-in's matrices are too small to share, and on a
+    # busy machine the threads' spinning costs several times the work (15 ms a token, not 100).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    loaded = dataclasses.replace(standin(), context_length=CONTEXT)
+    tiers = (TierConfig(kind="memory", capacity_bytes=16 << 20),)
+    cache = PrefixCache(CacheConfig(block_size=16, kv_layout=loaded.kv, tiers=tiers))
+    settings = Settings(
+        server=ServerSettings(max_queue=64, request_timeout_s=60.0, default_max_tokens=4),
+        auth=AuthSettings(api_keys=KEYS, admin_key=ADMIN),
+    )
+    engine = Engine(loaded, STANDIN_ID, cache=cache, max_queue=64, timeout_s=60.0)
+    server = LiveServer(create_app(engine, settings, cache), engine).start()
+    yield server
+    server.stop()
+    engine.close()
+    cache.close()
+    torch.set_num_threads(threads)
+
+
+def test_the_document_lists_every_route_the_app_serves(live: LiveServer) -> None:
+    doc = httpx.get(live.url + "/openapi.json").json()  # public: no key
+    app = live.server.config.app
+    assert isinstance(app, FastAPI)
+    served = {
+        (method.lower(), route.path)
+        for route in app.routes
+        if isinstance(route, APIRoute) and route.path != "/"  # the dashboard's HTML page
+        for method in route.methods or ()
+    }
+    assert {(method, path) for path, operations in doc["paths"].items() for method in operations} == served
+
+
+def test_the_document_names_who_may_call_and_holds_no_secret(live: LiveServer) -> None:
+    response = httpx.get(live.url + "/openapi.json")
+    assert response.status_code == 200 and response.headers["content-type"] == "application/json"
+    assert not any(secret in response.text for secret in [*KEYS, ADMIN])
+    doc = response.json()
+    schemes = doc["components"]["securitySchemes"]
+    assert schemes["api_key"]["scheme"] == schemes["admin_key"]["scheme"] == "bearer"
+    paths = doc["paths"]
+    assert paths["/v1/chat/completions"]["post"]["security"] == [{"api_key": []}]
+    assert paths["/admin/purge"]["post"]["security"] == [{"admin_key": []}]
+    assert paths["/dashboard/data"]["get"]["security"] == [{"admin_key": []}, {"dashboard_session": []}]
+    assert "security" not in paths["/healthz"]["get"]
+    chat = paths["/v1/chat/completions"]["post"]["responses"]
+    assert "422" not in chat and chat["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/Error")
+    assert set(chat["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert chat["429"]["headers"]["Retry-After"]["required"]
+
+
+def test_in_local_mode_the_document_asks_for_no_key() -> None:
+    engine = Engine(standin(), STANDIN_ID)
+    paths = create_app(engine, Settings()).openapi()["paths"]  # no keys: everything is open
+    operations = [op for path, ops in paths.items() if path != "/dashboard/login" for op in ops.values()]
+    assert not any("security" in op or "401" in op["responses"] for op in operations)
+    with_admin = Settings(auth=AuthSettings(admin_key=ADMIN))  # tenants' routes open, the operator's not
+    paths = create_app(engine, with_admin).openapi()["paths"]
+    assert "security" not in paths["/v1/completions"]["post"]
+    assert paths["/admin/stats"]["get"]["security"] == [{"admin_key": []}]
