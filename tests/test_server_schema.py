@@ -92,3 +92,12 @@ def test_in_local_mode_the_document_asks_for_no_key() -> None:
     paths = create_app(engine, with_admin).openapi()["paths"]
     assert "security" not in paths["/v1/completions"]["post"]
     assert paths["/admin/stats"]["get"]["security"] == [{"admin_key": []}]
+
+
+def test_the_document_says_which_values_a_body_takes(live: LiveServer) -> None:
+    schemas = httpx.get(live.url + "/openapi.json").json()["components"]["schemas"]
+    chat, completion = schemas["ChatRequest"]["properties"], schemas["CompletionRequest"]["properties"]
+    assert chat["tools"]["enum"] == [None, []] and chat["tools"]["type"] == ["null", "array"]
+    assert chat["logprobs"]["enum"] == [None, False, 0] and completion["echo"]["type"] == ["null", "boolean"]
+    assert chat["stop"]["anyOf"][1] == {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}
+    assert [option.get("maxItems") for option in completion["prompt"]["anyOf"]] == [None, 1, None]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
 from prefixcache.engine.sampling import SEED_RANGE
 
@@ -48,6 +48,43 @@ def _off(value: Any, info: ValidationInfo) -> Any:
     return value
 
 
+_JSON_TYPES = {type(None): "null", bool: "boolean", int: "integer", str: "string", list: "array", dict: "object"}
+
+
+def _only_off(name: str) -> WithJsonSchema:
+    """What the OpenAPI document says of an unsupported field: the values that ask for
+    nothing, with their JSON types (``false`` is a boolean, never the integer 0)."""
+    offs = _OFF[name]
+    types = list(dict.fromkeys(_JSON_TYPES[type(off)] for off in offs))
+    return WithJsonSchema(
+        {"type": types, "enum": list(offs), "description": "Not supported: only a value that asks for nothing."}
+    )
+
+
+# NOTE: the validators below check what these schemas say, with clearer messages than a
+# union's errors; the schemas are for the OpenAPI document (clients, and the schemathesis
+# suite that fuzzes the server with it), so keep the two in step.
+_STOP_SCHEMA = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4},
+            {"type": "null"},
+        ]
+    }
+)
+_PROMPT_SCHEMA = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+            {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        ],
+        "description": "One prompt: text, a list of one text, or token ids of the model's vocabulary.",
+    }
+)
+
+
 class _Request(BaseModel):
     # NOTE: unknown fields are accepted and ignored, as OpenAI-compatible servers do
     # (user, metadata, ...), except the ones of ``_OFF``, refused when they ask for
@@ -61,16 +98,16 @@ class _Request(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, _STOP_SCHEMA] = None
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: Any = None
+    tools: Annotated[Any, _only_off("tools")] = None
+    tool_choice: Annotated[Any, _only_off("tool_choice")] = None
+    functions: Annotated[Any, _only_off("functions")] = None
+    function_call: Annotated[Any, _only_off("function_call")] = None
+    response_format: Annotated[Any, _only_off("response_format")] = None
+    logprobs: Annotated[Any, _only_off("logprobs")] = None
+    top_logprobs: Annotated[Any, _only_off("top_logprobs")] = None
+    logit_bias: Annotated[Any, _only_off("logit_bias")] = None
 
     _unsupported = field_validator(
         "tools",
@@ -131,10 +168,10 @@ class ChatRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int]
-    echo: Any = None
-    best_of: Any = None
-    suffix: Any = None
+    prompt: Annotated[str | list[str] | list[int], _PROMPT_SCHEMA]
+    echo: Annotated[Any, _only_off("echo")] = None
+    best_of: Annotated[Any, _only_off("best_of")] = None
+    suffix: Annotated[Any, _only_off("suffix")] = None
 
     _unsupported_here = field_validator("echo", "best_of", "suffix")(_off)
 
