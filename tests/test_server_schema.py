@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -101,3 +102,18 @@ def test_the_document_says_which_values_a_body_takes(live: LiveServer) -> None:
     assert chat["logprobs"]["enum"] == [None, False, 0] and completion["echo"]["type"] == ["null", "boolean"]
     assert chat["stop"]["anyOf"][1] == {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}
     assert [option.get("maxItems") for option in completion["prompt"]["anyOf"]] == [None, 1, None]
+
+
+def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def test_a_wrong_method_is_a_405_that_names_the_allowed_ones(live: LiveServer) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    for method, path, allowed in [("TRACE", "/admin/stats", "GET"), ("PUT", "/v1/chat/completions", "POST")]:
+        response = httpx.request(method, live.url + path, headers=admin)
+        error_of(response, 405)
+        assert response.headers["allow"] == allowed  # RFC 9110: a 405 carries Allow

@@ -104,6 +104,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return APIError(
-            exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None
-        ).response()
+        code = "not_found" if exc.status_code == 404 else None
+        headers = dict(exc.headers or {})  # a 405 carries Allow
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=headers).response()
