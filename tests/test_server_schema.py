@@ -111,9 +111,32 @@ def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
     return error
 
 
+def call(live: LiveServer, path: str, body: Any, key: str = TENANT) -> httpx.Response:
+    return httpx.post(live.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": STANDIN_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2} | extra
+
+
 def test_a_wrong_method_is_a_405_that_names_the_allowed_ones(live: LiveServer) -> None:
     admin = {"Authorization": f"Bearer {ADMIN}"}
     for method, path, allowed in [("TRACE", "/admin/stats", "GET"), ("PUT", "/v1/chat/completions", "POST")]:
         response = httpx.request(method, live.url + path, headers=admin)
         error_of(response, 405)
         assert response.headers["allow"] == allowed  # RFC 9110: a 405 carries Allow
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "n", "seed"])
+def test_an_integral_json_number_is_an_integer_and_a_fraction_is_not(live: LiveServer, field: str) -> None:
+    whole = 1.0 if field == "n" else 2.0  # JSON (and the document's "integer") has no other 2
+    answered = call(live, "/v1/chat/completions", chat(**{field: whole}))
+    assert answered.status_code == 200, answered.text
+    assert error_of(call(live, "/v1/chat/completions", chat(**{field: whole + 0.5})), 400)["param"] == field
+
+
+def test_token_ids_and_off_values_may_be_written_as_whole_floats(live: LiveServer) -> None:
+    body = {"model": STANDIN_ID, "prompt": [1.0, 2.0, 3.0], "max_tokens": 1, "logprobs": 0.0, "best_of": 1.0}
+    answered = call(live, "/v1/completions", body)
+    assert answered.status_code == 200 and answered.json()["usage"]["prompt_tokens"] == 3, answered.text
+    assert error_of(call(live, "/v1/completions", body | {"prompt": [1.5]}), 400)["param"] == "prompt"

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
 from prefixcache.engine.sampling import SEED_RANGE
 
 MAX_TOKENS_LIMIT = 1 << 20  # any larger value is refused as such, before the context check
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one kind of number: ``16.0`` is the integer 16, as JSON Schema (and so the
+    OpenAPI document) counts it; ``16.5`` stays a float and is refused, a string too."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# NOTE: after the bounds, so that they stay the document's minimum and maximum
+_INTEGRAL = BeforeValidator(_integral)
+TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT), _INTEGRAL]
 
 
 def _unicode(value: Any) -> Any:
@@ -43,6 +54,7 @@ _OFF: dict[str, tuple[Any, ...]] = {
 
 def _off(value: Any, info: ValidationInfo) -> Any:
     name = info.field_name or ""
+    value = _integral(value)
     if not any(value == off and type(value) is type(off) for off in _OFF[name]):
         raise ValueError(f"{name} is not supported by this server")
     return value
@@ -92,14 +104,14 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: TokenCount | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=1)
+    n: Annotated[int, Field(ge=1, le=1), _INTEGRAL] = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: Annotated[str | list[str] | None, _STOP_SCHEMA] = None
-    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1]), _INTEGRAL] | None = None
     tools: Annotated[Any, _only_off("tools")] = None
     tool_choice: Annotated[Any, _only_off("tool_choice")] = None
     functions: Annotated[Any, _only_off("functions")] = None
@@ -161,14 +173,14 @@ class Message(BaseModel):
 
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: TokenCount | None = None
 
     def chat(self) -> list[dict[str, str]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
 class CompletionRequest(_Request):
-    prompt: Annotated[str | list[str] | list[int], _PROMPT_SCHEMA]
+    prompt: Annotated[str | list[str] | list[Annotated[int, _INTEGRAL]], _PROMPT_SCHEMA]
     echo: Annotated[Any, _only_off("echo")] = None
     best_of: Annotated[Any, _only_off("best_of")] = None
     suffix: Annotated[Any, _only_off("suffix")] = None
