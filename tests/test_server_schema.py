@@ -5,6 +5,7 @@ fuzzing the server with that document found."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -140,3 +141,11 @@ def test_token_ids_and_off_values_may_be_written_as_whole_floats(live: LiveServe
     answered = call(live, "/v1/completions", body)
     assert answered.status_code == 200 and answered.json()["usage"]["prompt_tokens"] == 3, answered.text
     assert error_of(call(live, "/v1/completions", body | {"prompt": [1.5]}), 400)["param"] == "prompt"
+
+
+def test_include_usage_is_a_boolean(live: LiveServer) -> None:
+    refused = call(live, "/v1/chat/completions", chat(stream=True, stream_options={"include_usage": "yes"}))
+    assert error_of(refused, 400)["param"] == "stream_options"
+    streamed = call(live, "/v1/chat/completions", chat(stream=True, stream_options={"include_usage": True}))
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] >= 1

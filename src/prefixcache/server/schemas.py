@@ -97,6 +97,12 @@ _PROMPT_SCHEMA = WithJsonSchema(
 )
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False
+
+
 class _Request(BaseModel):
     # NOTE: unknown fields are accepted and ignored, as OpenAI-compatible servers do
     # (user, metadata, ...), except the ones of ``_OFF``, refused when they ask for
@@ -109,7 +115,7 @@ class _Request(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: Annotated[int, Field(ge=1, le=1), _INTEGRAL] = 1
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     stop: Annotated[str | list[str] | None, _STOP_SCHEMA] = None
     seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1]), _INTEGRAL] | None = None
     tools: Annotated[Any, _only_off("tools")] = None
@@ -147,7 +153,7 @@ class _Request(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class ContentPart(BaseModel):
