@@ -18,11 +18,14 @@
  * Passes 1 and 2 do not depend on the capacity: a capacity sweep pays them once. The files
  * are unlinked temporaries in the directory given; the id map is freed before pass 2.
  *
- * The id map: open addressing, 16-byte slots (an id's low word, its context and flags, its
- * number). An id is exact whatever its size, as a key of the reference's dict is: from
- * 2**64 up its two high words are kept by block number in a side array (WIDE: token
- * traces' 128-bit prefix hashes), and one outside [0, 2**192) is numbered by a Python
- * dict (OTHER), as a pre-hashed trace may hold any integer.
+ * The id map: a node per distinct id, appended at its block number (its low word, context
+ * and flags: 16 bytes), chained from one of a power of two of buckets (4 bytes each).
+ * NOTE: not open addressing, whose table would be rebuilt in fresh memory at every
+ * growth: here only the bucket heads are, and the node array grows in place. An id is
+ * exact whatever its size, as a key of the reference's dict is: from 2**64 up its two
+ * high words are kept by block number in a side array (WIDE: token traces' 128-bit prefix
+ * hashes), and one outside [0, 2**192) is numbered by a Python dict (OTHER), as a
+ * pre-hashed trace may hold any integer.
  *
  * One Belady state: ``where[block]``, the block's slot in a max-heap of the resident
  * blocks keyed by next use, or NOT_RESIDENT. A hit moves its block's key to the block's
@@ -168,16 +171,19 @@ typedef struct {
     uint32_t ctx; /* the context | WIDE (w1 or w2 set) | OTHER (outside [0, 2**192)) */
 } Key;
 
+/* One distinct id, at its block number: nodes are appended in the order ids first come. */
 typedef struct {
     uint64_t w0;
-    uint32_t ctx; /* as Key's; with WIDE, w1 and w2 are in IdMap.wide[2 * (val - 1)] */
-    uint32_t val; /* block number + 1; 0 marks a free slot */
-} Slot;
+    uint32_t ctx;  /* as Key's; with WIDE, w1 and w2 are in IdMap.wide[2 * number] */
+    uint32_t next; /* the next node of its bucket, + 1; 0 ends the chain */
+} Node;
 
 typedef struct {
-    Slot *slots;
-    size_t mask, count;
-    uint64_t *wide; /* (w1, w2) per block number, for the WIDE ones; NULL until one comes */
+    uint32_t *heads; /* per bucket: its first node + 1, 0 when empty */
+    size_t mask;
+    Node *nodes; /* by block number */
+    size_t count, cap;
+    uint64_t *wide;  /* (w1, w2) per block number, for the WIDE ones; NULL until one comes */
     size_t wide_cap; /* block numbers it has room for */
 } IdMap;
 
@@ -187,82 +193,76 @@ static inline uint64_t key_hash(uint32_t ctx, uint64_t w0, uint64_t w1, uint64_t
     return mix64(w0 ^ seed);
 }
 
-static int idmap_alloc(IdMap *m, size_t cap) {
-    m->slots = big_calloc(cap, sizeof(Slot));
-    if (!m->slots) return -1;
-    m->mask = cap - 1;
-    m->count = 0;
-    return 0;
+static int idmap_alloc(IdMap *m, size_t buckets) {
+    memset(m, 0, sizeof(*m));
+    m->heads = big_calloc(buckets, sizeof(uint32_t));
+    m->mask = buckets - 1;
+    return m->heads ? 0 : -1;
 }
 
 static void idmap_free(IdMap *m) {
-    PyMem_RawFree(m->slots);
+    PyMem_RawFree(m->heads);
+    PyMem_RawFree(m->nodes);
     PyMem_RawFree(m->wide);
-    m->slots = NULL;
-    m->wide = NULL;
-    m->mask = m->count = m->wide_cap = 0;
+    memset(m, 0, sizeof(*m));
 }
 
-/* The block number of ``k``; ``fresh`` (and *added) when it is new. Room is reserved. */
-static inline uint32_t idmap_number(IdMap *m, const Key *k, uint32_t fresh, int *added) {
-    size_t i = (size_t)k->hash & m->mask;
-    for (;;) {
-        Slot *e = &m->slots[i];
-        if (!e->val) {
-            e->w0 = k->w0;
-            e->ctx = k->ctx;
-            e->val = fresh + 1;
-            if (k->ctx & WIDE) {
-                m->wide[2 * (size_t)fresh] = k->w1;
-                m->wide[2 * (size_t)fresh + 1] = k->w2;
-            }
-            m->count++;
-            *added = 1;
-            return fresh;
-        }
-        if (e->w0 == k->w0 && e->ctx == k->ctx &&
-            (!(k->ctx & WIDE) || (m->wide[2 * (size_t)(e->val - 1)] == k->w1 &&
-                                  m->wide[2 * (size_t)(e->val - 1) + 1] == k->w2)))
-            return e->val - 1;
-        i = (i + 1) & m->mask;
-    }
+static inline int node_is(const IdMap *m, uint32_t number, const Key *k) {
+    const Node *e = &m->nodes[number];
+    return e->w0 == k->w0 && e->ctx == k->ctx &&
+           (!(k->ctx & WIDE) || (m->wide[2 * (size_t)number] == k->w1 && m->wide[2 * (size_t)number + 1] == k->w2));
 }
 
-/* Room for ``extra`` more keys (at a load of at most 0.7) numbered from ``blocks`` on,
- * and for their high words when ``wide``; -1 when out of memory. */
-static int idmap_reserve(IdMap *m, size_t extra, size_t blocks, int wide) {
-    if (wide && blocks + extra > m->wide_cap) {
-        size_t cap = m->wide_cap ? m->wide_cap : 1024;
-        while (cap < blocks + extra) cap *= 2;
-        uint64_t *grown = PyMem_RawRealloc(m->wide, cap * 2 * sizeof(uint64_t));
-        if (!grown) return -1;
-        m->wide = grown;
-        m->wide_cap = cap;
+/* The block number of ``k``, a new one (and *added) when it is new. Room is reserved. */
+static inline uint32_t idmap_number(IdMap *m, const Key *k, int *added) {
+    uint32_t *head = &m->heads[k->hash & m->mask];
+    for (uint32_t j = *head; j; j = m->nodes[j - 1].next)
+        if (node_is(m, j - 1, k)) return j - 1;
+    uint32_t number = (uint32_t)m->count++;
+    m->nodes[number] = (Node){k->w0, k->ctx, *head};
+    if (k->ctx & WIDE) {
+        m->wide[2 * (size_t)number] = k->w1;
+        m->wide[2 * (size_t)number + 1] = k->w2;
     }
-    size_t need = m->count + extra, cap = m->mask + 1;
-    if (need * 10 <= cap * 7) return 0;
-    while (need * 10 > cap * 7) cap *= 2;
-    IdMap old = *m;
-    if (idmap_alloc(m, cap) < 0) {
-        *m = old;
-        return -1;
+    *head = number + 1;
+    *added = 1;
+    return number;
+}
+
+/* ``array`` (of ``*cap`` items of ``size`` bytes) with room for ``need``; -1 when out of memory.
+ * NOTE: doubling by realloc: a large block is remapped, not copied, and its pages stay. */
+static int grow(void **array, size_t *cap, size_t need, size_t size) {
+    if (need <= *cap) return 0;
+    size_t cap2 = *cap ? *cap : 1024;
+    while (cap2 < need) cap2 *= 2;
+    void *grown = PyMem_RawRealloc(*array, cap2 * size);
+    if (!grown) return -1;
+    *array = grown;
+    *cap = cap2;
+    return 0;
+}
+
+/* Room for ``extra`` more ids (at most one per bucket on average), and for their high
+ * words when ``wide``; -1 when out of memory. */
+static int idmap_reserve(IdMap *m, size_t extra, int wide) {
+    size_t need = m->count + extra;
+    if (grow((void **)&m->nodes, &m->cap, need, sizeof(Node)) < 0) return -1;
+    if (wide && grow((void **)&m->wide, &m->wide_cap, need, 2 * sizeof(uint64_t)) < 0) return -1;
+    if (need <= m->mask + 1) return 0;
+    size_t buckets = m->mask + 1;
+    while (buckets < need) buckets *= 2;
+    uint32_t *heads = big_calloc(buckets, sizeof(uint32_t));
+    if (!heads) return -1;
+    PyMem_RawFree(m->heads);
+    m->heads = heads;
+    m->mask = buckets - 1;
+    for (size_t i = 0; i < m->count; i++) { /* relink every node into its new bucket */
+        Node *e = &m->nodes[i];
+        uint64_t w1 = e->ctx & WIDE ? m->wide[2 * i] : 0, w2 = e->ctx & WIDE ? m->wide[2 * i + 1] : 0;
+        uint32_t *head = &heads[key_hash(e->ctx, e->w0, w1, w2) & m->mask];
+        e->next = *head;
+        *head = (uint32_t)i + 1;
     }
-    for (size_t i = 0; i <= old.mask; i++) {
-        Slot *e = &old.slots[i];
-        if (!e->val) continue;
-        uint64_t w1 = 0, w2 = 0;
-        if (e->ctx & WIDE) {
-            w1 = old.wide[2 * (size_t)(e->val - 1)];
-            w2 = old.wide[2 * (size_t)(e->val - 1) + 1];
-        }
-        size_t j = (size_t)key_hash(e->ctx, e->w0, w1, w2) & m->mask;
-        while (m->slots[j].val) j = (j + 1) & m->mask;
-        m->slots[j] = *e;
-    }
-    m->count = old.count;
-    m->wide = old.wide;
-    m->wide_cap = old.wide_cap;
-    PyMem_RawFree(old.slots);
     return 0;
 }
 
@@ -445,9 +445,9 @@ static PyObject *Sequence_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     s->chunk = (size_t)chunk;
     s->out = PyMem_RawMalloc(s->chunk * sizeof(uint32_t));
     s->rout = PyMem_RawMalloc(s->chunk * 2 * sizeof(int64_t));
-    size_t slots = 8; /* the id map's first size: a small chunk (the tests') makes it grow early */
-    while (slots < 2 * s->chunk && slots < ((size_t)1 << 16)) slots *= 2;
-    if (!s->others || !s->out || !s->rout || idmap_alloc(&s->ids, slots) < 0) {
+    size_t buckets = 8; /* the id map's first size: a small chunk (the tests') makes it grow early */
+    while (buckets < s->chunk && buckets < ((size_t)1 << 16)) buckets *= 2;
+    if (!s->others || !s->out || !s->rout || idmap_alloc(&s->ids, buckets) < 0) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         goto fail;
     }
@@ -609,17 +609,23 @@ static PyObject *Sequence_add(Sequence *s, PyObject *const *args, Py_ssize_t nar
                      (unsigned)MAX_ACCESSES);
         goto done;
     }
-    if (idmap_reserve(&s->ids, (size_t)n, s->blocks, wide) < 0) {
+    if (idmap_reserve(&s->ids, (size_t)n, wide) < 0) {
         PyErr_NoMemory();
         goto done;
     }
-    /* NOTE: each id's slot is fetched AHEAD ids before it is probed, so that the cache
-     * misses of a request overlap instead of following one another */
-    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) PREFETCH(&s->ids.slots[s->scratch[i].hash & s->ids.mask]);
+    /* NOTE: a request's lookups overlap their cache misses: the bucket of the id AHEAD on
+     * is fetched, and the first node of the id AHEAD / 2 on, before this one is looked up */
+    IdMap *m = &s->ids;
+    Key *keys = s->scratch;
+    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) PREFETCH(&m->heads[keys[i].hash & m->mask]);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) PREFETCH(&s->ids.slots[s->scratch[i + AHEAD].hash & s->ids.mask]);
+        if (i + AHEAD < n) PREFETCH(&m->heads[keys[i + AHEAD].hash & m->mask]);
+        if (i + AHEAD / 2 < n) {
+            uint32_t j = m->heads[keys[i + AHEAD / 2].hash & m->mask];
+            if (j) PREFETCH(&m->nodes[j - 1]);
+        }
         int added = 0;
-        s->out[s->n_out++] = idmap_number(&s->ids, &s->scratch[i], s->blocks, &added);
+        s->out[s->n_out++] = idmap_number(m, &keys[i], &added);
         s->blocks += added;
         int err = s->n_out == s->chunk ? flush_out(s) : 0;
         if (err) {
