@@ -87,6 +87,7 @@ serve: $(STAMP)
 bench: $(STAMP) $(KERNEL)
 	$(BIN)/python benchmarks/bench_match.py
 	$(BIN)/python benchmarks/bench_replay.py
+	$(BIN)/python benchmarks/bench_optimum.py
 	$(BIN)/python benchmarks/bench_tiers.py
 	$(BIN)/python benchmarks/bench_slow_tier.py
 	$(BIN)/python benchmarks/bench_ttft.py
