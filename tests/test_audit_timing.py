@@ -340,9 +340,13 @@ def test_partitioned_isolation_shows_no_leak() -> None:
 @pytest.mark.model
 def test_shared_isolation_leaks(capsys: pytest.CaptureFixture[str]) -> None:
     with serving("shared") as url:
-        rc = cli.main(audit_argv(url))
+        rc = cli.main(audit_argv(url, "--json"))
     out = capsys.readouterr().out
-    assert rc == 1 and "verdict: LEAK" in out and "cross-tenant, again" in out
+    data = json.loads(out)
+    assert data["cross"]["runs"][0]["test"]["p_value"] < 0.001
+    assert (rc, data["verdict"], len(data["cross"]["runs"])) == (1, "leak", 2)  # found, then confirmed
+    cached = data["cross"]["runs"][0]["median_cached_tokens"]
+    assert cached["hit"] > cached["miss"] + PROMPT_WORDS / 2  # and cached_tokens says so outright
     assert "sk-victim-0123" not in out and "sk-attacker-0123" not in out
 
 
