@@ -519,8 +519,16 @@ class GittinsKM(LeafPolicy):
     """
 
     def __init__(self, hits: float = 3, tail: float = 1, nb: float = 128, horizon: float = 16,
-                 memory: float = 4, depth: float = 0, cost: float = 0, prior: float = 50, gen: float = 0) -> None:
+                 memory: float = 4, depth: float = 0, cost: float = 0, prior: float = 50, gen: float = 0,
+                 irr: float = 0, parent: float = 0, clock: float = 0, young: float = 1, irrb: float = 0) -> None:
+        self.irrb = int(irrb)  # >0: x bucket of the last reuse age (log4 ticks), for reused blocks
+        self.use_young = bool(young)  # candidates from both ends of each class (else the oldest only)
+        self.flat_clock = bool(clock)  # count blocks hit or stored (what a flat policy sees), not looked up
+        self.parent_buckets = int(parent)  # >0: x bucket of the parent's reuses (root: 0)
         self.maxhits, self.use_tail, self.nb, self.horizon = int(hits), bool(tail), int(nb), horizon
+        self.irr = int(irr)  # >0: "hits" is 1 + the log2 bucket of the last reuse age (LIRS's IRR), capped
+        if self.irr:
+            self.maxhits = self.irr
         self.memory, self.depth_buckets, self.use_cost, self.prior = memory, int(depth), bool(cost), prior
         self.gen = int(gen)
 
@@ -534,15 +542,19 @@ class GittinsKM(LeafPolicy):
         self.period = max(1, int(cap // 2))
         self.decay = max(0.5, 1.0 - self.period / (self.memory * self.horizon * cap))
         self.clock = 0
+        self._stored = 0
         self.tick = 0
         self.next_cfg = self.period
         self.ncls = (self.maxhits + 1) * 2 * max(1, self.depth_buckets) * (2 if self.gen else 1)
+        self.ncls *= max(1, self.parent_buckets) * max(1, self.irrb)
+        self.last_irr: dict[int, int] = {}
         self.H = np.zeros((self.ncls, self.nb))
         self.R = np.zeros((self.ncls, self.nb))
         self.open = np.zeros((self.ncls, self.nb))
         self.index: list[list[float]] | None = None
         self.st: dict[int, tuple[int, int, int]] = {}  # key -> (tick of last access, class, hits)
         self.resident: dict[int, int] = {}  # key -> node
+        self.origin: dict[int, int] = {}  # key -> bucket of the reuses of what it was stored under
         self.old: dict[int, list[tuple[int, int]]] = defaultdict(list)
         self.young: dict[int, list[tuple[int, int]]] = defaultdict(list)
 
@@ -555,6 +567,12 @@ class GittinsKM(LeafPolicy):
             c = c * self.depth_buckets + min(max(tokens.bit_length() - 9, 0), self.depth_buckets - 1)
         if self.gen:
             c = c * 2 + (self.sim.hit_blocks > 0 and self.lineage)
+        if self.parent_buckets:
+            c = c * self.parent_buckets + self.origin.get(self.sim.key[n], 0)
+        if self.irrb:
+            irr = self.last_irr.get(self.sim.key[n], -1)
+            b = 0 if irr < 0 else min(self.irrb - 1, ((irr + 1).bit_length() + 1) // 2)
+            c = c * self.irrb + b
         return c
 
     def _access(self, n: int, tail: bool) -> None:
@@ -567,8 +585,12 @@ class GittinsKM(LeafPolicy):
             if age < self.nb:
                 self.H[c0, age] += 1
                 self.open[c0, age] -= 1
-                hits += 1
-        c = self._class(n, hits, tail)
+                if self.irrb:
+                    self.last_irr[key] = age
+                hits = min(self.irr, self.irr - (age + 1).bit_length() + 1) if self.irr else hits + 1
+            elif self.irr:
+                hits = 0
+        c = self._class(n, max(hits, 0), tail)
         self.st[key] = (self.tick, c, hits)
         self.open[c, 0] += 1
         self.R[c, 0] += 1
@@ -594,6 +616,7 @@ class GittinsKM(LeafPolicy):
         dead = [k for k, (t0, _, _) in self.st.items() if tick - t0 >= nb and k not in resident]
         for k in dead:
             del self.st[k]
+            self.origin.pop(k, None)
 
     def _table(self, h: object, r: object) -> list[float]:
         np = self.np
@@ -634,17 +657,32 @@ class GittinsKM(LeafPolicy):
 
     def insert(self, new: list[int]) -> None:
         super().insert(new)
+        self._stored = len(new)
         p = self.sim.parent[new[0]]
         self.lineage = not self.sim.is_root(p) and self.sim.born[p] != self.sim.r
         whole = self.sim.req_blocks == self.sim.hit_blocks + len(new)
         last = new[-1]
         key = self.sim.key
+        # NOTE: a block's origin: the reuses of the deepest block of its request seen
+        # before it (resident or ghost; root: 0), fixed when it is stored. A chat turn
+        # whose previous turn was evicted still continues a lineage the ghost remembers.
+        anchor = -1 if self.sim.is_root(p) else self.st[key[p]][2]
         for n in new:
             self.resident[key[n]] = n
+            k = key[n]
+            if self.parent_buckets:
+                self.origin[k] = 0 if anchor < 0 else min(1 + anchor.bit_length(), self.parent_buckets - 1)
+            seen = k in self.st
             self._access(n, whole and n == last)
+            if seen:
+                anchor = self.st[k][2]
 
     def end(self) -> None:
-        self.clock += self.sim.req_blocks
+        if self.flat_clock:
+            self.clock += self.sim.hit_blocks + min(self.sim.req_blocks - self.sim.hit_blocks, self._stored)
+        else:
+            self.clock += self.sim.req_blocks
+        self._stored = 0
         self._advance()
 
     # -- ranking
@@ -698,7 +736,7 @@ class GittinsKM(LeafPolicy):
         best, best_v, best_t = -1, float("inf"), 0
         st, key = self.st, self.sim.key
         for c in list(self.old):
-            for heap, sign in ((self.old[c], 1), (self.young[c], -1)):
+            for heap, sign in ((self.old[c], 1), (self.young[c], -1)) if self.use_young else ((self.old[c], 1),):
                 n = self._top(heap, c, sign, pinned)
                 if n < 0:
                     continue
@@ -711,3 +749,148 @@ class GittinsKM(LeafPolicy):
         self.leaves.discard(best)
         del self.resident[key[best]]
         return best
+
+
+@register("freq-oracle")
+class FrequencyOracle(TreeOracle):
+    """A diagnostic that reads the future, but only in aggregate: rank a leaf by how many
+    times its block is requested over the whole trace ("perfect LFU"), ties to LRU.
+    Under independent references (the generated workloads' chats, documents, tools)
+    the best online policy keeps the blocks of highest rate, so this approximates the
+    best any online policy could do there, well below Belady's optimum."""
+
+    def __init__(self, span: float = 0, dead: float = 0) -> None:
+        self.span = bool(span)  # rate over the block's active span instead of the trace
+        self.dead = bool(dead)  # also knows when a block is never requested again
+
+    def _touch(self, nodes: list[int]) -> None:
+        key, nu, heap, occ, r = self.sim.key, self.nu, self.heap, self.occ, self.sim.r
+        for n in nodes:
+            o = occ[key[n]]
+            f = len(o) if not self.span else len(o) / max(1, o[-1] - o[0] + 1) * 1e6
+            if self.dead and o[-1] <= r:  # never requested again: nothing to keep it for
+                f = 0
+            v = int(f) * 10**7 + r  # higher keeps: frequency, then recency
+            nu[n] = -v
+            heapq.heappush(heap, (v, n))
+
+    def leaf(self, node: int) -> None:
+        heapq.heappush(self.heap, (-self.nu[node], node))
+
+    def victim(self, pinned: int) -> int | None:
+        heap, nu, nkids = self.heap, self.nu, self.sim.nkids
+        held = []
+        out = None
+        while heap:
+            v, n = heapq.heappop(heap)
+            if nu.get(n) != -v or nkids[n]:
+                continue
+            if n == pinned:
+                held.append((v, n))
+                continue
+            del nu[n]
+            out = n
+            break
+        for e in held:
+            heapq.heappush(heap, e)
+        return out
+
+
+# ---------------------------------------------------------------------------- simple baselines
+
+
+class _HeapLeaves(LeafPolicy):
+    """Leaves ranked by a priority fixed at their last access (lowest leaves first)."""
+
+    def attach(self, sim: Sim) -> None:
+        super().attach(sim)
+        self.pri: dict[int, float] = {}
+        self.heap: list[tuple[float, int]] = []
+
+    def _set(self, n: int, v: float) -> None:
+        self.pri[n] = v
+        heapq.heappush(self.heap, (v, n))
+
+    def leaf(self, node: int) -> None:
+        super().leaf(node)
+        heapq.heappush(self.heap, (self.pri[node], node))
+
+    def victim(self, pinned: int) -> int | None:
+        heap, pri, nkids = self.heap, self.pri, self.sim.nkids
+        held = []
+        out = None
+        while heap:
+            v, n = heapq.heappop(heap)
+            if pri.get(n) != v or nkids[n]:
+                continue
+            if n == pinned:
+                held.append((v, n))
+                continue
+            out = n
+            break
+        for e in held:
+            heapq.heappush(heap, e)
+        if out is not None:
+            self._evicted(out)
+            del pri[out]
+            self.leaves.discard(out)
+        return out
+
+    def _evicted(self, n: int) -> None:
+        pass
+
+
+@register("lfuda")
+class LFUDA(_HeapLeaves):
+    """LFU with dynamic aging (Arlitt et al.): priority = L + hits, where L becomes the
+    priority of each victim, so old frequencies fade as new blocks enter above them.
+    With ``cost``: GDSF, priority = L + hits x prefill FLOPs the block saves (depth)."""
+
+    def __init__(self, cost: float = 0) -> None:
+        self.cost = bool(cost)
+
+    def attach(self, sim: Sim) -> None:
+        super().attach(sim)
+        self.L = 0.0
+        self.freq: dict[int, int] = {}
+
+    def _w(self, n: int) -> float:
+        return 1.0 + 0.0167 * self.sim.depth[n] * self.sim.bs / 512 if self.cost else 1.0
+
+    def hit(self, path: list[int]) -> None:
+        for n in path:
+            self.freq[n] += 1
+            self._set(n, self.L + self.freq[n] * self._w(n))
+
+    def insert(self, new: list[int]) -> None:
+        super().insert(new)
+        for n in new:
+            self.freq[n] = 1
+            self._set(n, self.L + self._w(n))
+
+    def _evicted(self, n: int) -> None:
+        self.L = self.pri[n]
+        del self.freq[n]
+
+
+@register("lru-tail")
+class LRUTail(_HeapLeaves):
+    """LRU, except that a request's deepest block (a prompt's partial last block, which
+    the next turn extends rather than repeats) leaves before anything else."""
+
+    def attach(self, sim: Sim) -> None:
+        super().attach(sim)
+        self.t = 0
+
+    def hit(self, path: list[int]) -> None:
+        self.t += 1
+        whole = self.sim.req_blocks == len(path)
+        for n in path:
+            self._set(n, self.t - (1e12 if whole and n == path[-1] else 0))
+
+    def insert(self, new: list[int]) -> None:
+        super().insert(new)
+        self.t += 1
+        whole = self.sim.req_blocks == self.sim.hit_blocks + len(new)
+        for n in new:
+            self._set(n, self.t - (1e12 if whole and n == new[-1] else 0))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prefixcache.policies import make_policy
+from prefixcache.policies import POLICIES, make_policy
 from research.eviction.sim import Policy, Sim
 
 
@@ -18,12 +18,16 @@ class Library(Policy):
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.lib_name = name.split(":", 1)[1]
+        self.lib_name, _, args = name.split(":", 1)[1].partition("(")
+        self.kwargs = _kwargs(args)
 
     def attach(self, sim: Sim) -> None:
         super().attach(sim)
-        cap = sim.capacity if sim.capacity != float("inf") else 1 << 40
-        self.p = make_policy(self.lib_name, max(int(cap), 1))
+        cap = max(int(sim.capacity if sim.capacity != float("inf") else 1 << 40), 1)
+        if self.kwargs:
+            self.p = POLICIES[self.lib_name](cap, **self.kwargs)  # type: ignore[call-arg]
+        else:
+            self.p = make_policy(self.lib_name, cap)
         self.node: dict[int, int] = {}  # stable key -> resident node
 
     def hit(self, path: list[int]) -> None:
@@ -45,6 +49,16 @@ class Library(Policy):
 REGISTRY: dict[str, Callable[[], Policy]] = {}
 
 
+def _kwargs(args: str) -> dict[str, float]:
+    """``a=1,b=0.5)`` -> {"a": 1, "b": 0.5} (ints stay ints)."""
+    out: dict[str, float] = {}
+    for item in args.rstrip(")").split(","):
+        if item.strip():
+            k, v = item.split("=")
+            out[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else float(v)
+    return out
+
+
 def register(name: str) -> Callable[[Callable[[], Policy]], Callable[[], Policy]]:
     def deco(factory: Callable[[], Policy]) -> Callable[[], Policy]:
         REGISTRY[name] = factory
@@ -58,13 +72,10 @@ def make(name: str) -> Policy:
     with keyword parameters: ``name(a=1,b=0.5)``."""
     if name.startswith("lib:"):
         return Library(name)
+    if name.startswith("lib+:"):
+        return LibraryWithLeaves(name)
     base, _, args = name.partition("(")
-    kwargs: dict[str, float] = {}
-    if args:
-        for item in args.rstrip(")").split(","):
-            if item.strip():
-                k, v = item.split("=")
-                kwargs[k.strip()] = float(v)
+    kwargs = _kwargs(args)
     try:
         factory = REGISTRY[base]
     except KeyError:
@@ -72,3 +83,26 @@ def make(name: str) -> Policy:
     policy = factory(**kwargs)  # type: ignore[call-arg]
     policy.name = name
     return policy
+
+
+class LibraryWithLeaves(Library):
+    """``lib+:<name>``: the library's policy with the leaf hook the ledger would call
+    (``set_leaf``): a chain's blocks but its deepest are not leaves, the block it is
+    stored under stops being one, and a block whose last child left becomes one."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name.replace("lib+:", "lib:", 1))
+        self.name = name
+
+    def insert(self, new: list[int]) -> None:
+        key, sim = self.sim.key, self.sim
+        p = sim.parent[new[0]]
+        super().insert(new)
+        set_leaf = self.p.set_leaf
+        for n in new[:-1]:
+            set_leaf(key[n], False)
+        if not sim.is_root(p) and sim.nkids[p] == 1:  # it was a leaf until now
+            set_leaf(key[p], False)
+
+    def leaf(self, node: int) -> None:
+        self.p.set_leaf(self.sim.key[node], True)
