@@ -5,6 +5,7 @@ the dashboard's token-source strips from the engine's per-tier loads, and the pa
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -174,8 +175,9 @@ def test_the_page_is_served_self_contained(live: LiveServer) -> None:
 def test_the_dashboard_logs_in_with_a_cookie_never_a_url(live: LiveServer) -> None:
     with httpx.Client(base_url=live.url) as browser:
         assert browser.get("/dashboard/data").status_code == 401
-        for key, status in (("sk-not-a-key", 401), (key_of("acme"), 403), ("", 400)):
-            refused = browser.post("/dashboard/login", json={"key": key})
+        for key, status in (("sk-not-a-key", 401), (key_of("acme"), 403), ("", 400), ("a\ud800b", 400)):
+            body = json.dumps({"key": key})  # ASCII, escapes included: "\ud800" is valid JSON
+            refused = browser.post("/dashboard/login", content=body, headers={"content-type": "application/json"})
             assert refused.status_code == status and "set-cookie" not in refused.headers, refused.text
         assert browser.post("/dashboard/login", content=f"key={ADMIN}").status_code == 400  # JSON only, no form
         login = browser.post("/dashboard/login", json={"key": ADMIN})

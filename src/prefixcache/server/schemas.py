@@ -222,3 +222,5 @@ class LoginRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     key: str = Field(min_length=1, max_length=4096)
+
+    _key = field_validator("key")(_unicode)  # compared as UTF-8 bytes
