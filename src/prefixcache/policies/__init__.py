@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from prefixcache.policies.base import Evictable, EvictionPolicy, Key, always
 from prefixcache.policies.fifo import FIFOPolicy
+from prefixcache.policies.gittins import GittinsPolicy
 from prefixcache.policies.lfu import LFUPolicy
 from prefixcache.policies.lru import LRUPolicy
 from prefixcache.policies.s3fifo import S3FIFOPolicy
 from prefixcache.policies.sieve import SievePolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LRUPolicy, FIFOPolicy, S3FIFOPolicy, SievePolicy, LFUPolicy)
+    cls.name: cls for cls in (LRUPolicy, FIFOPolicy, S3FIFOPolicy, SievePolicy, LFUPolicy, GittinsPolicy)
 }
 """Every policy by its configuration name."""
 
@@ -33,6 +34,7 @@ __all__ = [
     "Evictable",
     "EvictionPolicy",
     "FIFOPolicy",
+    "GittinsPolicy",
     "Key",
     "LFUPolicy",
     "LRUPolicy",
