@@ -72,8 +72,15 @@ def generate(
                 key = (parent, tuple(context[start : start + block_size]))
                 parent = ids.setdefault(key, len(ids))
                 hash_ids.append(parent)
-            rec = {"timestamp": round(t, 6), "tenant": "t", "model": "m", "hash_ids": hash_ids,
-                   "block_size": block_size, "input_length": len(context), "output_length": 0}
+            rec = {
+                "timestamp": round(t, 6),
+                "tenant": "t",
+                "model": "m",
+                "hash_ids": hash_ids,
+                "block_size": block_size,
+                "input_length": len(context),
+                "output_length": 0,
+            }
             f.write(json.dumps(rec, separators=(",", ":")) + "\n")
             written += 1
             if left > 1:

@@ -137,8 +137,18 @@ class LHD(LeafPolicy):
       log2 of the hit depth of the request that last touched it.
     """
 
-    def __init__(self, k: float = 32, hits: float = 3, tail: float = 1, cont: float = 1, nb: float = 128,
-                 per: float = 16, decay: float = 0.9, cost: float = 0, seed: float = 1) -> None:
+    def __init__(
+        self,
+        k: float = 32,
+        hits: float = 3,
+        tail: float = 1,
+        cont: float = 1,
+        nb: float = 128,
+        per: float = 16,
+        decay: float = 0.9,
+        cost: float = 0,
+        seed: float = 1,
+    ) -> None:
         self.k, self.maxhits, self.use_tail, self.use_cont = int(k), int(hits), bool(tail), bool(cont)
         self.nb, self.per, self.decay, self.use_cost = int(nb), per, decay, bool(cost)
         self.rng = random.Random(int(seed))
@@ -161,11 +171,7 @@ class LHD(LeafPolicy):
     def _cls(self, n: int, is_tail: bool) -> int:
         c = min(self.nhits[n], self.maxhits)
         c = c * 2 + (is_tail and self.use_tail)
-        if self.use_cont:
-            c = c * 8 + min(self.sim.hit_blocks.bit_length(), 7)
-        else:
-            c = c * 8
-        return c
+        return c * 8 + (min(self.sim.hit_blocks.bit_length(), 7) if self.use_cont else 0)
 
     def _age(self, n: int) -> int:
         a = (self.clock - self.ts[n]) // self.quantum
@@ -276,9 +282,22 @@ class GittinsReuse(LeafPolicy):
     ``horizon * capacity / nb`` quanta.
     """
 
-    def __init__(self, k: float = 32, hits: float = 3, tail: float = 1, nb: float = 256, horizon: float = 32,
-                 decay: float = 0, cost: float = 0, seed: float = 1, minn: float = 200, lru_ties: float = 1,
-                 depth: float = 0, memory: float = 2, irr: float = 0) -> None:
+    def __init__(
+        self,
+        k: float = 32,
+        hits: float = 3,
+        tail: float = 1,
+        nb: float = 256,
+        horizon: float = 32,
+        decay: float = 0,
+        cost: float = 0,
+        seed: float = 1,
+        minn: float = 200,
+        lru_ties: float = 1,
+        depth: float = 0,
+        memory: float = 2,
+        irr: float = 0,
+    ) -> None:
         self.k, self.maxhits, self.use_tail, self.nb = int(k), int(hits), bool(tail), int(nb)
         self.irr = int(irr)  # >0: class by the log2 bucket of the last reuse age (LIRS's IRR), not hits
         if self.irr:
@@ -290,8 +309,9 @@ class GittinsReuse(LeafPolicy):
 
     def attach(self, sim: Sim) -> None:
         super().attach(sim)
-        import numpy as np
         from collections import deque
+
+        import numpy as np
 
         self.np = np
         cap = sim.capacity if sim.capacity != float("inf") else 1 << 30
@@ -518,9 +538,23 @@ class GittinsKM(LeafPolicy):
     the request that touched it last extended a chain stored by a previous request].
     """
 
-    def __init__(self, hits: float = 3, tail: float = 1, nb: float = 128, horizon: float = 16,
-                 memory: float = 4, depth: float = 0, cost: float = 0, prior: float = 50, gen: float = 0,
-                 irr: float = 0, parent: float = 0, clock: float = 0, young: float = 1, irrb: float = 0) -> None:
+    def __init__(
+        self,
+        hits: float = 3,
+        tail: float = 1,
+        nb: float = 128,
+        horizon: float = 16,
+        memory: float = 4,
+        depth: float = 0,
+        cost: float = 0,
+        prior: float = 50,
+        gen: float = 0,
+        irr: float = 0,
+        parent: float = 0,
+        clock: float = 0,
+        young: float = 1,
+        irrb: float = 0,
+    ) -> None:
         self.irrb = int(irrb)  # >0: x bucket of the last reuse age (log4 ticks), for reused blocks
         self.use_young = bool(young)  # candidates from both ends of each class (else the oldest only)
         self.flat_clock = bool(clock)  # count blocks hit or stored (what a flat policy sees), not looked up

@@ -5,8 +5,9 @@
 Goal (the issue): wherever LRU is at least 5 points below the optimum, reach
 LRU + (optimum - LRU) / 2; nowhere fall more than 1 point below LRU.
 
-TUNING: the Mooncake conversation trace (1e6, 3e6, 1e7 tokens) and three generated
-workloads (1e5, 3e5, 1e6 tokens; their unique footprint is 8-10M tokens).
+TUNING: the Mooncake conversation trace (1e6, 3e6, 1e7 tokens), three workloads of
+``prefixcache workload`` (1e5, 3e5, 1e6 tokens; their unique footprint is 8-10M
+tokens) and one of agent loops from ``agentic.py`` (1e5, 3e5, 6e5 tokens).
 HELD-OUT: the Mooncake synthetic trace (1e6, 3e6, 1e7 tokens).
 LRU and the optimum are cached in /tmp (they do not change).
 """
@@ -29,6 +30,7 @@ SETS: dict[str, list[tuple[str, list[float]]]] = {
         ("gen-default-b16", [1e5, 3e5, 1e6]),
         ("gen-turns4-b64", [1e5, 3e5, 1e6]),
         ("gen-turns12-b32", [1e5, 3e5, 1e6]),
+        ("agentic-b64", [1e5, 3e5, 6e5]),
     ],
     "heldout": [("synthetic", [1e6, 3e6, 1e7])],
 }
@@ -72,17 +74,32 @@ def main(argv: list[str] | None = None) -> int:
         for cap in caps:
             lru = baseline(tname, cap, "lib:lru", trace)
             opt = baseline(tname, cap, "optimum", trace)
-            print(f"[{a.set}] {tname} {cap:g}: LRU {lru['hit']:.4f} / {lru['cost']:.4f}  optimum {opt['hit']:.4f} / {opt['cost']:.4f}")
+            head = f"[{a.set}] {tname} {cap:g}: LRU {lru['hit']:.4f} / {lru['cost']:.4f}"
+            print(f"{head}  optimum {opt['hit']:.4f} / {opt['cost']:.4f}")
             for n in names:
                 res = replay(trace, make(n), cap)
                 verdict = judge(res, lru, opt)
                 fails[n] += "fail" in verdict
                 gap = opt["hit"] - lru["hit"]
                 totals[n].append((res.hit_rate - lru["hit"]) / gap if gap > 1e-9 else 1.0)
-                print(f"    {n:40s} hit {res.hit_rate:.4f} cost {res.cost_rate:.4f}  {verdict}  {res.seconds:4.1f}s", flush=True)
-                rows.append({"set": a.set, "trace": tname, "capacity_tokens": cap, "policy": n, "hit": res.hit_rate,
-                             "cost": res.cost_rate, "lru_hit": lru["hit"], "lru_cost": lru["cost"],
-                             "opt_hit": opt["hit"], "opt_cost": opt["cost"]})
+                print(
+                    f"    {n:40s} hit {res.hit_rate:.4f} cost {res.cost_rate:.4f}  {verdict}  {res.seconds:4.1f}s",
+                    flush=True,
+                )
+                rows.append(
+                    {
+                        "set": a.set,
+                        "trace": tname,
+                        "capacity_tokens": cap,
+                        "policy": n,
+                        "hit": res.hit_rate,
+                        "cost": res.cost_rate,
+                        "lru_hit": lru["hit"],
+                        "lru_cost": lru["cost"],
+                        "opt_hit": opt["hit"],
+                        "opt_cost": opt["cost"],
+                    }
+                )
     print()
     for n in names:
         t = totals[n]

@@ -80,15 +80,47 @@ def load(path: str | Path, name: str | None = None) -> Trace:
 # traces of the published curves).
 WORKLOADS: dict[str, list[str]] = {
     "gen-default-b16": ["--requests", "6000", "--tenants", "16", "--seed", "1", "--block-size", "16"],
-    "gen-turns4-b64": ["--requests", "6000", "--tenants", "32", "--seed", "2", "--block-size", "64", "--max-turns", "4"],
-    "gen-turns12-b32": ["--requests", "6000", "--tenants", "8", "--seed", "3", "--block-size", "32", "--max-turns", "12"],
+    "gen-turns4-b64": [
+        "--requests",
+        "6000",
+        "--tenants",
+        "32",
+        "--seed",
+        "2",
+        "--block-size",
+        "64",
+        "--max-turns",
+        "4",
+    ],
+    "gen-turns12-b32": [
+        "--requests",
+        "6000",
+        "--tenants",
+        "8",
+        "--seed",
+        "3",
+        "--block-size",
+        "32",
+        "--max-turns",
+        "12",
+    ],
 }
 
 
+# NOTE: agent loops (research/eviction/agentic.py, our own generator: each session
+# re-sends its growing context every few seconds), by name: (requests, seed, block size).
+AGENTIC: dict[str, tuple[int, int, int]] = {"agentic-b64": (3000, 1, 64)}
+
+
 def workload(name: str) -> Path:
-    """The generated workload ``name``, written once to WORK with the project's CLI."""
+    """The generated workload ``name``, written once to WORK."""
     WORK.mkdir(parents=True, exist_ok=True)
     out = WORK / f"{name}.jsonl"
+    if name in AGENTIC and not out.exists():
+        from research.eviction.agentic import generate
+
+        requests, seed, block_size = AGENTIC[name]
+        generate(out, requests, seed, block_size)
     if not out.exists():
         cli = Path(sys.executable).parent / "prefixcache"
         subprocess.run([str(cli), "workload", str(out), "--emit", "hash_ids", *WORKLOADS[name]], check=True)
@@ -100,6 +132,6 @@ def by_name(name: str) -> Path:
         return CONVERSATION
     if name == "synthetic":
         return SYNTHETIC
-    if name in WORKLOADS:
+    if name in WORKLOADS or name in AGENTIC:
         return workload(name)
     return Path(name)

@@ -30,8 +30,20 @@ def main() -> int:
         res = replay(trace, make(f"lib:{r['policy']}"), cap)
         if (r["trace"], cap) not in optimum:
             optimum[(r["trace"], cap)] = belady(trace, cap).hit_rate
-        got = (res.requests, res.hit_tokens, res.evictions, round(optimum[(r["trace"], cap)], 6), round(res.cost_rate, 6))
-        want = (r["requests"], r["hit_tokens"], r["evictions"], r["optimal_token_hit_rate"], r["prefill_compute_avoided"])
+        got = (
+            res.requests,
+            res.hit_tokens,
+            res.evictions,
+            round(optimum[(r["trace"], cap)], 6),
+            round(res.cost_rate, 6),
+        )
+        want = (
+            r["requests"],
+            r["hit_tokens"],
+            r["evictions"],
+            r["optimal_token_hit_rate"],
+            r["prefill_compute_avoided"],
+        )
         ok = got == want
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} {r['trace']:12s} {r['policy']:6s} {cap:8.0e}  harness {got}  replay {want}")
