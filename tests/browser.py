@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from test_ops_dashboard_page import chromium
+from test_ops_dashboard_page import HEADLESS, chromium
 
 
 def _high(fd: int) -> int:
@@ -33,13 +33,7 @@ class Browser:
         to_browser_r, self._to_browser = map(_high, os.pipe())
         self._from_browser, from_browser_w = map(_high, os.pipe())
         flags = [
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--no-first-run",
+            *HEADLESS,
             "--hide-scrollbars",
             f"--window-size={window[0]},{window[1]}",
             f"--user-data-dir={profile}",

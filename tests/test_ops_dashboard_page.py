@@ -123,17 +123,22 @@ def page_server() -> Iterator[str]:
     server.server_close()
 
 
+HEADLESS = (  # a quiet, throwaway headless Chromium (tests/browser.py starts it with these too)
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+)
+
+
 def run_chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     browser = chromium()
     assert browser is not None
     flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
+        *HEADLESS,
         "--enable-logging=stderr",
         "--v=0",
         f"--user-data-dir={tmp_path / 'profile'}",
