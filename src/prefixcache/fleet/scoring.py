@@ -1,0 +1,99 @@
+"""Which backend a request goes to: the prefill it would leave, plus the work queued there.
+
+The cost of sending a request of ``P`` whole prompt blocks to backend ``b``::
+
+    cost(b) = P - credit(b) + load_weight * load(b)
+
+    credit(b) = sum over the blocks of the longest prefix b holds of credit[tier]
+    load(b)   = sum over b's requests in flight of the prompt blocks each had to
+                prefill when it was sent (until its first token comes back)
+                + decode_weight for each of them still generating
+
+Everything is in blocks of prefill. ``credit[tier]`` is the share of a block's prefill
+that a hit in that tier saves: 1 for device memory, less for a tier the block must first
+be loaded from (host RAM, disk, Redis), since loading costs time too. A block in a
+*shared* tier (Redis, reachable by every backend) counts for every backend. The
+prefix must be contiguous from the first block: a block held after a gap saves nothing.
+
+The lowest cost wins; ties go to the smaller load, then to the earlier backend in the
+order given (so that equal backends share work round-robin when the caller rotates
+that order). ``round_robin``, ``least_loaded`` and ``prefix`` (the longest overlap,
+load only breaking ties) are the baselines the simulator compares ``cost`` with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+
+__all__ = ["DEFAULT_CREDIT", "BackendView", "Routing", "Score", "Scorer"]
+
+DEFAULT_CREDIT: Mapping[str, float] = MappingProxyType({"device": 1.0, "memory": 0.9, "disk": 0.7, "redis": 0.6})
+
+
+class Routing(StrEnum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    PREFIX = "prefix"
+    COST = "cost"
+
+
+@dataclass(frozen=True, slots=True)
+class BackendView:
+    """What the router knows of one backend for one request."""
+
+    name: str
+    matched: tuple[str, ...]  # the best tier holding each block of the longest prefix it holds, root-most first
+    load: float  # blocks of prefill queued and decode_weight per generating request (see the module doc)
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    backend: str
+    cost: float
+    overlap: int  # blocks of the prompt the backend holds
+    credit: float
+    load: float
+
+
+@dataclass(frozen=True, slots=True)
+class Scorer:
+    """The documented cost, with its weights (``[route]`` in the configuration)."""
+
+    credit: Mapping[str, float] = field(default_factory=lambda: DEFAULT_CREDIT)
+    load_weight: float = 1.0
+    decode_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        for tier, value in self.credit.items():
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"credit[{tier!r}] must lie in [0, 1], got {value!r}")
+        for name in ("load_weight", "decode_weight"):
+            value = getattr(self, name)
+            if not value >= 0.0:
+                raise ValueError(f"{name} must be at least 0, got {value!r}")
+
+    def load(self, pending_prefill_blocks: float, generating: int) -> float:
+        """A backend's load from its requests in flight (see the module doc)."""
+        return pending_prefill_blocks + self.decode_weight * generating
+
+    def score(self, prompt_blocks: int, view: BackendView) -> Score:
+        credit = sum(self.credit.get(tier, 0.0) for tier in view.matched)
+        cost = prompt_blocks - credit + self.load_weight * view.load
+        return Score(view.name, cost, len(view.matched), credit, view.load)
+
+    def choose(self, routing: Routing, prompt_blocks: int, views: Sequence[BackendView], turn: int = 0) -> Score:
+        """The backend ``routing`` picks among ``views`` (in the caller's order); ``turn``
+        is the request's number, which round-robin rotates by."""
+        if not views:
+            raise ValueError("no backend to route to")
+        scores = [self.score(prompt_blocks, v) for v in views]
+        if routing is Routing.ROUND_ROBIN:
+            return scores[turn % len(scores)]
+        if routing is Routing.LEAST_LOADED:
+            return min(scores, key=lambda s: s.load)
+        if routing is Routing.PREFIX:
+            return min(scores, key=lambda s: (-s.overlap, s.load))
+        return min(scores, key=lambda s: (s.cost, s.load))
