@@ -294,6 +294,8 @@ class CacheMachine(RuleBasedStateMachine):
             total += pool.used
             linked = [b for b in nodes.values() if b.pool is pool]
             assert len(pool.policy) == len(linked)
+            if pool.policy.tracks_leaves:  # the ledger's leaf news: the blocks with children, exactly
+                assert pool.policy._interior == {b.key for b in linked if b.children}  # type: ignore[attr-defined]
         assert cache.used_tokens == total <= self.config.capacity
         # With a real 128-bit hash no verification ever fails.
         assert cache.stats().collisions == 0

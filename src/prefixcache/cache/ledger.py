@@ -353,6 +353,7 @@ class Ledger(Lifecycle):
         insert = pool.policy.insert
         for block in reversed(linked):
             insert(block.key, len(block.tokens) >> 2)
+        self._new_children(parent, linked)
         self._supersede_tails(linked[0])
         c = self.counters
         c.inserted_tokens += stored

@@ -158,6 +158,22 @@ class Lifecycle:
         tier.used += 1
         books.queue_put(block, k, FrameSource(frame, len(frame)))
 
+    # ================================================================ leaves
+
+    def _new_children(self, parent: Node, linked: list[Block]) -> None:
+        """Tell a policy that ranks leaves (``tracks_leaves``) which blocks just stopped
+        being leaves: each of a new chain but its deepest, and its parent when the chain
+        is that block's first child. (``remove`` tells it of the reverse.)
+
+        NOTE: after the chain's ``insert`` calls, in this order, as the compiled kernel
+        does: where a policy groups entries, which group comes first depends on it."""
+        policy = linked[0].pool.policy if linked[0].pool is not None else None
+        if policy is not None and policy.tracks_leaves:
+            for block in linked[:-1]:
+                policy.set_leaf(block.key, False)
+        if isinstance(parent, Block) and len(parent.children) == 1:
+            _leaf_news(parent, False)
+
     # ================================================================ removing
 
     def remove(self, block: Block, reason: RemovalReason, in_policy: bool = True) -> None:
@@ -170,6 +186,9 @@ class Lifecycle:
             block.run.truncate(block.run_index)
         if in_policy and not block.doomed:
             pool.policy.remove(key)
+        parent = block.parent
+        if not parent.children and isinstance(parent, Block):
+            _leaf_news(parent, True)
         if self.ttl is not None and self.ttl.get(key) is block:
             del self.ttl[key]
         n = len(block.tokens) >> 2
@@ -324,3 +343,10 @@ class Lifecycle:
         while (max_blocks is None or done < max_blocks) and self.reclaim_one():
             done += 1
         return done
+
+
+def _leaf_news(block: Block, leaf: bool) -> None:
+    """``set_leaf`` for a block still in its pool's policy (not gone, not doomed)."""
+    pool = block.pool
+    if pool is not None and not block.doomed and pool.policy.tracks_leaves:
+        pool.policy.set_leaf(block.key, leaf)

@@ -40,6 +40,9 @@ class EvictionPolicy(ABC):
     """
 
     name: ClassVar[str]
+    tracks_leaves: ClassVar[bool] = False
+    """Whether ``set_leaf`` means anything to this policy (the cache skips the calls
+    otherwise)."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
@@ -65,6 +68,12 @@ class EvictionPolicy(ABC):
         chain deepest block first, so that ancestors end up the more recent)."""
         for key in keys:
             self.access(key)
+
+    def set_leaf(self, key: Key, leaf: bool) -> None:
+        """The cache's news about a resident entry: it lost its last child (``leaf``) or
+        gained its first. A policy that ranks only the entries that may leave (leaves)
+        keeps the others out of its candidates; the rest ignore it (the default)."""
+        return None
 
     @abstractmethod
     def remove(self, key: Key) -> None:

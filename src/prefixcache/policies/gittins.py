@@ -51,14 +51,16 @@ the resolution and the class buckets, and results hardly move with any of them
     victim = the lowest index[c][age] among the first evictable entry of the oldest
              and of the youngest groups of each class (ties: the oldest)
 
-NOTE: the prefix tree only lets leaves leave (``evictable``). Within a tick the cache
-names a chain deepest first, so a group's first entry is the one that can leave; a
-blocked one moves to the back of its own group, which keeps every age exact. Only
-``probe`` groups at each end and ``probe`` entries in each are tried before a full
-scan. Both ends, because within a class the index depends on age alone and where it
-rises then falls (reuse after a wait) its minimum is at one of them. A cache that
-tells the policy which blocks are leaves (``set_leaf``; the ledger does not yet)
-keeps the others out of the groups: every candidate is then found in one step.
+NOTE: the prefix tree only lets leaves leave (``evictable``). The ledger says which
+blocks are leaves (``set_leaf``): the others stay out of the groups, so a candidate is
+found in one step unless it is pinned. Without that news (a tier's policy, a flat
+cache) every entry is grouped: within a tick the cache names a chain deepest first,
+so a group's first entry is the one that can leave; a blocked one moves to the back
+of its own group, which keeps every age exact. Only ``probe`` groups at each end and
+``probe`` entries in each are tried before a full scan. Both ends, because within a
+class the index depends on age alone and where it rises then falls (reuse after a
+wait) its minimum is at one of them. sim/_kernel.c mirrors all of it, order for
+order (tests/test_sim_kernel.py replays both side by side).
 """
 
 from __future__ import annotations
@@ -68,59 +70,9 @@ from collections.abc import Iterable
 from typing import ClassVar
 
 from prefixcache.policies.base import Evictable, EvictionPolicy, Key, always
+from prefixcache.policies.gittins_index import gittins_index
 
-
-def gittins_index(hits: list[float], risk: list[float]) -> list[float]:
-    """The index at each age bin of a discrete reuse-time distribution given by its
-    hazard ``hits[x] / risk[x]``: ``max_{T > a} sum_{a<=x<T} S(x) h(x) / sum_{a<=x<T} S(x)``.
-
-    NOTE: the maximum over T is the steepest slope from point ``a`` to a later point of
-    the curve (cumulative occupancy, cumulative hits); scanning ``a`` from the right
-    and keeping the upper convex hull of the points to its right gives every index in
-    O(n log n) without numpy (the C kernel can do the same)."""
-    n = len(hits)
-    xs, ys = [0.0] * (n + 1), [0.0] * (n + 1)
-    surv = 1.0
-    for x in range(n):
-        h = hits[x] / risk[x] if risk[x] > 0 else 0.0
-        h = 0.0 if h < 0.0 else (1.0 if h > 1.0 else h)
-        xs[x + 1] = xs[x] + surv
-        ys[x + 1] = ys[x] + surv * h
-        surv *= 1.0 - h
-    index = [0.0] * n
-    hull: list[int] = []  # upper hull of points a+1..n, leftmost last
-    for a in range(n - 1, -1, -1):
-        p = a + 1
-        # NOTE: points with equal x (survival reached 0) add no occupancy: keep the higher.
-        while hull and xs[hull[-1]] <= xs[p]:
-            if ys[hull[-1]] > ys[p]:
-                p = -1
-                break
-            hull.pop()
-        if p >= 0:
-            while len(hull) >= 2 and _cross(xs, ys, p, hull[-1], hull[-2]) >= 0:
-                hull.pop()
-            hull.append(p)
-        # the slope from a to hull[i] rises then falls along the hull: binary search
-        lo, hi = 0, len(hull) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if _slope(xs, ys, a, hull[mid]) < _slope(xs, ys, a, hull[mid + 1]):
-                lo = mid + 1
-            else:
-                hi = mid
-        index[a] = max(_slope(xs, ys, a, hull[lo]), 0.0) if hull else 0.0
-    return index
-
-
-def _slope(xs: list[float], ys: list[float], a: int, b: int) -> float:
-    dx = xs[b] - xs[a]
-    return (ys[b] - ys[a]) / dx if dx > 0 else 0.0
-
-
-def _cross(xs: list[float], ys: list[float], o: int, a: int, b: int) -> float:
-    """> 0 when o -> a -> b turns left (a lies below the segment o-b: not on the upper hull)."""
-    return (xs[a] - xs[o]) * (ys[b] - ys[o]) - (ys[a] - ys[o]) * (xs[b] - xs[o])
+__all__ = ["GittinsPolicy", "gittins_index"]
 
 
 class GittinsPolicy(EvictionPolicy):
@@ -158,6 +110,7 @@ class GittinsPolicy(EvictionPolicy):
         "_tick",
     )
     name: ClassVar[str] = "gittins"
+    tracks_leaves: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -327,10 +280,10 @@ class GittinsPolicy(EvictionPolicy):
             self.access(key)
 
     def set_leaf(self, key: Key, leaf: bool) -> None:
-        """Optional knowledge from the cache: ``key`` lost its last child (``leaf``) or
-        gained its first. With it, only leaves are candidates and ``victim`` looks at
-        one entry per class end; without it (the ledger does not call it yet), blocked
-        entries are found and passed over by ``evictable``, at some cost."""
+        """``key`` lost its last child (``leaf``) or gained its first (the ledger says
+        so). With it, only leaves are candidates and ``victim`` looks at one entry per
+        class end; without it, blocked entries are found and passed over by
+        ``evictable``, at some cost."""
         start, c = self._meta[key][:2]
         if leaf:
             if key in self._interior:
