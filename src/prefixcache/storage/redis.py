@@ -27,21 +27,23 @@ import contextlib
 import logging
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
-from typing import ClassVar, Final, Literal, TypeVar
+from typing import ClassVar, Final, TypeVar
 from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from prefixcache.storage import codec
 from prefixcache.storage.base import Frame, TierError, TierFull, TierStore
+from prefixcache.storage.breaker import CircuitBreaker
 
-__all__ = ["CircuitBreaker", "RedisStore"]
+__all__ = ["EXISTS_CHUNK", "CircuitBreaker", "RedisStore", "RedisTierBase"]
 
 T = TypeVar("T")
-BreakerState = Literal["closed", "open", "half_open"]
 
 # NOTE: contains_prefix asks in chunks and stops at the first chunk with a hole: a long
 # chain costs one round trip per chunk, and a short match does not pay for the whole chain.
@@ -59,94 +61,11 @@ def _safe_address(url: str) -> str:
     return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
-class CircuitBreaker:
-    """Closed -> open after ``failure_threshold`` consecutive failures; open -> half-open after a backoff.
-
-    While open, ``allow()`` says no without touching the network. When the backoff has
-    passed, one trial call is allowed (half-open): success closes the breaker and resets
-    the backoff to ``reset_after``; failure reopens it with the backoff doubled, up to
-    ``max_backoff``. The clock is injected so tests (and the simulator) drive it.
-
-    NOTE: a trial that never reports (its caller died) does not wedge the breaker: the
-    half-open state restarts the backoff timer, so another trial is allowed after it.
-    """
-
-    def __init__(
-        self,
-        failure_threshold: int = 3,
-        reset_after: float = 1.0,
-        max_backoff: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-        name: str = "redis",
-    ) -> None:
-        if failure_threshold < 1:
-            raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
-        if not 0 < reset_after <= max_backoff:
-            raise ValueError(f"need 0 < reset_after <= max_backoff, got {reset_after} and {max_backoff}")
-        self.failure_threshold = failure_threshold
-        self.reset_after = reset_after
-        self.max_backoff = max_backoff
-        self.name = name  # what its log lines call the tier (an address without credentials)
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._state: BreakerState = "closed"
-        self._failures = 0
-        self._backoff = reset_after
-        self._since = 0.0  # when the breaker last opened (or half-opened)
-
-    @property
-    def state(self) -> BreakerState:
-        return self._state
-
-    @property
-    def backoff(self) -> float:
-        """Seconds an open breaker waits before its next trial."""
-        return self._backoff
-
-    def allow(self) -> bool:
-        """Whether a call may go to the network now (a ``True`` in the open state is the trial)."""
-        with self._lock:
-            if self._state == "closed":
-                return True
-            now = self._clock()
-            if now - self._since < self._backoff:
-                return False
-            self._state, self._since = "half_open", now
-            return True
-
-    def record_success(self) -> None:
-        with self._lock:
-            was = self._state
-            self._state, self._failures, self._backoff = "closed", 0, self.reset_after
-        if was != "closed":
-            log.warning("event=tier_breaker_closed tier=%s state=closed (reachable again)", self.name)
-
-    def record_failure(self) -> None:
-        with self._lock:
-            if self._state == "closed":
-                self._failures += 1
-                opened = self._failures >= self.failure_threshold
-                if opened:
-                    self._state, self._since = "open", self._clock()
-                failures, backoff = self._failures, self._backoff
-            else:
-                # a failed trial (or a late failure of a call made before the breaker opened)
-                if self._state == "half_open":
-                    self._backoff = min(self._backoff * 2, self.max_backoff)
-                self._state, self._since = "open", self._clock()
-                opened, failures, backoff = False, self._failures, self._backoff
-        if opened:
-            log.warning(
-                "event=tier_breaker_open tier=%s state=open failures=%d next_trial_s=%.1f "
-                "(its reads are misses and its writes are dropped until it answers)",
-                self.name,
-                failures,
-                backoff,
-            )
-
-
-class RedisStore(TierStore):
-    """Frames in Redis under ``"<namespace>:" + key``; reads verified, failures counted as misses.
+class RedisTierBase(TierStore):
+    """What every Redis tier shares: the byte budget and key books, the key layout, frame
+    verification, and the mapping of every Redis failure to a counted ``TierError``.
+    Subclasses move the bytes (``_send``, ``_fetch``, ``_probe``, ``_remove``): one server
+    (``RedisStore``) or a cluster (``storage/redis_cluster.py``).
 
     ``capacity_bytes`` is a soft budget: the bytes of frames *this process* wrote and has
     not deleted (``TierFull`` past it, so the cache evicts its own blocks first). Redis's
@@ -166,37 +85,44 @@ class RedisStore(TierStore):
     kind: ClassVar[str] = "redis"
     verifies_reads: ClassVar[bool] = True  # get_many decodes every frame it returns
 
-    def __init__(
-        self,
-        url: str,
-        capacity_bytes: int,
-        namespace: str,
-        *,
-        connect_timeout: float = 0.2,
-        read_timeout: float = 0.2,
-        breaker: CircuitBreaker | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, capacity_bytes: int, namespace: str, where: str) -> None:
         super().__init__(capacity_bytes)
         if not isinstance(namespace, str) or not namespace:
             raise ValueError("namespace (the deployment seed) must be a non-empty string")
         self.namespace = namespace
-        self.stats.where = f"redis:{_safe_address(url)}"
+        self.stats.where = where
         self._prefix = f"{namespace}:".encode()
-        self.breaker = breaker if breaker is not None else CircuitBreaker(clock=clock, name=_safe_address(url))
-        # NOTE: redis-py retries failed commands by default (with backoff), which would
-        # multiply the read deadline; the breaker is our retry policy, so retries are 0.
-        self._client: redis.Redis = redis.Redis.from_url(
-            url,
-            socket_connect_timeout=connect_timeout,
-            socket_timeout=read_timeout,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-        )
         self._sizes: dict[bytes, int] = {}  # key -> frame bytes, for what this process put
         self._used = 0
         self._books = threading.Lock()  # _sizes and _used; never held over a network call
         self._closed = False
+
+    # ------------------------------------------------------------------ what a subclass does
+
+    def _rkey(self, key: bytes) -> bytes:
+        """The Redis key of block ``key`` (the only key a block uses)."""
+        if not isinstance(key, bytes):
+            raise TypeError(f"key must be bytes, got {type(key).__name__}")
+        return self._prefix + key
+
+    @abstractmethod
+    def _send(self, batch: dict[bytes, memoryview]) -> None:
+        """SET every Redis key to its frame; ``TierError`` when any SET may have failed."""
+
+    @abstractmethod
+    def _fetch(self, rkeys: list[bytes]) -> Sequence[object]:
+        """The values of ``rkeys`` in order, ``None`` for absent or unreachable ones."""
+
+    @abstractmethod
+    def _probe(self, rkeys: list[bytes]) -> list[bool]:
+        """Which of ``rkeys`` exist (an unreachable one does not)."""
+
+    @abstractmethod
+    def _remove(self, rkeys: list[bytes]) -> int:
+        """DEL ``rkeys``; how many were there."""
+
+    def _disconnect(self) -> None:
+        """Drop the connections."""
 
     # ------------------------------------------------------------------ accounting
 
@@ -209,15 +135,10 @@ class RedisStore(TierStore):
         with self._books:
             self._used -= self._sizes.pop(key, 0)
 
-    def _rkey(self, key: bytes) -> bytes:
-        if not isinstance(key, bytes):
-            raise TypeError(f"key must be bytes, got {type(key).__name__}")
-        return self._prefix + key
+    # ------------------------------------------------------------------ the door to the network
 
-    # ------------------------------------------------------------------ the one door to the network
-
-    def _call(self, op: Callable[[redis.Redis], T]) -> T:
-        """Run ``op`` through the breaker; every failure is counted and re-raised as ``TierError``.
+    def _guarded(self, breaker: CircuitBreaker, op: Callable[[], T]) -> T:
+        """Run ``op`` through ``breaker``; every failure is counted and re-raised as ``TierError``.
 
         NOTE: a ``ResponseError`` (WRONGTYPE, OOM under ``noeviction``) means Redis answered,
         so it counts as a success for the breaker: only an unreachable or silent Redis opens it.
@@ -226,30 +147,30 @@ class RedisStore(TierStore):
         """
         if self._closed:
             raise TierError("redis store is closed")
-        if not self.breaker.allow():
+        if not breaker.allow():
             self.stats.error("breaker_open")
-            raise TierError("redis skipped: circuit breaker open")
+            raise TierError(f"redis skipped: circuit breaker of {breaker.name} open")
         try:
-            result = op(self._client)
+            result = op()
         except (redis.TimeoutError, TimeoutError) as exc:
-            self._fail("timeout", exc)
+            self._fail(breaker, "timeout", exc)
             raise TierError(f"redis timed out: {exc}") from exc
         except (redis.ConnectionError, OSError) as exc:
-            self._fail("connection", exc)
+            self._fail(breaker, "connection", exc)
             raise TierError(f"redis unreachable: {exc}") from exc
         except redis.ResponseError as exc:
             self.stats.error("redis", str(exc))
-            self.breaker.record_success()
+            breaker.record_success()
             raise TierError(f"redis refused: {exc}") from exc
-        except redis.RedisError as exc:
-            self._fail("redis", exc)
+        except (redis.RedisError, RedisClusterException) as exc:
+            self._fail(breaker, "redis", exc)
             raise TierError(f"redis failed: {exc}") from exc
-        self.breaker.record_success()
+        breaker.record_success()
         return result
 
-    def _fail(self, kind: str, exc: BaseException) -> None:
+    def _fail(self, breaker: CircuitBreaker, kind: str, exc: BaseException) -> None:
         self.stats.error(kind, str(exc))
-        self.breaker.record_failure()
+        breaker.record_failure()
 
     # ------------------------------------------------------------------ writes
 
@@ -257,8 +178,8 @@ class RedisStore(TierStore):
         self.put_many([(key, frame)])
 
     def put_many(self, items: Sequence[tuple[bytes, Frame]]) -> None:
-        """SET every frame in one pipeline (one round trip). ``TierFull`` before anything is sent
-        when the batch does not fit the budget; ``TierError`` when Redis fails.
+        """SET every frame, pipelined. ``TierFull`` before anything is sent when the batch
+        does not fit the budget; ``TierError`` when Redis fails.
 
         NOTE: on a failure some SETs of the batch may still have landed (a timeout says
         nothing about what the server did). Nothing is accounted for them here; they are
@@ -273,14 +194,7 @@ class RedisStore(TierStore):
             used = self._used
         if used + grow > self.capacity_bytes:
             raise TierFull(f"{self._used} + {grow} bytes would pass the {self.capacity_bytes}-byte budget")
-
-        def send(client: redis.Redis) -> None:
-            pipe = client.pipeline(transaction=False)
-            for rkey, (_, view) in batch.items():
-                pipe.set(rkey, view)
-            pipe.execute()
-
-        self._call(send)
+        self._send({rkey: view for rkey, (_, view) in batch.items()})
         with self._books:
             for key, view in batch.values():
                 self._used += view.nbytes - self._sizes.get(key, 0)
@@ -293,7 +207,7 @@ class RedisStore(TierStore):
         rkey = self._rkey(key)
         self._forget(key)  # NOTE: even on failure: an undeletable key must not hold the budget forever
         try:
-            removed = self._call(lambda client: client.delete(rkey))
+            removed = self._remove([rkey])
         except TierError:
             return False
         if removed:
@@ -303,7 +217,7 @@ class RedisStore(TierStore):
     # ------------------------------------------------------------------ reads
 
     def get_many(self, keys: Sequence[bytes]) -> list[Frame | None]:
-        """One MGET; each value verified by ``codec.decode(value, key=key)``, ``None`` for any miss.
+        """The frames of ``keys``, each verified by ``codec.decode(value, key=key)``, ``None`` for any miss.
 
         NOTE: the frame is verified here, not only by the cache, because a shared Redis
         holds other writers' bytes: a store must never hand out a frame of another block
@@ -313,19 +227,19 @@ class RedisStore(TierStore):
             return []
         rkeys = [self._rkey(key) for key in keys]
         try:
-            values: list[bytes | str | None] = self._call(lambda client: client.mget(rkeys))
+            values = self._fetch(rkeys)
         except TierError:
             self.stats.misses += len(keys)
             return [None] * len(keys)
         out: list[Frame | None] = []
         bad: list[bytes] = []
-        for key, value in zip(keys, values, strict=True):
+        for key, rkey, value in zip(keys, rkeys, values, strict=True):
             frame = self._verified(key, value)
             if frame is None:
                 self.stats.misses += 1
                 self._forget(key)
                 if value is not None:
-                    bad.append(self._prefix + key)
+                    bad.append(rkey)
             else:
                 self.stats.hits += 1
                 self.stats.bytes_read += len(frame)
@@ -350,7 +264,7 @@ class RedisStore(TierStore):
     def _discard(self, rkeys: list[bytes]) -> None:
         """DEL bad values, best effort: a failure is counted and the next read finds them bad again."""
         with contextlib.suppress(TierError):
-            self._call(lambda client: client.delete(*rkeys))
+            self._remove(rkeys)
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, bytes):
@@ -369,17 +283,8 @@ class RedisStore(TierStore):
         held = 0
         for start in range(0, len(keys), EXISTS_CHUNK):
             chunk = keys[start : start + EXISTS_CHUNK]
-            rkeys = [self._rkey(key) for key in chunk]
-
-            def probe(client: redis.Redis, rkeys: list[bytes] = rkeys) -> list[int]:
-                pipe = client.pipeline(transaction=False)
-                for rkey in rkeys:
-                    pipe.exists(rkey)
-                answers: list[int] = pipe.execute()
-                return answers
-
             try:
-                answers = self._call(probe)
+                answers = self._probe([self._rkey(key) for key in chunk])
             except TierError:
                 return held
             for key, exists in zip(chunk, answers, strict=True):
@@ -398,6 +303,69 @@ class RedisStore(TierStore):
         if self._closed:
             return
         self._closed = True
+        self._disconnect()
+
+
+class RedisStore(RedisTierBase):
+    """Frames in one Redis under ``"<namespace>:" + key``; reads verified, failures counted as misses.
+
+    One breaker guards the server; every call is one round trip (a pipeline or an MGET).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        capacity_bytes: int,
+        namespace: str,
+        *,
+        connect_timeout: float = 0.2,
+        read_timeout: float = 0.2,
+        breaker: CircuitBreaker | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(capacity_bytes, namespace, f"redis:{_safe_address(url)}")
+        self.breaker = breaker if breaker is not None else CircuitBreaker(clock=clock, name=_safe_address(url))
+        # NOTE: redis-py retries failed commands by default (with backoff), which would
+        # multiply the read deadline; the breaker is our retry policy, so retries are 0.
+        self._client: redis.Redis = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout,
+            socket_timeout=read_timeout,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+
+    def _call(self, op: Callable[[redis.Redis], T]) -> T:
+        """Run ``op`` on the client through the breaker (the one door to the network)."""
+        return self._guarded(self.breaker, lambda: op(self._client))
+
+    def _send(self, batch: dict[bytes, memoryview]) -> None:
+        def send(client: redis.Redis) -> None:
+            pipe = client.pipeline(transaction=False)
+            for rkey, view in batch.items():
+                pipe.set(rkey, view)
+            pipe.execute()
+
+        self._call(send)
+
+    def _fetch(self, rkeys: list[bytes]) -> Sequence[object]:
+        values: list[bytes | str | None] = self._call(lambda client: client.mget(rkeys))
+        return values
+
+    def _probe(self, rkeys: list[bytes]) -> list[bool]:
+        def probe(client: redis.Redis) -> list[bool]:
+            pipe = client.pipeline(transaction=False)
+            for rkey in rkeys:
+                pipe.exists(rkey)
+            return [bool(n) for n in pipe.execute()]
+
+        return self._call(probe)
+
+    def _remove(self, rkeys: list[bytes]) -> int:
+        removed: int = self._call(lambda client: client.delete(*rkeys))
+        return removed
+
+    def _disconnect(self) -> None:
         self._client.close()
 
 
