@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from prefixcache import __version__
 from prefixcache.cache import PrefixCache
 from prefixcache.config import ISOLATION_MODES, CacheConfig, PublishConfig
+from prefixcache.fleet.cli import add_route_parser, run_route
 from prefixcache.hashing import CacheContext
 from prefixcache.ops.audit_cli import add_audit_parser, run_audit_timing
 from prefixcache.ops.diagnose import add_diagnose_parser, run_diagnose
@@ -98,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_workload_parser(sub)
     add_diagnose_parser(sub)
     add_audit_parser(sub)
+    add_route_parser(sub)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server with the prefix cache")
     serve.add_argument("--config", help="TOML settings file (default: $PREFIXCACHE_CONFIG, else built-in defaults)")
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
@@ -124,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_diagnose(args)
     if args.command == "audit-timing":
         return run_audit_timing(args, parser)
+    if args.command == "route":
+        return run_route(args, parser)
     if args.command == "serve":
         from prefixcache.server.main import run_serve  # torch and transformers load only here
 

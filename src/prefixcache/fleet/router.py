@@ -1,0 +1,258 @@
+"""``prefixcache route``: an OpenAI-compatible proxy that sends each request where its
+prefill is cheapest.
+
+    client ──> auth (the servers' API keys -> tenant) ──> tokenize (the model's chat
+    template) ──> keys (fleet.keys) ──> index.matched (own + public namespace only)
+    ──> Scorer.choose ──> forward, streaming ──> backend
+
+The request is forwarded unchanged (the client's key included: the backend checks it
+again). A backend that cannot be reached, or answers 502/503/504, before anything was
+streamed is marked down and the request goes to the next best one; once bytes have
+gone to the client a failure ends the stream, as it would without a router. Which
+backend served is in the ``x-prefixcache-backend`` response header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import redis
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from prefixcache.fleet.backends import DOWN_AFTER, Backend, BackendError, fetch_info
+from prefixcache.fleet.index import GlobalIndex
+from prefixcache.fleet.keys import chain_keys, root_key
+from prefixcache.fleet.scoring import BackendView, Routing, Scorer
+from prefixcache.server.auth import Auth
+from prefixcache.server.errors import APIError, install_error_handlers
+from prefixcache.server.sessions import Sessions
+from prefixcache.server.settings import Settings
+from prefixcache.tenancy import PUBLIC
+
+__all__ = ["RouteConfig", "Router", "create_router"]
+
+log = logging.getLogger("prefixcache.route")
+
+RETRY_STATUS = frozenset({502, 503, 504})
+HEALTH_EVERY_S = 1.0
+FORWARD_TIMEOUT = httpx.Timeout(connect=2.0, read=300.0, write=30.0, pool=30.0)
+HOP_HEADERS = frozenset({"host", "content-length", "connection", "transfer-encoding", "keep-alive"})
+
+Tokenize = Callable[[str, dict[str, Any]], list[int]]  # (path, body) -> prompt tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RouteConfig:
+    backends: tuple[str, ...]
+    redis_url: str
+    routing: Routing = Routing.COST
+    scorer: Scorer = field(default_factory=Scorer)
+
+
+class Router:
+    """The router's state: backends, the index, the scorer, its metrics."""
+
+    def __init__(self, config: RouteConfig, settings: Settings, tokenize: Tokenize, registry: CollectorRegistry):
+        if not config.backends:
+            raise ValueError("route needs at least one --backend URL")
+        self.config, self.settings, self.tokenize = config, settings, tokenize
+        self.auth = Auth(settings.auth, Sessions(settings.auth.dashboard_session_s))
+        self.shared_mode = settings.cache.isolation == "shared"
+        self.index = GlobalIndex(rank=config.scorer.credit)
+        self.redis = redis.Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        key = settings.auth.admin_key
+        self.backends = [Backend(url.rstrip("/"), key) for url in config.backends]
+        self.turn = 0
+        self.registry = registry
+        self.client: httpx.AsyncClient | None = None
+        self.requests = Counter(
+            "prefixcache_route_requests_total", "Requests forwarded, by backend", ["backend"], registry=registry
+        )
+        self.retries = Counter(
+            "prefixcache_route_retries_total", "Requests sent again after a backend failed", registry=registry
+        )
+        self.overlap = Counter(
+            "prefixcache_route_overlap_blocks_total", "Prompt blocks the chosen backend held", registry=registry
+        )
+        Gauge("prefixcache_route_backends_up", "Backends taking requests", registry=registry).set_function(
+            lambda: sum(b.up for b in self.backends)
+        )
+        Gauge("prefixcache_route_index_blocks", "Distinct blocks in the index", registry=registry).set_function(
+            lambda: self.index.stats().blocks
+        )
+
+    # ------------------------------------------------------------------ health
+
+    async def check(self, backend: Backend) -> None:
+        """One health check (and, until it is known, the backend's info)."""
+        try:
+            if backend.info is None or not backend.up:
+                info = await asyncio.to_thread(fetch_info, backend.url, backend.admin_key)
+                if backend.info is not None and info.name != backend.info.name:
+                    raise BackendError(f"{backend.url} changed its name to {info.name!r}")
+                backend.attach(info, self.index, self.redis)
+            assert self.client is not None
+            reply = await self.client.get(f"{backend.url}/healthz", timeout=2.0)
+            if reply.status_code != 200:
+                raise BackendError(f"healthz answered {reply.status_code}")
+        except (BackendError, httpx.HTTPError) as exc:
+            backend.failures += 1
+            if backend.failures >= DOWN_AFTER or backend.info is None:
+                backend.mark_down(self.index, str(exc) or type(exc).__name__)
+            return
+        if not backend.up:
+            log.info("event=route_backend_up backend=%s url=%s", backend.name, backend.url)
+        backend.failures, backend.up = 0, True
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(b) for b in self.backends))
+            await asyncio.sleep(HEALTH_EVERY_S)
+
+    # ------------------------------------------------------------------ choice
+
+    def chains(self, tenant: str, tokens: Sequence[int], model: str, block_size: int) -> list[list[bytes]]:
+        """The key chains ``tenant`` may reuse: its namespace's, then the public one."""
+        ns = PUBLIC if self.shared_mode else tenant
+        names = [ns] if ns == PUBLIC else [ns, PUBLIC]
+        return [chain_keys(root_key(n, model), tokens, block_size) for n in names]
+
+    def rank(self, tenant: str, tokens: Sequence[int], exclude: set[str]) -> list[tuple[Backend, int, int]]:
+        """Backends up and not excluded, best first by the configured routing, each with
+        the prompt blocks it holds and those it would have left to prefill."""
+        live = [b for b in self.backends if b.up and b.info is not None and b.url not in exclude]
+        if not live:
+            return []
+        turn, self.turn = self.turn, self.turn + 1
+        live = live[turn % len(live) :] + live[: turn % len(live)]  # ties rotate
+        info = live[0].info
+        assert info is not None
+        blocks = len(tokens) // info.block_size
+        matched = self.index.matched(self.chains(tenant, tokens, info.model, info.block_size), [b.name for b in live])
+        scorer = self.config.scorer
+        views = [BackendView(b.name, matched[b.name], scorer.load(b.pending, b.generating)) for b in live]
+        order: list[tuple[Backend, int, int]] = []
+        while views:
+            best = scorer.choose(self.config.routing, blocks, views, 0)
+            i = next(i for i, v in enumerate(views) if v.name == best.backend)
+            order.append((live[i], best.overlap, blocks - best.overlap))
+            del views[i], live[i]
+        return order
+
+
+def create_router(router: Router) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        router.client = httpx.AsyncClient(timeout=FORWARD_TIMEOUT)
+        await asyncio.gather(*(router.check(b) for b in router.backends))
+        watcher = asyncio.create_task(router.watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            for b in router.backends:
+                b.close()
+            await router.client.aclose()
+            router.redis.close()
+
+    app = FastAPI(title="prefixcache route", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        up = [b.name for b in router.backends if b.up]
+        return {"status": "ok" if up else "no_backend", "backends_up": up}
+
+    @app.get("/metrics")
+    def metrics(request: Request) -> Response:
+        router.auth.admin(request)
+        return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await forward(request, "/v1/models", b"", [])
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await route(request, "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def complete(request: Request) -> Response:
+        return await route(request, "/v1/completions")
+
+    async def route(request: Request, path: str) -> Response:
+        tenant = router.auth.tenant(request)
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+            tokens = router.tokenize(path, body) if isinstance(body, dict) else []
+        except (ValueError, TypeError, KeyError):  # the backend answers bad bodies in its own words
+            tokens = []
+        return await forward(request, path, raw, tokens, tenant)
+
+    async def forward(request: Request, path: str, raw: bytes, tokens: list[int], tenant: str = "") -> Response:
+        assert router.client is not None
+        tried: set[str] = set()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        while True:
+            order = router.rank(tenant, tokens, tried)
+            if not order:
+                raise APIError(503, "no backend is available", code="no_backend")
+            backend, overlap, left = order[0]
+            tried.add(backend.url)
+            method = "POST" if raw else "GET"
+            outgoing = router.client.build_request(method, backend.url + path, content=raw, headers=headers)
+            backend.pending += left
+            try:
+                reply = await router.client.send(outgoing, stream=True)
+            except httpx.HTTPError as exc:
+                backend.pending -= left
+                backend.mark_down(router.index, f"forward: {type(exc).__name__}")
+                router.retries.inc()
+                continue
+            if reply.status_code in RETRY_STATUS:
+                backend.pending -= left
+                await reply.aclose()
+                router.retries.inc()
+                if reply.status_code == 502:
+                    backend.mark_down(router.index, "forward: 502")
+                continue
+            router.requests.labels(backend.name).inc()
+            router.overlap.inc(overlap)
+            backend.sent += 1
+            return _relay(reply, backend, left)
+
+    return app
+
+
+def _relay(reply: httpx.Response, backend: Backend, left: float) -> StreamingResponse:
+    """Stream ``reply`` to the client, keeping ``backend``'s load current."""
+
+    async def body() -> AsyncIterator[bytes]:
+        first = True
+        try:
+            async for chunk in reply.aiter_raw():
+                if first:
+                    backend.pending -= left
+                    backend.generating += 1
+                    first = False
+                yield chunk
+        finally:
+            if first:
+                backend.pending -= left
+            else:
+                backend.generating -= 1
+            await reply.aclose()
+
+    headers = {k: v for k, v in reply.headers.items() if k.lower() not in HOP_HEADERS}
+    headers["x-prefixcache-backend"] = backend.name
+    return StreamingResponse(body(), status_code=reply.status_code, headers=headers)
