@@ -21,6 +21,7 @@ from prefixcache import (
     RemovalReason,
 )
 from prefixcache.cache.stats import PoolStats, TenantStats
+from prefixcache.hashing import token_bytes
 from prefixcache.policies import POLICIES
 from support import Clock, lcp
 
@@ -627,7 +628,8 @@ def test_events_of_storing_and_replacing() -> None:
     with cache.match(seq(0, 10), ACME) as m:
         keys = m.block_keys
     events = cache.take_events()
-    assert events == [BlocksStored(keys, None, 10, "acme", "smollm2", "*", False)]
+    assert events == [BlocksStored(keys, None, 10, "acme", "smollm2", "*", False, token_bytes(seq(0, 10)))]
+    assert isinstance(events[0], BlocksStored) and events[0].token_ids == seq(0, 10)
     assert cache.take_events() == []
 
     cache.insert(seq(0, 16), ACME)
@@ -636,7 +638,7 @@ def test_events_of_storing_and_replacing() -> None:
     assert longer[:2] == keys[:2]
     events = cache.take_events()
     assert len(events) == 2
-    assert BlocksStored(longer[2:], keys[1], 8, "acme", "smollm2", "*", False) in events
+    assert BlocksStored(longer[2:], keys[1], 8, "acme", "smollm2", "*", False, token_bytes(seq(8, 8))) in events
     assert BlocksRemoved((keys[2],), 2, RemovalReason.REPLACED, "*") in events
 
 
@@ -683,7 +685,9 @@ def test_event_buffer_is_bounded_and_counts_drops() -> None:
     assert [e.num_tokens for e in events if isinstance(e, BlocksStored)] == [4, 4, 4]
     assert cache.stats().events_dropped == 2
     with cache.match(seq(400, 4), ACME) as m:
-        assert events[-1] == BlocksStored(m.block_keys, None, 4, "acme", "smollm2", "*", False)
+        assert events[-1] == BlocksStored(
+            m.block_keys, None, 4, "acme", "smollm2", "*", False, token_bytes(seq(400, 4))
+        )
 
 
 def test_events_capacity_zero_records_nothing() -> None:

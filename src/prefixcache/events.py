@@ -5,10 +5,17 @@ metrics learn why blocks left, without either reaching into the cache's internal
 The buffer is bounded; when a consumer falls behind, the oldest events are dropped
 and counted (``stats().events_dropped``), so a forgotten consumer never grows
 memory without bound.
+
+Two views of the same blocks: ``BlocksStored`` / ``BlocksRemoved`` say when a block
+joins or leaves the cache (the tree); ``TierEntered`` / ``TierLeft`` say when it gains
+or loses a copy of a tier kind (a cache with tiers only). A router wants the second
+(where the KV is, and how fast it loads); the metrics count the first.
 """
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
@@ -40,6 +47,14 @@ _LABELS = {
 }
 
 
+def token_ids(data: bytes) -> list[int]:
+    """Token ids from their little-endian uint32 bytes (``hashing.token_bytes``)."""
+    ids = array("I", data)
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
+        ids.byteswap()
+    return ids.tolist()
+
+
 @dataclass(frozen=True, slots=True)
 class BlocksStored:
     keys: tuple[bytes, ...]  # root-most first
@@ -49,6 +64,11 @@ class BlocksStored:
     model: str
     pool: str
     public: bool
+    tokens: bytes = b""  # the blocks' tokens, concatenated, as little-endian uint32 (``token_ids``)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return token_ids(self.tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +94,48 @@ class PrefixPublished:
     tenants: int  # distinct tenants seen when it crossed the threshold (0 = declared by an operator)
 
 
-Event = BlocksStored | BlocksRemoved | EpochBumped | PrefixPublished
+@dataclass(frozen=True, slots=True)
+class TierEntered:
+    """A block gained a copy in a tier of ``kind`` (it had none of that kind): held, or
+    its write there queued (readable from the queue until it lands). Self-contained, so
+    that a consumer never reads the cache back: ``namespace`` is the tenancy namespace
+    (``""`` public, or every block in shared isolation), ``tokens`` little-endian uint32."""
+
+    key: bytes
+    parent: bytes | None  # None under a context root
+    tokens: bytes
+    namespace: str
+    model: str
+    adapter: str | None
+    kind: str  # the tier kind: device, memory, disk or redis
+    end: int  # the token offset its tokens end at (a parent's is smaller than its children's)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return token_ids(self.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class TierLeft:
+    """A block lost its last copy in the tiers of ``kind``."""
+
+    key: bytes
+    num_tokens: int
+    kind: str
+
+
+Event = BlocksStored | BlocksRemoved | EpochBumped | PrefixPublished | TierEntered | TierLeft
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """``PrefixCache.drain``: the events since the last drain, how many the log has
+    dropped since the cache opened (a consumer that sees it grow knows it missed some),
+    and, when asked, every block's tier residency after those events, parents first."""
+
+    events: list[Event]
+    dropped: int
+    resident: list[TierEntered] | None = None
 
 
 class EventLog:

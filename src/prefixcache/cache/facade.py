@@ -30,10 +30,11 @@ from prefixcache.cache.plans import Found, Matched
 from prefixcache.cache.residency import Books, TierBook
 from prefixcache.cache.stats import CacheStats, snapshot
 from prefixcache.cache.tiered import TieredPath
+from prefixcache.cache.tierevents import resident as resident_events
 from prefixcache.cache.tree import Block, Lookup, Pin, path_to
 from prefixcache.cache.writer import Writer
 from prefixcache.config import CacheConfig, KVLayout, TierConfig
-from prefixcache.events import EpochBumped, Event
+from prefixcache.events import Drained, EpochBumped, Event
 from prefixcache.hashing import ONESHOT, CacheContext, HashFactory, Segment, get_hash
 from prefixcache.policies import make_policy
 from prefixcache.storage import codec
@@ -134,6 +135,7 @@ class PrefixCache:
         key_len = len(factory().digest())
         books, transfer = _open_tiers(config, layout, key_len, store_factory)
         self._ledger = Ledger(config, contexts, clock, books)
+        books.events = self._ledger.events  # NOTE: one log, so tier moves keep their order among the rest
         self._writer = Writer(config.writer, self._lock, self._ledger, transfer)
         self._io = TieredPath(self._lock, self._ledger, transfer, self._writer)
 
@@ -291,6 +293,19 @@ class PrefixCache:
         """Drain the events recorded since the last call."""
         with self._lock:
             return self._ledger.events.take()
+
+    def drain(self, residency: bool = False) -> Drained:
+        """Drain the events with the count dropped so far, and (``residency``) every
+        block's tier residency after them, in one step under the lock: what a consumer
+        needs to notice that it missed events and to rebuild what it missed."""
+        with self._lock:
+            ledger = self._ledger
+            events = ledger.events.take()
+            resident = None
+            if residency:
+                books = ledger.books
+                resident = resident_events(books.owner.values(), books.kinds) if books is not None else []
+            return Drained(events, ledger.events.dropped, resident)
 
     def stats(self) -> CacheStats:
         """Counters since start, and the occupancy now: overall, per tenant, pool and tier."""

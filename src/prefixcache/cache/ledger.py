@@ -349,7 +349,7 @@ class Ledger(Lifecycle):
             block.pool = pool
         pool.blocks += len(linked)
         chain.root.members += len(linked)
-        Run(parent, linked, b"".join(b.tokens for b in linked))
+        run = Run(parent, linked, b"".join(b.tokens for b in linked))
         insert = pool.policy.insert
         for block in reversed(linked):
             insert(block.key, len(block.tokens) >> 2)
@@ -363,7 +363,9 @@ class Ledger(Lifecycle):
             parent_key = None if parent.is_root else parent.key
             keys = tuple(b.key for b in linked)
             self.events.record(
-                BlocksStored(keys, parent_key, stored, chain.ctx.tenant, chain.ctx.model, pool.name, chain.public)
+                BlocksStored(
+                    keys, parent_key, stored, chain.ctx.tenant, chain.ctx.model, pool.name, chain.public, run.src
+                )
             )
         self._refresh_ttl(linked[-1])
 

@@ -22,6 +22,10 @@ frames, one per block. Two store calls are made here, both bookkeeping of a memo
 slab: releasing a slot (``delete``) and unnaming one whose frame a slower tier still
 has to receive (``detach``: the frame is copied out after the lock is released, see
 ``copyouts``). Writes to slower tiers go to the write queue, in decision order.
+
+Every change of a block's residency goes through ``Books.set``, which records it as a
+``TierEntered`` / ``TierLeft`` event per tier *kind* (a block in two disk tiers has one
+disk copy to a router), so that the events replayed are always the books.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from prefixcache.cache.stats import LatencyHistogram, TierStats
+from prefixcache.cache.tierevents import record_change
 from prefixcache.cache.tree import Block, Node
 from prefixcache.config import TierConfig
-from prefixcache.events import RemovalReason
+from prefixcache.events import EventLog, RemovalReason
 from prefixcache.policies import EvictionPolicy
 from prefixcache.storage.base import Frame, TierStore
 from prefixcache.storage.queue import FrameSource, Job, JobKind, LazyFrame, WriteQueue, store_copy
@@ -146,6 +151,11 @@ class Books:
         self.frame_bytes = frame_bytes  # tokens -> bytes of a frame that holds them
         self.owner: dict[bytes, Block] = {}  # key -> the block whose frames the tiers hold (or will)
         self.copyouts: list[LazyFrame] = []  # detached memory slots to copy out once the lock is released
+        self.events: EventLog | None = None  # where residency changes are recorded (the ledger's log)
+        kinds: dict[str, int] = {}
+        for tier in self.tiers:
+            kinds[tier.config.kind] = kinds.get(tier.config.kind, 0) | tier.bit
+        self.kinds = list(kinds.items())  # (kind, mask of its tiers), fast to slow
 
     # ------------------------------------------------------------------ reading the books
 
@@ -186,6 +196,8 @@ class Books:
         old = res.held | res.pending
         res.held, res.pending = held, pending
         new = held | pending
+        if old != new and self.events is not None and self.events.capacity:
+            record_change(self.events, self.kinds, block, old, new)
         if new and not old:
             self.owner[block.key] = block
         elif not new and old and self.owner.get(block.key) is block:
