@@ -17,21 +17,22 @@ from prefixcache.integrations.vllm.worker import ConnectorWorker, SaveSpec
 N = 4
 
 
-def test_stores_and_removals_become_vllm_events_with_the_tier_as_medium(tmp_path: Path) -> None:
+def test_stores_and_removals_become_vllm_events_with_the_tier_kind_as_medium(tmp_path: Path) -> None:
     caches = {f"l{i}": torch.randn(6, 2, N, 16) for i in range(2)}
     config = CacheConfig(tiers=(TierConfig(kind="memory", capacity_bytes=1 << 20, name="ram"),), writer="inline")
     worker = ConnectorWorker(config, PagedKV(caches, kv_heads=2, head_dim=8, block_size=N), "m@1")
     connector = PrefixCacheConnector.__new__(PrefixCacheConnector)  # the worker half alone, without an engine
-    connector._worker, connector._medium, connector.block_size = worker, "ram", N
+    connector._worker, connector.block_size = worker, N
     worker.save(SaveSpec("r", "acme", tuple(range(2 * N)), (0, 3)))
     worker.cache.purge("acme")
     events = connector.get_kv_connector_kv_cache_events()
     assert isinstance(events, PrefixCacheEvents)
     stored, *removed = events.get_all_events()
     assert isinstance(stored, BlockStored) and all(isinstance(r, BlockRemoved) for r in removed)
-    assert stored.medium == "ram" and {r.medium for r in removed} == {"ram"} and stored.block_size == N
+    assert stored.medium == "memory" and {r.medium for r in removed} == {"memory"} and stored.block_size == N
+    assert stored.token_ids == list(range(2 * N))  # the tier kind is the medium, whatever the tier is named
     assert len(stored.block_hashes) == 2 and stored.parent_block_hash is None
-    assert stored.extra_keys is not None and stored.extra_keys[0][0] == "acme"
+    assert stored.extra_keys == [("acme", "m@1")] * 2  # [namespace, model] per block
     assert {h for r in removed for h in r.block_hashes} == set(stored.block_hashes)
     wire = msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=[stored, *removed]))
     batch = msgspec.msgpack.decode(wire, type=KVEventBatch)

@@ -30,7 +30,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from prefixcache.events import BlocksRemoved, BlocksStored
+from prefixcache.fleet import wire
+from prefixcache.fleet.translate import wire_events
 from prefixcache.integrations.vllm.lookup import LookupClient, LookupServer, socket_path
 from prefixcache.integrations.vllm.metrics import PrefixCachePromMetrics, PrefixCacheStats
 from prefixcache.integrations.vllm.paged import PagedKV
@@ -95,7 +96,6 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self._client: LookupClient | None = None
         self._load_errors: set[int] = set()
         self._events: list[KVCacheEvent] = []
-        self._medium = ""  # the tier a stored block enters (KV events' ``medium``)
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
                 log.info(
@@ -123,8 +123,6 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self._worker = ConnectorWorker(self.settings.cache, paged, self.model)
         self._server = LookupServer(self.socket, self._worker.lookup)
         atexit.register(self.shutdown)  # vLLM may end a worker without calling shutdown: flush anyway
-        fastest = self.settings.cache.tiers[0]
-        self._medium = fastest.name or fastest.kind
         log.info(
             "prefixcache: %d layers in the %s layout, model key %s, lookups on %s",
             len(paged.views),
@@ -162,27 +160,15 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         return PrefixCacheStats(tally.to_dict()) if tally is not None else None
 
     def get_kv_connector_kv_cache_events(self) -> PrefixCacheEvents | None:
+        """The cache's tier moves since the last call, as vLLM events: one ``BlockStored``
+        / ``BlockRemoved`` per tier kind (``medium``: device, memory, disk or redis), with
+        the blocks' token ids and ``[namespace, model]`` per block (``fleet.translate``)."""
         if self._worker is None:
             return None
-        events = [e for e in (self._vllm_event(x) for x in self._worker.cache.take_events()) if e is not None]
+        cache = self._worker.cache
+        kinds = [tier.kind for tier in cache.config.tiers]
+        events = [_vllm_event(e) for e in wire_events(cache.take_events(), cache.config.block_size, kinds)]
         return PrefixCacheEvents(events) if events else None
-
-    def _vllm_event(self, event: object) -> KVCacheEvent | None:
-        tier = self._medium
-        if isinstance(event, BlocksStored):
-            return BlockStored(
-                block_hashes=list(event.keys),
-                parent_block_hash=event.parent,
-                token_ids=[],
-                block_size=self.block_size,
-                lora_id=None,
-                medium=tier,
-                lora_name=None,
-                extra_keys=[(event.tenant, event.model, event.pool)] * len(event.keys),
-            )
-        if isinstance(event, BlocksRemoved):
-            return BlockRemoved(block_hashes=list(event.keys), medium=tier)
-        return None
 
     def shutdown(self) -> None:
         """Stop answering lookups and flush queued writes (bounded); a second call does nothing."""
@@ -238,3 +224,19 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> PrefixCachePromMetrics:
         return PrefixCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _vllm_event(event: wire.BlockStored | wire.BlockRemoved) -> KVCacheEvent:
+    """Our copy of vLLM's struct as vLLM's own (the same fields, ``fleet/wire.py``)."""
+    if isinstance(event, wire.BlockStored):
+        return BlockStored(
+            block_hashes=event.block_hashes,
+            parent_block_hash=event.parent_block_hash,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            lora_id=event.lora_id,
+            medium=event.medium,
+            lora_name=event.lora_name,
+            extra_keys=event.extra_keys,
+        )
+    return BlockRemoved(block_hashes=event.block_hashes, medium=event.medium)
