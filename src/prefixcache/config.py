@@ -11,6 +11,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 from prefixcache.hashing import get_hash
 from prefixcache.policies import POLICIES
@@ -110,6 +111,9 @@ class TierConfig:
     ``policy`` (default: the cache's) picks this tier's victims. ``path`` is the disk tier's directory;
     ``url`` and ``namespace`` (default: the cache's seed) the Redis tier's server and key
     prefix; ``device`` the torch device of a device tier (``"cpu"``, ``"cuda:0"``).
+    ``cluster`` makes the Redis tier a Redis Cluster: ``url`` is then one node of it
+    (``redis://host:port``, database 0) and ``startup_nodes`` (``"host:port"``) more
+    nodes to discover the cluster from when that one is down (see docs/storage.md).
     ``verify_payload`` hashes every payload read from a memory or device tier too (disk
     and Redis always verify; see ``TierStore.private`` for why memory need not).
     """
@@ -126,6 +130,8 @@ class TierConfig:
     namespace: str | None = None
     connect_timeout: float = 0.2
     read_timeout: float = 0.2
+    cluster: bool = False
+    startup_nodes: tuple[str, ...] = ()
     device: str = "cpu"
     verify_payload: bool = False
 
@@ -144,10 +150,35 @@ class TierConfig:
             raise ValueError("a disk tier needs path (its directory)")
         if self.kind == "redis" and not self.url:
             raise ValueError("a redis tier needs url (e.g. redis://127.0.0.1:6379/0)")
+        self._check_cluster()
         for name in ("connect_timeout", "read_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+    def _check_cluster(self) -> None:
+        object.__setattr__(self, "startup_nodes", tuple(self.startup_nodes))
+        if not isinstance(self.cluster, bool):
+            raise ValueError(f"cluster must be true or false, got {self.cluster!r}")
+        if self.startup_nodes and not self.cluster:
+            raise ValueError("startup_nodes apply to a redis tier with cluster = true only")
+        if not self.cluster:
+            return
+        if self.kind != "redis":
+            raise ValueError(f"cluster applies to a redis tier only, not to {self.kind!r}")
+        url = urlsplit(self.url or "")
+        if url.scheme not in ("redis", "rediss") or not url.hostname:
+            raise ValueError(
+                f"a redis cluster's url is redis://host:port or rediss://host:port, got {url.scheme}://..."
+            )
+        if url.path.strip("/") not in ("", "0"):
+            raise ValueError(f"a redis cluster has database 0 only, got url path {url.path!r}")
+        for node in self.startup_nodes:
+            host, _, port = node.rpartition(":") if isinstance(node, str) else ("", "", "")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"startup_nodes are 'host:port' strings, got {node!r}")
+        if self.namespace is not None and ("{" in self.namespace or "}" in self.namespace):
+            raise ValueError("a redis cluster's namespace may not hold { or } (they make the keys' hash tag)")
 
     @property
     def label(self) -> str:

@@ -23,9 +23,20 @@ def open_store(config: TierConfig, frame_bytes: int, seed: str) -> TierStore:
     if config.kind == "disk":
         assert config.path is not None
         return DiskStore(config.path, config.capacity_bytes, config.fsync)
-    from prefixcache.storage.redis import RedisStore  # redis-py is an optional dependency
-
     assert config.url is not None
+    if config.cluster:
+        from prefixcache.storage.redis_cluster import RedisClusterStore  # redis-py is an optional dependency
+
+        return RedisClusterStore(
+            config.url,
+            config.capacity_bytes,
+            config.namespace or seed,
+            startup_nodes=config.startup_nodes,
+            connect_timeout=config.connect_timeout,
+            read_timeout=config.read_timeout,
+        )
+    from prefixcache.storage.redis import RedisStore
+
     return RedisStore(
         config.url,
         config.capacity_bytes,
