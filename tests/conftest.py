@@ -12,6 +12,7 @@ import pytest
 from hypothesis import settings
 
 from prefixcache.sim.traces import Request, read_trace
+from redis_cluster import REDIS_CLI, LocalCluster
 from redis_server import REDIS_SERVER, RedisServer
 from support import CONVERSATION, SYNTHETIC
 
@@ -21,9 +22,9 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that takes a Redis server is marked ``redis`` (``make unit`` leaves those out)."""
+    """A test that takes a Redis server or cluster is marked ``redis`` (``make unit`` leaves those out)."""
     for item in items:
-        if "redis_server" in getattr(item, "fixturenames", ()):
+        if {"redis_server", "redis_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.redis)
 
 
@@ -37,6 +38,26 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def _local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    if not Path(REDIS_SERVER).exists() or not Path(REDIS_CLI).exists():
+        pytest.skip("redis-server or redis-cli is not installed")
+    cluster = LocalCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(_local_cluster: LocalCluster) -> LocalCluster:
+    """A real Redis Cluster of 3 masters on loopback, shared by the session (it takes
+    seconds to form): every node up and the cluster ok, emptied, for each test."""
+    _local_cluster.revive()
+    _local_cluster.flushall()
+    return _local_cluster
 
 
 @pytest.fixture(scope="session")
