@@ -233,6 +233,20 @@ def test_a_killed_node_restarted_empty_is_misses_then_serves_again(redis_cluster
         assert rstore.get_many(keys) == [frame_of(i) for i in range(30)]
 
 
+def test_a_stalled_node_is_misses_at_the_read_deadline_and_the_others_hit(redis_cluster: LocalCluster) -> None:
+    keys = [key_of(i) for i in range(30)]
+    with RedisClusterStore(redis_cluster.url, BIG, SEED, read_timeout=0.2) as rstore:
+        rstore.put_many([(k, frame_of(i)) for i, k in enumerate(keys)])
+        stalled = redis_cluster.owner(rstore.slot_of(keys[0]))
+        on_stalled = [redis_cluster.owner(rstore.slot_of(k)) is stalled for k in keys]
+        stalled.pause()  # SIGSTOP: its sockets stay open and nothing answers
+        started = time.monotonic()
+        out = rstore.get_many(keys)
+        assert 0.15 < time.monotonic() - started < 1.0  # one read deadline, not one per key
+        assert out == [None if gone else frame_of(i) for i, gone in enumerate(on_stalled)]
+        assert rstore.stats.errors["timeout"] == 1
+
+
 def test_flushall_on_every_node_is_misses_never_wrong_bytes(redis_cluster: LocalCluster) -> None:
     with cluster_cache(redis_cluster, mem_blocks=2) as cache:
         store(cache, prompt(1))
