@@ -55,18 +55,37 @@ _RAISES: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/admin/epoch"): (404, 409),
     ("post", "/admin/purge"): (409,),
     ("post", "/dashboard/login"): (401, 403),  # the admin key is in the body
+    ("get", "/fleet/info"): (409,),
+    ("get", "/fleet/snapshot"): (409,),
 }
 _MEDIA: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/v1/chat/completions"): {"application/json": {"schema": {}}, "text/event-stream": {"schema": {}}},
     ("post", "/v1/completions"): {"application/json": {"schema": {}}, "text/event-stream": {"schema": {}}},
     ("get", "/metrics"): {"text/plain": {"schema": {"type": "string"}}},
+    ("get", "/fleet/info"): {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "required": ["name", "inc", "stream", "block_size", "model", "maxlen"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "inc": {"type": "string"},
+                    "stream": {"type": "string"},
+                    "block_size": {"type": "integer"},
+                    "model": {"type": "string"},
+                    "maxlen": {"type": "integer"},
+                },
+            }
+        }
+    },
+    ("get", "/fleet/snapshot"): {"application/vnd.msgpack": {"schema": {"type": "string", "format": "binary"}}},
 }
 _ERRORS = {
     400: "Invalid request: malformed JSON or a bad parameter (`param` names it).",
     401: "No API key, or a wrong one.",
     403: "A tenant's key on an operator route, or the route is disabled in this configuration.",
     404: "The model is not served here.",
-    409: "The prefix cache is disabled on this server.",
+    409: "The prefix cache (on /fleet/*: publishing KV events) is disabled on this server.",
     413: "The request body is over the server's limit.",
     429: "The queue is full: retry after `Retry-After` seconds.",
     503: "The server is shutting down.",

@@ -7,7 +7,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE),
 ``GET /v1/models``, ``GET /healthz``, the dashboard page at ``GET /``; behind the admin
 key ``GET /metrics`` and ``GET /dashboard/data`` (per-tenant figures: a tenant's key
 gets 403, so no tenant sees another's), ``POST /admin/epoch``, ``POST /admin/purge``,
-``GET /admin/stats``. The page logs in with ``POST /dashboard/login`` (the admin key in
+``GET /admin/stats``, and (``[fleet]``) ``GET /fleet/info`` (``BackendInfo`` as JSON) and
+``GET /fleet/snapshot`` (``Snapshot``, msgpack). The page logs in with ``POST /dashboard/login`` (the admin key in
 the body, a session cookie back; see sessions.py) and out with ``POST /dashboard/logout``.
 In local mode (no API keys, no admin key) everything is open.
 Every error is OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
@@ -23,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from importlib import resources
 from typing import Any
 
+import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -30,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prefixcache.cache import PrefixCache
 from prefixcache.cache.stats import CacheStats, to_json, top_tenants
 from prefixcache.engine import Engine
+from prefixcache.fleet.publisher import FleetPublisher, PublisherConfig
 from prefixcache.ops.collector import CacheCollector
 from prefixcache.ops.dashboard import dashboard_data
 from prefixcache.server.apidoc import install_openapi
@@ -51,6 +54,7 @@ PAGE_HEADERS = {
     "Cache-Control": "no-cache",
 }
 
+MSGPACK = "application/vnd.msgpack"
 TOP_TENANTS = 20  # tenants listed by name in /admin/stats, as /metrics labels them
 
 
@@ -65,6 +69,21 @@ class Server:
         self.auth = Auth(settings.auth, self.sessions)
         self.recorder = Recorder(registry, engine.model_id, cache)
         self.completions = Completions(engine, self.recorder)
+        self.fleet: FleetPublisher | None = None
+        fleet = settings.fleet
+        if fleet.publish and cache is not None:
+            config = PublisherConfig(fleet.redis_url, settings.fleet_name, fleet.stream_prefix, fleet.maxlen)
+            self.fleet = FleetPublisher(cache, config, engine.model_id, registry=registry)
+
+    def need_fleet(self) -> FleetPublisher:
+        if self.fleet is None:
+            raise APIError(409, "this server publishes no KV events (see [fleet] publish)", code="fleet_disabled")
+        return self.fleet
+
+    def stop_fleet(self) -> None:
+        """Publish what the cache recorded last, then stop the publisher. Idempotent."""
+        if self.fleet is not None:
+            self.fleet.stop()
 
     def need_cache(self) -> PrefixCache:
         if self.cache is None:
@@ -90,15 +109,19 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if server.fleet is not None:
+            server.fleet.start()
         yield
         if shutdown is not None:
             await asyncio.to_thread(shutdown)
+        await asyncio.to_thread(server.stop_fleet)  # NOTE: after the cache's flush, whose tier moves it sends
 
     app = FastAPI(title="prefixcache", docs_url=None, redoc_url=None, openapi_url="/openapi.json", lifespan=lifespan)
     install_openapi(app, settings.auth)
     app.state.server = server
     _generation_routes(app, server)
     _operator_routes(app, server)
+    _fleet_routes(app, server)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.server.max_body_bytes)
     return app
@@ -206,6 +229,19 @@ def _operator_routes(app: FastAPI, server: Server) -> None:
             "prefill_seconds_per_token": recorder.prefill_rate.value,
             "cache": to_json(_bounded(server.cache.stats())) if server.cache is not None else None,
         }
+
+
+def _fleet_routes(app: FastAPI, server: Server) -> None:
+    """What a router asks a backend (behind the admin key, as the rest of the whole cache is)."""
+    auth = server.auth
+
+    @app.get("/fleet/info", dependencies=[Depends(auth.admin)])
+    def fleet_info() -> Response:
+        return Response(msgspec.json.encode(server.need_fleet().info()), media_type="application/json")
+
+    @app.get("/fleet/snapshot", dependencies=[Depends(auth.admin)])
+    def fleet_snapshot() -> Response:
+        return Response(msgspec.msgpack.encode(server.need_fleet().snapshot()), media_type=MSGPACK)
 
 
 def _bounded(stats: CacheStats) -> CacheStats:

@@ -3,7 +3,7 @@
 On SIGTERM or SIGINT uvicorn stops taking requests and lets the running ones finish;
 then the engine stops and the cache flushes its queued writes (at most
 ``server.flush_timeout_s`` seconds), so a restarted server hits on what this one
-computed.
+computed; then the fleet publisher (``[fleet]``) sends the last KV events and stops.
 """
 
 from __future__ import annotations
@@ -40,8 +40,15 @@ class Service:
         self.app = create_app(self.engine, self.settings, self.cache, shutdown=self.close)
 
     def close(self) -> None:
-        """Stop the engine, then flush and close the cache. Idempotent."""
+        """Stop the engine, then flush and close the cache, then publish its last KV events
+        and stop the fleet publisher. Idempotent."""
         self.engine.close()
+        try:
+            self._close_cache()
+        finally:
+            self.app.state.server.stop_fleet()
+
+    def _close_cache(self) -> None:
         if self.cache is not None and not self.closed:
             self.closed = True
             started = time.monotonic()

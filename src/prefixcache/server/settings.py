@@ -14,7 +14,8 @@ names it and lists the valid ones, so a typo never passes silently.
 The defaults serve on one machine and survive a restart: L1 host memory that writes
 every block through to an L2 disk under ``./.prefixcache/``, namespace isolation, no
 keys (single-tenant local mode). Two servers share what either computed by adding the
-same Redis as a third tier, written through from the disk.
+same Redis as a third tier, written through from the disk. ``[fleet]`` (off by default)
+publishes this server's KV events to a Redis stream for a prefix-aware router.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import socket
 import tomllib
 import typing
 from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
@@ -44,7 +47,16 @@ from pydantic_settings import (
 from prefixcache.config import CacheConfig, KVLayout, TierConfig, valid_names
 from prefixcache.engine.model import DEFAULT_MODEL
 
-__all__ = ["ENV_PREFIX", "SERVER_CACHE", "AuthSettings", "ModelSettings", "ServerSettings", "Settings", "load_settings"]
+__all__ = [
+    "ENV_PREFIX",
+    "SERVER_CACHE",
+    "AuthSettings",
+    "FleetSettings",
+    "ModelSettings",
+    "ServerSettings",
+    "Settings",
+    "load_settings",
+]
 
 ENV_PREFIX = "PREFIXCACHE_"
 CONFIG_VAR = f"{ENV_PREFIX}CONFIG"
@@ -127,6 +139,26 @@ class AuthSettings(BaseModel):
         return not self.api_keys
 
 
+class FleetSettings(BaseModel):
+    """``[fleet]``: this server's KV events on a Redis stream, for a router (``fleet/publisher.py``)."""
+
+    model_config = _FROZEN
+
+    publish: bool = False  # send KV events to redis_url (and serve /fleet/info and /fleet/snapshot)
+    redis_url: str = ""  # e.g. redis://127.0.0.1:6379/0
+    name: str = ""  # this backend's name on the stream; default: server.host:server.port
+    stream_prefix: str = "prefixcache:fleet"  # the stream is <stream_prefix>:events:<name>
+    maxlen: int = Field(default=10_000, gt=0)  # entries (batches) the stream keeps: the replay buffer
+
+    @model_validator(mode="after")
+    def _reachable(self) -> FleetSettings:
+        if self.publish and not self.redis_url:
+            raise ValueError("fleet.publish = true needs fleet.redis_url (e.g. redis://127.0.0.1:6379/0)")
+        if self.redis_url and urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"fleet.redis_url must be redis://, rediss:// or unix://, got {self.redis_url!r}")
+        return self
+
+
 class UnknownSetting(ValueError):
     """A ``PREFIXCACHE_*`` variable that names no section."""
 
@@ -191,6 +223,7 @@ class Settings(BaseSettings):
     model: ModelSettings = ModelSettings()
     cache: CacheConfig = SERVER_CACHE
     auth: AuthSettings = AuthSettings()
+    fleet: FleetSettings = FleetSettings()
 
     @classmethod
     def settings_customise_sources(
@@ -234,6 +267,14 @@ class Settings(BaseSettings):
         return self.cache.isolation == "shared" and (
             len(set(self.auth.api_keys.values())) > 1 or bool(self.auth.tenant_header)
         )
+
+    @property
+    def fleet_name(self) -> str:
+        """This backend's publisher name: ``fleet.name``, or where it listens."""
+        host = self.server.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        return self.fleet.name or f"{host}:{self.server.port}"
 
     def cache_config(self, layout: KVLayout) -> CacheConfig:
         """The cache this server opens: ``[cache]`` with the model's KV layout."""
@@ -302,8 +343,16 @@ def describe(settings: Settings) -> dict[str, Any]:
             "tenant_header": settings.auth.tenant_header,
             "allow_cross_tenant_reuse": settings.auth.allow_cross_tenant_reuse,
         },
+        "fleet": settings.fleet.model_dump() | {"redis_url": _without_password(settings.fleet.redis_url)},
     }
     return out
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc=f"***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")))
 
 
 def _plain(value: Any) -> Any:
