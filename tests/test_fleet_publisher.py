@@ -435,9 +435,9 @@ def test_the_fleet_section_is_checked_and_names_itself() -> None:
     settings = load_settings(env={"PREFIXCACHE_FLEET_PUBLISH": "true", "PREFIXCACHE_FLEET_REDIS_URL": "redis://r:1/0"})
     assert settings.fleet.publish and settings.fleet.maxlen == 10_000
     assert settings.fleet_name == "127.0.0.1:8000" and settings.fleet.stream_prefix == "prefixcache:fleet"
-    with pytest.raises(ValueError, match="fleet.publish = true needs fleet.redis_url"):
+    with pytest.raises(ValueError, match=r"fleet\.publish = true needs fleet\.redis_url"):
         load_settings(env={"PREFIXCACHE_FLEET_PUBLISH": "true"})
-    with pytest.raises(ValueError, match="unknown setting fleet.url .*valid: publish, redis_url, name"):
+    with pytest.raises(ValueError, match=r"unknown setting fleet\.url .*valid: publish, redis_url, name"):
         load_settings(overrides={"fleet": {"url": "redis://r"}})
     with pytest.raises(ValueError, match="must be redis://"):
         load_settings(overrides={"fleet": {"redis_url": "http://r"}})

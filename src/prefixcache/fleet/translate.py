@@ -66,6 +66,7 @@ def _ranks(kinds: Sequence[str]) -> dict[str, int]:
         rank.setdefault(kind, i)
     return rank
 
+
 def stored_whole(entries: Iterable[TierEntered], block_size: int, kinds: Sequence[str]) -> list[BlockStored]:
     """Tier entries (a run of them, or a whole residency) as ``BlockStored`` events,
     parents first: whole blocks only, sorted by (the rank of their kind, their depth)."""
