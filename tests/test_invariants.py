@@ -58,7 +58,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @initialize(
         isolation=st.sampled_from(["shared", "namespace", "partitioned"]),
-        policy=st.sampled_from(["lru", "fifo", "s3fifo", "sieve", "lfu", "gittins"]),
+        policy=st.sampled_from(["lru", "fifo", "s3fifo", "sieve", "lfuda", "gittins"]),
         partial=st.booleans(),
         capacity_blocks=st.sampled_from([3, 8, 40, 10_000]),
         ttl=st.sampled_from([None, 5.0]),

@@ -208,7 +208,8 @@ def test_replay_help_is_complete(capsys: pytest.CaptureFixture[str]) -> None:
         assert option in text, option
     example = "prefixcache replay trace.jsonl " + " ".join(EXAMPLE)
     assert example in text
-    for word in ("lru", "s3fifo", "fifo", "sieve", "lfu", "shared", "namespace", "partitioned", "flat", "tree"):
+    words = ("lru", "s3fifo", "fifo", "sieve", "lfuda", "gittins", "shared", "namespace", "partitioned", "flat", "tree")
+    for word in words:
         assert word in text, word
 
 

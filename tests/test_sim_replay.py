@@ -35,7 +35,7 @@ from prefixcache.sim.workload_spec import WorkloadSpec
 from prefixcache.sim.workloads import repeated_prefix, write_jsonl
 from support import CONVERSATION, SYNTHETIC, tok
 
-POLICIES = ("lru", "fifo", "s3fifo", "sieve", "lfu")
+POLICIES = ("lru", "fifo", "s3fifo", "sieve", "lfuda")
 INF = math.inf
 
 slow = pytest.mark.slow

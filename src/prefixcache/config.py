@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from prefixcache.hashing import get_hash
-from prefixcache.policies import POLICIES
+from prefixcache.policies import check_policy
 from prefixcache.storage.codec import WIRE_DTYPES
 
 ISOLATION_MODES = ("shared", "namespace", "partitioned")
@@ -139,8 +139,8 @@ class TierConfig:
         if self.kind not in TIER_KINDS:
             raise ValueError(f"unknown tier kind {self.kind!r}; valid: {', '.join(TIER_KINDS)}")
         check_int(f"tiers[{self.kind}].capacity_bytes", self.capacity_bytes, 0)
-        if self.policy is not None and self.policy not in POLICIES:
-            raise ValueError(f"unknown tier policy {self.policy!r}; valid: {', '.join(sorted(POLICIES))}")
+        if self.policy is not None:
+            check_policy(self.policy, "tier policy")
         if self.write not in WRITE_MODES:
             raise ValueError(f"unknown write mode {self.write!r}; valid: {', '.join(WRITE_MODES)}")
         check_int(f"tiers[{self.kind}].write_after_hits", self.write_after_hits, 1)
@@ -235,8 +235,7 @@ class CacheConfig:
         check_int("block_size", self.block_size, 1)
         self._check_tiers()
         self._check_capacity()
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; valid: {', '.join(sorted(POLICIES))}")
+        check_policy(self.policy, "policy")
         if self.isolation not in ISOLATION_MODES:
             raise ValueError(f"unknown isolation {self.isolation!r}; valid: {', '.join(ISOLATION_MODES)}")
         get_hash(self.hash)

@@ -10,7 +10,7 @@ and a block with children would orphan them (invariant 4 of design.md). ``victim
 therefore takes an ``evictable`` predicate. An entry for which it is false is
 *blocked*: the policy passes over it the way it passes over an entry that is still in
 use (LRU and FIFO re-queue it at the tail, S3-FIFO moves it on to main or reinserts
-it, SIEVE's hand moves past it, LFU moves it to the back of its frequency bucket).
+it, SIEVE's hand moves past it, LFUDA moves it to the back of its priority bucket).
 That keeps every ``victim`` call O(1) amortized instead of rescanning the same blocked
 entries, and on a flat sequence where everything is evictable each policy behaves
 exactly as its reference describes.
