@@ -441,3 +441,5 @@ def test_the_fleet_section_is_checked_and_names_itself() -> None:
         load_settings(overrides={"fleet": {"url": "redis://r"}})
     with pytest.raises(ValueError, match="must be redis://"):
         load_settings(overrides={"fleet": {"redis_url": "http://r"}})
+    with pytest.raises(ValueError, match="needs the cache's events"):
+        load_settings(overrides={"fleet": {"publish": True, "redis_url": "redis://r"}, "cache": {"events_capacity": 0}})

@@ -261,6 +261,12 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _fleet_events(self) -> Settings:
+        if self.fleet.publish and self.cache.events_capacity == 0:
+            raise ValueError("fleet.publish = true needs the cache's events (cache.events_capacity > 0)")
+        return self
+
     @property
     def cross_tenant_reuse(self) -> bool:
         """Whether tenants share cached prefixes beyond publication (shared isolation, allowed)."""
