@@ -16,6 +16,7 @@ setup(
         Extension(
             "prefixcache.sim._kernel",
             ["src/prefixcache/sim/_kernel.c"],
+            depends=["src/prefixcache/sim/_kernel_gittins.h"],
             extra_compile_args=[
                 "-O2",
                 "-std=c11",

@@ -386,6 +386,37 @@ def test_generated_workload_step_for_step(workloads: dict[str, list[Request]], i
         step_both(Case(cfg, True, tuple(workloads["tokens"])))
 
 
+# ---------------------------------------------------------------------------- gittins and lfuda
+
+
+def _gittins_of(stepper: CacheStepper) -> Any:
+    (pool,) = stepper.cache._ledger.tenancy.pools.values()
+    return pool.policy
+
+
+def test_gittins_steps_like_the_cache_on_a_generated_workload(tmp_path: Any) -> None:
+    """Gittins' whole life in the kernel, compared after every request: learned tables
+    recomputed many times, ghosts readmitted, leaves told apart (its float ranks break
+    ties exactly as the Python policy's, or a victim would differ here)."""
+    spec = WorkloadSpec(requests=800, tenants=6, seed=5, duration_s=600.0, emit="hash_ids", block_size=16)
+    path = tmp_path / "w.jsonl"
+    write_jsonl(spec, path)
+    requests = tuple(read_trace(path))
+    cfg = sim_config(policy="gittins", capacity_tokens=10_000, block_size=16)
+    ref, _ = step_both(Case(cfg, False, requests))
+    policy = _gittins_of(ref)
+    assert policy._index is not None and policy._tick > 40 * policy._table_every()  # tables, many times
+    assert ref.evictions > 5_000 and len(policy._ghost) > 100  # a ghost that readmits
+    assert policy._interior  # and the ledger's leaf news
+
+
+@slow
+@pytest.mark.parametrize("policy", ["gittins", "lfuda"])
+def test_same_replay_of_mooncake_conversation_for_the_new_policies(conversation: list[Request], policy: str) -> None:
+    """Hit tokens, evictions and every other figure, the whole trace at 1M tokens."""
+    assert_same_replays(conversation, [sim_config(policy=policy, capacity_tokens=1e6, block_size=512)], warmup=0.5)
+
+
 # ---------------------------------------------------------------------------- engine selection
 
 

@@ -4,7 +4,7 @@
  * deepest hit, touch the path in the policy, make room, store the missing blocks,
  * release -- is a few hundred nanoseconds of work per block that Python spends
  * microseconds on. This file does exactly what the ledger's ``access`` does for the
- * configurations it models (policies lru, fifo, s3fifo, sieve, lfu; isolation shared,
+ * configurations it models (policies lru, fifo, s3fifo, sieve, lfuda, gittins; isolation shared,
  * namespace, partitioned; TTL; no publication or partial blocks), decision for
  * decision: the same victims in the same order, the same blocked-entry rules
  * (policies/base.py), the same quotas. tests/test_sim_kernel.py replays both engines
@@ -30,8 +30,8 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { P_LRU, P_FIFO, P_S3FIFO, P_SIEVE, P_LFU, N_POLICIES };
-static const char *POLICY_NAMES[N_POLICIES] = {"lru", "fifo", "s3fifo", "sieve", "lfu"};
+enum { P_LRU, P_FIFO, P_S3FIFO, P_SIEVE, P_LFUDA, P_GITTINS, N_POLICIES };
+static const char *POLICY_NAMES[N_POLICIES] = {"lru", "fifo", "s3fifo", "sieve", "lfuda", "gittins"};
 
 #define NONE (-1)
 #define FREQ_CAP 3            /* S3FIFOPolicy.FREQ_CAP */
@@ -156,8 +156,11 @@ typedef struct {
     uint64_t key, id;
     int32_t parent, nkids, pins, pool;
     int32_t prev, next;   /* queue links; next also links the free list */
-    int32_t freq;         /* S3-FIFO and LFU frequency, SIEVE visited bit */
-    int32_t queue;        /* S3-FIFO: 0 small, 1 main */
+    int32_t freq;         /* S3-FIFO and LFUDA frequency, SIEVE visited bit, Gittins reuses */
+    int32_t queue;        /* S3-FIFO: 0 small, 1 main; Gittins: class */
+    int64_t rank;         /* LFUDA: priority; Gittins: tick of the last access */
+    int32_t group;        /* Gittins: its (class, tick) group, NONE when interior */
+    int32_t interior;     /* Gittins: told it has children (out of the groups) */
     int32_t tprev, tnext; /* TTL order links */
     int32_t in_ttl;
     double last_access;
@@ -191,11 +194,13 @@ typedef struct {
     int has_evicted;
     int32_t hand; /* SIEVE */
     Ghost ghost;
-    /* LFU: one queue per frequency present, found through ``buckets`` (freq -> slot) */
+    /* LFUDA: one queue per priority present, found through ``buckets`` (priority -> slot) */
     Map buckets;
     Queue *bq;
     int32_t n_bq, cap_bq, free_bq; /* free slots chain through head */
-    int64_t min_freq;              /* 0: unknown */
+    int64_t min_freq;              /* the lowest priority; 0: unknown */
+    int64_t age;                   /* LFUDA's L: the priority of the last victim */
+    struct Gittins *g;             /* Gittins' state (_kernel_gittins.h) */
 } Pool;
 
 typedef struct {
@@ -322,8 +327,12 @@ static void ghost_trim(Ghost *g, int64_t cap) {
 
 /* ------------------------------------------------------------------ pools */
 
+static void gittins_resize(struct Gittins *g, int64_t capacity);
+static struct Gittins *gittins_new(void);
+
 static void pool_resize(Pool *p, int64_t capacity) { /* EvictionPolicy.resize, S3FIFOPolicy.resize */
     p->capacity = capacity;
+    if (p->g) gittins_resize(p->g, capacity);
     p->small_cap = (int64_t)((double)capacity * 0.1);
     p->main_cap = capacity - p->small_cap;
     p->ghost_cap = (int64_t)((double)capacity * 0.9);
@@ -346,6 +355,7 @@ static int32_t new_pool(Tree *t, int64_t quota) {
     p->hand = NONE;
     p->free_bq = NONE;
     p->quota = quota;
+    if (t->policy == P_GITTINS && !(p->g = gittins_new())) return NONE;
     pool_resize(p, quota > 1 ? quota : 1);
     if (ghost_init(&p->ghost) < 0 || map_init(&p->buckets, 16) < 0) return NONE;
     return t->n_pools++;
@@ -385,9 +395,11 @@ static inline void s3_to_main(Node *nodes, Pool *p, int32_t n, int64_t size) {
     nodes[n].freq = 0;
 }
 
-static Queue *lfu_bucket(Pool *p, int64_t f, int create);
+static int lfu_place(Node *nodes, Pool *p, int32_t n, int64_t f, int64_t prio);
 static int lfu_access(Node *nodes, Pool *p, int32_t n);
 static int32_t lfu_victim(Tree *t, Pool *p);
+
+#include "_kernel_gittins.h"
 
 /* EvictionPolicy.insert */
 static int policy_insert(Tree *t, Pool *p, int32_t n) {
@@ -403,14 +415,10 @@ static int policy_insert(Tree *t, Pool *p, int32_t n) {
         q_push(nodes, &p->q[0], n);
         if (p->hand == NONE) p->hand = n;
         return 0;
-    case P_LFU: {
-        nodes[n].freq = 1;
-        Queue *q = lfu_bucket(p, 1, 1);
-        if (!q) return -1;
-        q_push(nodes, q, n);
-        p->min_freq = 1;
-        return 0;
-    }
+    case P_LFUDA:
+        return lfu_place(nodes, p, n, 1, p->age + 1);
+    case P_GITTINS:
+        return gittins_insert(p->g, nodes, n, size);
     default: /* S3FIFOPolicy.insert */
         nodes[n].freq = 0;
         if (ghost_pop(&p->ghost, nodes[n].key))
@@ -439,8 +447,10 @@ static inline int policy_access(Tree *t, Pool *p, int32_t n) {
     case P_SIEVE:
         node->freq = 1;
         break;
-    case P_LFU:
+    case P_LFUDA:
         return lfu_access(t->nodes, p, n);
+    case P_GITTINS:
+        return gittins_access(p->g, t->nodes, n, t->unit);
     default:
         if (node->freq < FREQ_CAP) node->freq++;
     }
@@ -554,16 +564,18 @@ static int32_t policy_victim(Tree *t, Pool *p) {
         return fifo_victim(t, p);
     case P_SIEVE:
         return sieve_victim(t, p);
-    case P_LFU:
+    case P_LFUDA:
         return lfu_victim(t, p);
+    case P_GITTINS:
+        return gittins_victim(p->g, t->nodes);
     default:
         return s3_victim(t, p);
     }
 }
 
-/* ------------------------------------------------------------------ LFU (LFUPolicy) */
+/* ------------------------------------------------------------------ LFUDA (LFUDAPolicy) */
 
-/* The queue of frequency ``f`` (made empty when absent, or NULL on error). */
+/* The queue of priority ``f`` (made empty when absent, or NULL on error). */
 static Queue *lfu_bucket(Pool *p, int64_t f, int create) {
     int64_t slot = map_get(&p->buckets, (uint64_t)f);
     if (slot != NONE) return &p->bq[slot];
@@ -597,8 +609,9 @@ static void lfu_drop_bucket(Pool *p, int64_t f) {
     p->free_bq = (int32_t)slot;
 }
 
-/* LFUPolicy._forget: take ``n`` out of bucket ``f``. */
-static void lfu_forget(Node *nodes, Pool *p, int32_t n, int64_t f) {
+/* LFUDAPolicy._unbucket: take ``n`` out of its bucket. */
+static void lfu_forget(Node *nodes, Pool *p, int32_t n) {
+    int64_t f = nodes[n].rank;
     Queue *q = lfu_bucket(p, f, 0);
     q_unlink(nodes, q, n);
     if (!q->len) {
@@ -607,34 +620,37 @@ static void lfu_forget(Node *nodes, Pool *p, int32_t n, int64_t f) {
     }
 }
 
-/* LFUPolicy.access: one bucket up, to its tail. */
-static int lfu_access(Node *nodes, Pool *p, int32_t n) {
-    int64_t f = nodes[n].freq;
-    Queue *q = lfu_bucket(p, f, 0);
-    q_unlink(nodes, q, n);
-    if (!q->len) {
-        lfu_drop_bucket(p, f);
-        if (p->min_freq == f) p->min_freq = f + 1;
-    }
-    if (f + 1 > INT32_MAX) {
-        PyErr_SetString(PyExc_OverflowError, "an LFU frequency passed 2**31");
+/* LFUDAPolicy._place: frequency ``f``, priority ``prio``, at the tail of its bucket. */
+static int lfu_place(Node *nodes, Pool *p, int32_t n, int64_t f, int64_t prio) {
+    if (f > INT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "an LFUDA frequency passed 2**31");
         return -1;
     }
-    nodes[n].freq = (int32_t)(f + 1);
-    Queue *up = lfu_bucket(p, f + 1, 1);
-    if (!up) return -1;
-    q_push(nodes, up, n);
+    nodes[n].freq = (int32_t)f;
+    nodes[n].rank = prio;
+    Queue *q = lfu_bucket(p, prio, 1);
+    if (!q) return -1;
+    q_push(nodes, q, n);
+    if (p->min_freq && prio < p->min_freq) p->min_freq = prio;
     return 0;
 }
 
-/* LFUPolicy._first_evictable */
+/* LFUDAPolicy.access: frequency + 1, priority L + frequency, to its bucket's tail. */
+static int lfu_access(Node *nodes, Pool *p, int32_t n) {
+    int64_t f = (int64_t)nodes[n].freq + 1;
+    lfu_forget(nodes, p, n);
+    return lfu_place(nodes, p, n, f, p->age + f);
+}
+
+/* LFUDAPolicy._first_evictable: its priority becomes L. */
 static int32_t lfu_first_evictable(Tree *t, Pool *p, int64_t f) {
     Node *nodes = t->nodes;
     Queue *q = lfu_bucket(p, f, 0);
     for (int64_t i = q->len; i > 0; i--) {
         int32_t n = q->head;
         if (evictable(&nodes[n])) {
-            lfu_forget(nodes, p, n, f);
+            lfu_forget(nodes, p, n);
+            p->age = f;
             return n;
         }
         q_to_tail(nodes, q, n);
@@ -647,7 +663,7 @@ static int cmp_u64(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* LFUPolicy.victim */
+/* LFUDAPolicy.victim */
 static int32_t lfu_victim(Tree *t, Pool *p) {
     Map *b = &p->buckets;
     if (!b->count) return NONE;
@@ -684,8 +700,11 @@ static void policy_remove(Tree *t, Pool *p, int32_t n) {
     case P_SIEVE:
         sieve_unlink(nodes, p, n);
         break;
-    case P_LFU:
-        lfu_forget(nodes, p, n, nodes[n].freq);
+    case P_LFUDA:
+        lfu_forget(nodes, p, n);
+        break;
+    case P_GITTINS:
+        gittins_remove(p->g, nodes, n);
         break;
     default: {
         int32_t which = nodes[n].queue;
@@ -766,9 +785,17 @@ static inline int32_t find_child(Tree *t, int32_t parent, uint64_t id, int *coll
     return (int32_t)n;
 }
 
+/* Lifecycle._leaf_news: a block lost its last child (``leaf``) or gained its first; only
+ * Gittins listens (a root is no block: nothing to tell). 0, or -1 on error. */
+static int set_leaf(Tree *t, int32_t n, int leaf) {
+    Node *node = &t->nodes[n];
+    if (t->policy != P_GITTINS || node->pool == NONE) return 0;
+    return gittins_set_leaf(t->pools[node->pool].g, t->nodes, n, leaf);
+}
+
 /* Ledger.remove (cache/lifecycle.py): an eviction (the policy already let go) or, ``expired``, a TTL
  * reclaim (the policy forgets it here). */
-static void remove_block(Tree *t, int32_t n, int expired) {
+static int remove_block(Tree *t, int32_t n, int expired) {
     Node *node = &t->nodes[n];
     Pool *p = &t->pools[node->pool];
     if (expired) {
@@ -780,7 +807,7 @@ static void remove_block(Tree *t, int32_t n, int expired) {
     }
     ttl_unlink(t, n);
     map_del(&t->index, node->key);
-    t->nodes[node->parent].nkids--;
+    if (!--t->nodes[node->parent].nkids && set_leaf(t, node->parent, 1) < 0) return -1;
     p->used -= t->unit;
     p->blocks--;
     t->used -= t->unit;
@@ -788,9 +815,10 @@ static void remove_block(Tree *t, int32_t n, int expired) {
     node->pool = NONE;
     node->next = t->free_head;
     t->free_head = n;
+    return 0;
 }
 
-static void evict(Tree *t, int32_t n) { remove_block(t, n, 0); }
+static int evict(Tree *t, int32_t n) { return remove_block(t, n, 0); }
 
 /* Ledger.reclaim_one (TTL part): free the oldest expired block that may leave. */
 static int reclaim_one(Tree *t) {
@@ -798,10 +826,7 @@ static int reclaim_one(Tree *t) {
     for (int32_t n = t->ttl_head; n != NONE; n = t->nodes[n].tnext) {
         Node *node = &t->nodes[n];
         if (node->last_access >= horizon) break;
-        if (evictable(node)) {
-            remove_block(t, n, 1);
-            return 1;
-        }
+        if (evictable(node)) return remove_block(t, n, 1) < 0 ? -1 : 1;
     }
     return 0;
 }
@@ -814,7 +839,7 @@ static int evict_from(Tree *t, int32_t pool, int64_t tokens) {
         if (v == -2) return -1;
         if (v == NONE) return freed > 0;
         freed += t->unit;
-        evict(t, v);
+        if (evict(t, v) < 0) return -1;
     }
     return 1;
 }
@@ -843,7 +868,11 @@ static int64_t make_room(Tree *t, int32_t pool, int64_t need) {
         int64_t free = p->quota - p->used;
         if (t->capacity - t->used < free) free = t->capacity - t->used;
         if (free >= need) return need;
-        if (t->ttl_head != NONE && reclaim_one(t)) continue;
+        if (t->ttl_head != NONE) {
+            int r = reclaim_one(t);
+            if (r < 0) return -1;
+            if (r) continue;
+        }
         if (p->used + need > p->quota || !t->partitioned) {
             int r = evict_from(t, pool, need - free);
             if (r < 0) return -1;
@@ -853,7 +882,7 @@ static int64_t make_room(Tree *t, int32_t pool, int64_t need) {
         int32_t v = over_quota_victim(t, pool);
         if (v == -2) return -1;
         if (v == NONE) return free > 0 ? free : 0;
-        evict(t, v);
+        if (evict(t, v) < 0) return -1;
     }
 }
 
@@ -928,7 +957,7 @@ static int Tree_init(Tree *t, PyObject *args, PyObject *kwds) {
     for (int i = 0; i < N_POLICIES; i++)
         if (!strcmp(policy, POLICY_NAMES[i])) t->policy = i;
     if (t->policy < 0) {
-        PyErr_Format(PyExc_ValueError, "unknown policy '%s' for the replay kernel; valid: lru, fifo, s3fifo, sieve, lfu",
+        PyErr_Format(PyExc_ValueError, "unknown policy '%s' for the replay kernel; valid: lru, fifo, s3fifo, sieve, lfuda, gittins",
                      policy);
         return -1;
     }
@@ -962,6 +991,7 @@ static void Tree_dealloc(Tree *t) {
         ghost_free(&t->pools[i].ghost);
         map_free(&t->pools[i].buckets);
         PyMem_Free(t->pools[i].bq);
+        gittins_free(t->pools[i].g);
     }
     PyMem_Free(t->pools);
     PyMem_Free(t->nodes);
@@ -1086,7 +1116,7 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
 
     /* insert what the path lacks under its deepest block (Ledger.extend, plan_chain) */
     if (depth < n_ids) {
-        int32_t parent = depth ? path[depth - 1] : root;
+        int32_t parent = depth ? path[depth - 1] : root, top = parent;
         int32_t pool = pool_for(t, tenant);
         if (pool == NONE) goto unpin;
         t->nodes[parent].pins++;
@@ -1121,6 +1151,9 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
         t->blocks += depth - first;
         for (Py_ssize_t i = depth - 1; i >= first; i--) /* Ledger._link: deepest first */
             if (policy_insert(t, p, path[i]) < 0) goto unpin;
+        /* Lifecycle._new_children: the chain's parent has its first child (its own blocks
+         * told the policy at insert) */
+        if (depth > first && t->nodes[top].nkids == 1 && set_leaf(t, top, 0) < 0) goto unpin;
     }
     if (t->ttl && n_ids) /* Ledger._refresh_ttl: the stored path counts as just used */
         for (Py_ssize_t i = depth - 1; i >= 0; i--) ttl_touch(t, path[i]);

@@ -179,8 +179,8 @@ class KernelStepper:
     of them), or a 64-bit digest of each block's tokens. The kernel verifies parent and
     id on every hit, as the cache verifies tokens; two different blocks under one
     parent with one 64-bit id would alias (odds about n^2 / 2^65 over a replay's n
-    sibling pairs). Likewise S3-FIFO's ghost remembers 64-bit path keys where the
-    cache's are 128-bit."""
+    sibling pairs). Likewise S3-FIFO's and Gittins' ghosts remember 64-bit path keys
+    where the cache's are 128-bit."""
 
     engine = "native"
 
