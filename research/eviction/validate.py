@@ -8,6 +8,9 @@ The reference (``ref/replay_reference.json``) was written from, at commit c9219c
 
     prefixcache replay tests/data/traces/mooncake_{conversation,synthetic}_trace.jsonl \
         --policy lru,s3fifo,fifo,sieve,lfu --capacity-tokens 1e6,3e6,1e7 --warmup 0.5 --json
+
+``lfu`` has since been retired from the library (``prefixcache.policies.RETIRED``): its
+references are skipped.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 
+from prefixcache.policies import RETIRED
 from research.eviction.policies import make
 from research.eviction.sim import belady, replay
 from research.eviction.traces import HERE, by_name, load
@@ -26,6 +30,9 @@ def main() -> int:
     optimum: dict[tuple[str, float], float] = {}
     bad = 0
     for r in ref:
+        if r["policy"] in RETIRED:
+            print(f"skip {r['trace']:12s} {r['policy']:6s}: retired from the library")
+            continue
         trace, cap = traces[r["trace"]], float(r["capacity_tokens"])
         res = replay(trace, make(f"lib:{r['policy']}"), cap)
         if (r["trace"], cap) not in optimum:
