@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.fleet.follow import Follower, Verdict
-from prefixcache.fleet.index import GlobalIndex, IndexGap
+from prefixcache.fleet.index import EXPECT_S, GlobalIndex, IndexGap
 from prefixcache.fleet.keys import chain_keys, root_key
 from prefixcache.fleet.scoring import DEFAULT_CREDIT
 from prefixcache.fleet.streams import StreamReader
@@ -181,3 +181,17 @@ def test_lost_events_are_replayed_from_the_stream_then_from_a_snapshot(redis_ser
         assert backend.snapshots == 2 and follower.seq == backend.seq == 6
     finally:
         reader.stop()
+
+
+def test_an_expectation_stands_in_for_late_events_until_it_expires() -> None:
+    now = [0.0]
+    index = GlobalIndex(rank=DEFAULT_CREDIT, clock=lambda: now[0])
+    keys = chain("acme", TOKENS)
+    index.expect("a", keys)
+    assert index.matched([keys], ["a", "b"]) == {"a": ("expected",) * 3, "b": ()}
+    index.apply("a", stored([b"1"], None, TOKENS[:4]), MODEL)  # the events arrive: they win on rank
+    assert index.matched([keys], ["a"])["a"] == ("memory", "expected", "expected")
+    now[0] = EXPECT_S + 1
+    assert index.matched([keys], ["a"])["a"] == ("memory",)
+    index.expect("b", keys[:1])  # a later decision sweeps the expired ones
+    assert index.matched([keys], ["a", "b"]) == {"a": ("memory",), "b": ("expected",)}

@@ -11,19 +11,30 @@ key chains a request may follow and nothing else, so another tenant's private bl
 never count. A store whose parent the index does not know (an event it missed) is an
 ``IndexGap``: the caller resynchronizes that backend (``Follower``).
 
+A backend stores a request's blocks only after answering it, and its events reach
+the router a moment later: a conversation's next turn, sent the moment the last one
+ended, would find nothing. So the router also records where it *sent* each prompt
+(``expect``): for ``EXPECT_S`` seconds those keys count for that backend, as the
+medium ``EXPECTED`` (credited like host memory), until the events say what is really
+there. Events stay the truth: an expectation never removes or overrides a block.
+
 Thread-safe: one lock, held for dictionary work only.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prefixcache.fleet.keys import chain_keys, root_key
 from prefixcache.fleet.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
-__all__ = ["GlobalIndex", "IndexGap", "IndexStats"]
+__all__ = ["EXPECTED", "EXPECT_S", "GlobalIndex", "IndexGap", "IndexStats"]
+
+EXPECTED = "expected"  # the medium of blocks a backend was sent and has not yet announced
+EXPECT_S = 10.0  # how long a routing decision stands in for the events it should bring
 
 
 class IndexGap(Exception):
@@ -46,8 +57,16 @@ class IndexStats:
 class GlobalIndex:
     """Blocks by backend, from events; ``rank`` orders media best first (e.g. by credit)."""
 
-    def __init__(self, shared_media: Iterable[str] = ("redis",), rank: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        shared_media: Iterable[str] = ("redis",),
+        rank: Mapping[str, float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.shared = frozenset(shared_media)
+        self._clock = clock
+        self._expected: dict[bytes, dict[str, float]] = {}  # router key -> backend -> deadline
+        self._sweep_at = 0.0
         self._rank = dict(rank) if rank is not None else {}
         self._lock = threading.Lock()
         self._backends: dict[str, dict[BlockHash, _Held]] = {}
@@ -125,28 +144,41 @@ class GlobalIndex:
             self._clear(backend)
             del self._backends[backend]
 
+    def expect(self, backend: str, keys: Sequence[bytes]) -> None:
+        """``backend`` was sent a prompt with these keys: count them there for a while."""
+        now = self._clock()
+        with self._lock:
+            deadline = now + EXPECT_S
+            for key in keys:
+                self._expected.setdefault(key, {})[backend] = deadline
+            if now >= self._sweep_at:  # amortized: expired expectations leave once per period
+                self._sweep_at = now + EXPECT_S
+                for key in [k for k, d in self._expected.items() if max(d.values()) <= now]:
+                    del self._expected[key]
+
     # ------------------------------------------------------------------ lookups
 
     def matched(self, chains: Sequence[Sequence[bytes]], backends: Sequence[str]) -> dict[str, tuple[str, ...]]:
         """For each of ``backends``, the best medium of each block of the longest prefix
         it can use along any of ``chains`` (a tenant's own chain, the public one)."""
         best: dict[str, tuple[str, ...]] = {b: () for b in backends}
+        now = self._clock()
         with self._lock:
             for chain in chains:
                 for b in backends:
-                    run = self._run(chain, b)
+                    run = self._run(chain, b, now)
                     if len(run) > len(best[b]):
                         best[b] = run
         return best
 
-    def _run(self, chain: Sequence[bytes], backend: str) -> tuple[str, ...]:
+    def _run(self, chain: Sequence[bytes], backend: str, now: float) -> tuple[str, ...]:
         out: list[str] = []
         for key in chain:
-            where = self._where.get(key)
-            if not where:
-                break
+            where = self._where.get(key, {})
             media = set(where.get(backend, ()))
             media.update(m for holder in where.values() for m in holder if m in self.shared)
+            if self._expected.get(key, {}).get(backend, 0.0) > now:
+                media.add(EXPECTED)
             if not media:
                 break
             out.append(max(media, key=lambda m: (self._rank.get(m, 0.0), m)))

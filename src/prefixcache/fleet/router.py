@@ -126,6 +126,13 @@ class Router:
         names = [ns] if ns == PUBLIC else [ns, PUBLIC]
         return [chain_keys(root_key(n, model), tokens, block_size) for n in names]
 
+    def expect(self, backend: Backend, tenant: str, tokens: Sequence[int]) -> None:
+        """Count the prompt's blocks on ``backend`` until its events arrive (``GlobalIndex.expect``)."""
+        info = backend.info
+        if info is not None and tokens:
+            own = self.chains(tenant, tokens, info.model, info.block_size)[0]
+            self.index.expect(backend.name, own)
+
     def rank(self, tenant: str, tokens: Sequence[int], exclude: set[str]) -> list[tuple[Backend, int, int]]:
         """Backends up and not excluded, best first by the configured routing, each with
         the prompt blocks it holds and those it would have left to prefill."""
@@ -227,6 +234,7 @@ def create_router(router: Router) -> FastAPI:
                     backend.mark_down(router.index, "forward: 502")
                 continue
             router.requests.labels(backend.name).inc()
+            router.expect(backend, tenant, tokens)
             router.overlap.inc(overlap)
             backend.sent += 1
             return _relay(reply, backend, left)
