@@ -29,7 +29,9 @@ def add_route_parser(sub: Any) -> None:
         choices=[r.value for r in Routing],
         help="how to choose a backend (default cost)",
     )
-    route.add_argument("--load-weight", type=float, default=1.0, help="weight of a backend's load in the cost")
+    route.add_argument(
+        "--load-weight", type=float, default=None, help="weight of a backend's load in the cost (default 0.25)"
+    )
 
 
 def run_route(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -49,7 +51,7 @@ def run_route(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("each --backend is an http:// or https:// URL")
     try:
         settings = load_settings(args.config)
-        scorer = Scorer(load_weight=args.load_weight)
+        scorer = Scorer() if args.load_weight is None else Scorer(load_weight=args.load_weight)
     except ValueError as exc:
         parser.error(str(exc))
     config = RouteConfig(tuple(args.backend), args.redis, Routing(args.routing), scorer)

@@ -15,6 +15,9 @@ be loaded from (host RAM, disk, Redis), since loading costs time too. A block in
 *shared* tier (Redis, reachable by every backend) counts for every backend. The
 prefix must be contiguous from the first block: a block held after a gap saves nothing.
 
+Blocks the router sent a backend moments ago and whose events have not arrived yet
+count as ``expected`` (``index.py``), credited like host memory.
+
 The lowest cost wins; ties go to the smaller load, then to the earlier backend in the
 order given (so that equal backends share work round-robin when the caller rotates
 that order). ``round_robin``, ``least_loaded`` and ``prefix`` (the longest overlap,
@@ -30,7 +33,9 @@ from types import MappingProxyType
 
 __all__ = ["DEFAULT_CREDIT", "BackendView", "Routing", "Score", "Scorer"]
 
-DEFAULT_CREDIT: Mapping[str, float] = MappingProxyType({"device": 1.0, "memory": 0.9, "disk": 0.7, "redis": 0.6})
+DEFAULT_CREDIT: Mapping[str, float] = MappingProxyType(
+    {"device": 1.0, "memory": 0.9, "expected": 0.9, "disk": 0.7, "redis": 0.6}
+)
 
 
 class Routing(StrEnum):
@@ -63,7 +68,9 @@ class Scorer:
     """The documented cost, with its weights (``[route]`` in the configuration)."""
 
     credit: Mapping[str, float] = field(default_factory=lambda: DEFAULT_CREDIT)
-    load_weight: float = 1.0
+    load_weight: float = (
+        0.25  # chosen on the routing simulator (docs/routing-sim.md): a miss costs the fleet more than a wait
+    )
     decode_weight: float = 1.0
 
     def __post_init__(self) -> None:

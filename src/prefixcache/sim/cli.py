@@ -113,7 +113,9 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"decode time per output token on a backend, ms (default {1000 * DEFAULT_DECODE_SECONDS:g})",
     )
-    g.add_argument("--load-weight", type=float, default=None, help="the cost routing's load weight (default 1)")
+    g.add_argument(
+        "--load-weight", type=float, default=None, help="the cost routing's load weight (default: Scorer's, 0.25)"
+    )
     g.add_argument("--no-oracle", action="store_true", default=None, help="skip the oracle runs of prefix and cost")
 
 
@@ -350,7 +352,7 @@ def _fleet_spec(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Fl
     if args.event_lag is not None and args.event_lag < 0:
         parser.error(f"--event-lag must be >= 0 requests, got {args.event_lag}")
     try:
-        scorer = Scorer(load_weight=1.0 if args.load_weight is None else args.load_weight)
+        scorer = Scorer() if args.load_weight is None else Scorer(load_weight=args.load_weight)
         return FleetSpec(
             args.backends,
             tuple(args.routing) if args.routing is not None else tuple(Routing),
