@@ -4,7 +4,7 @@ The baseline is the way vLLM v1 hashes by default -- sha256 over a pickle of
 ``(parent_hash, tuple(block_tokens), extra_keys)`` per block -- followed by the same
 dict lookup and token verification per block, run in this process on the same prompt.
 Ours is ``PrefixCache.match`` (then ``release``) on the default configuration
-(xxh3_128, s3fifo policy), which verifies the tokens of every matched block.
+(xxh3_128, lru policy), which verifies the tokens of every matched block.
 
 Run:  .venv/bin/python benchmarks/bench_match.py [--blocks 1000000]
 """

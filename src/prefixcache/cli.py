@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="replay synthetic multi-tenant chat traffic through the cache")
     demo.add_argument("--requests", type=int, default=2000, help="number of requests (default 2000)")
     demo.add_argument("--tenants", type=int, default=5, help="number of tenants (default 5)")
-    demo.add_argument("--policy", choices=sorted(POLICIES), default="s3fifo", help="eviction policy")
+    demo.add_argument("--policy", choices=sorted(POLICIES), default="lru", help="eviction policy")
     demo.add_argument("--isolation", choices=ISOLATION_MODES, default="namespace", help="tenant isolation")
     demo.add_argument("--capacity-tokens", type=int, default=200_000, help="cache capacity in tokens")
     demo.add_argument("--seed", type=int, default=0, help="workload seed")

@@ -214,7 +214,7 @@ class CacheConfig:
     capacity_tokens: int | None = None
     capacity_bytes: int | None = None
     bytes_per_token: int | None = None
-    policy: str = "s3fifo"
+    policy: str = "lru"  # chosen by benchmarks/eviction_table.py (README, "Eviction")
     isolation: str = "namespace"
     partial_blocks: bool = False
     hash: str = "xxh3_128"
