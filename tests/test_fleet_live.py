@@ -12,6 +12,7 @@ redis-server, the router; a multi-tenant, multi-turn workload through the offici
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -65,8 +66,18 @@ def document(tenant: str) -> str:
 QUESTIONS = ["What do you sell?", "Name one colour.", "How do I order?", "Say thanks.", "Any discount?"]
 
 
-def config_text(port: int, redis_url: str, name: str) -> str:
+SHARED_TIER = """
+[[cache.tiers]]
+kind = "redis"
+capacity_bytes = 1073741824
+url = "{url}"
+"""
+
+
+def config_text(port: int, redis_url: str, name: str, shared: bool = False) -> str:
     keys = ", ".join(f'"{k}" = "{t}"' for k, t in KEYS.items())
+    write = "through" if shared else "back"
+    tier = SHARED_TIER.format(url=redis_url.removesuffix("/0") + "/1") if shared else ""
     return f"""
 [server]
 port = {port}
@@ -78,6 +89,8 @@ isolation = "namespace"
 [[cache.tiers]]
 kind = "memory"
 capacity_bytes = 268435456
+write = "{write}"
+{tier}
 [auth]
 api_keys = {{ {keys} }}
 admin_key = "{ADMIN}"
@@ -105,11 +118,11 @@ class Fleet:
     config: Path  # the settings file the router reads
 
 
-def start_backend(tmp: Path, redis_url: str, i: int) -> Backend:
+def start_backend(tmp: Path, redis_url: str, i: int, shared: bool = False) -> Backend:
     port = free_port()
     name = f"b{i}"
     cfg = tmp / f"{name}.toml"
-    cfg.write_text(config_text(port, redis_url, name))
+    cfg.write_text(config_text(port, redis_url, name, shared))
     log = (tmp / f"{name}.log").open("wb")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # three servers on few cores
     proc = subprocess.Popen(
@@ -135,11 +148,10 @@ def wait_up(backend: Backend, deadline: float) -> None:
     raise RuntimeError(f"{backend.name} did not start")
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    tmp = tmp_path_factory.mktemp("fleet")
+@contextlib.contextmanager
+def running_fleet(tmp: Path, n: int, shared: bool) -> Iterator[Fleet]:
     server = RedisServer(tmp).start()
-    backends = [start_backend(tmp, server.url, i) for i in range(BACKENDS)]
+    backends = [start_backend(tmp, server.url, i, shared) for i in range(n)]
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         for b in backends:
@@ -155,6 +167,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             except subprocess.TimeoutExpired:
                 b.proc.kill()
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Three servers, each with its own memory tier: only routing makes them share."""
+    with running_fleet(tmp_path_factory.mktemp("fleet"), BACKENDS, shared=False) as f:
+        yield f
 
 
 class RouterUnderTest:
@@ -303,6 +322,36 @@ def test_lost_events_are_recovered_by_replay_and_by_snapshot(fleet: Fleet) -> No
         assert final[-1].backend == home.name and final[-1].cached_tokens >= again[-1].prompt_tokens // 2
 
 
+def test_the_route_command_serves_the_openai_client(fleet: Fleet, tmp_path: Path) -> None:
+    port = free_port()
+    args = [sys.executable, "-m", "prefixcache.cli", "route", "--config", str(fleet.config), "--redis", fleet.redis.url]
+    args += [arg for b in fleet.backends for arg in ("--backend", b.url)] + ["--port", str(port)]
+    with (tmp_path / "route.log").open("wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if len(httpx.get(f"{url}/healthz", timeout=1.0).json().get("backends_up", [])) == BACKENDS:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "route.log").read_text()
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-globex", max_retries=0, timeout=120)
+        turns: list[Turn] = []
+        conversation(client, "globex", uuid.uuid4().hex[:8], 2, turns)
+        assert turns[0].backend == turns[1].backend  # the second turn follows the first
+        assert turns[1].cached_tokens >= turns[0].prompt_tokens // 2
+        stranger = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-nobody", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):  # the servers' keys, checked by the router first
+            stranger.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
+        assert "prefixcache_route_requests_total" in metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
 def test_a_backend_killed_mid_run_fails_no_request_that_had_not_streamed(fleet: Fleet) -> None:
     with RouterUnderTest(fleet, Routing.COST) as rut:
         out: list[Turn] = []
@@ -329,6 +378,11 @@ def test_a_backend_killed_mid_run_fails_no_request_that_had_not_streamed(fleet: 
             t.join(300)
         assert not failures, failures
         assert any(t.backend == victim.name for t in out)
+        gone = next(b for b in rut.router.backends if b.name == victim.name)
+        deadline = time.monotonic() + 10
+        while (gone.up or rut.router.index.held(victim.name)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not gone.up and rut.router.index.held(victim.name) == 0  # it left, with its blocks
         served = [t for t in out if not t.error]
         assert len(served) >= len(out) - 2  # at most the ones streaming at the kill
         survivor = next(b for b in fleet.backends if b.alive())
@@ -342,3 +396,33 @@ def test_a_backend_killed_mid_run_fails_no_request_that_had_not_streamed(fleet: 
                 max_tokens=8,
             )
             assert again.choices[0].message.content == turn.text
+
+
+def test_a_shared_redis_tier_counts_for_every_backend_and_survives_its_writer(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Two servers writing through to one Redis tier: the router credits the Redis copy
+    to both, and when the server that computed a conversation dies, the other one
+    continues it from Redis (it never saw it)."""
+    with (
+        running_fleet(tmp_path_factory.mktemp("shared"), 2, shared=True) as shared,
+        RouterUnderTest(shared, Routing.COST) as rut,
+    ):
+        nonce = uuid.uuid4().hex[:8]
+        first: list[Turn] = []
+        conversation(rut.client("sk-acme"), "acme", nonce, 1, first)
+        home = next(b for b in shared.backends if b.name == first[0].backend)
+        other = next(b for b in shared.backends if b is not home)
+        tokens = rut.router.tokenize("/v1/chat/completions", {"model": "m", "messages": first[0].messages})
+        info = rut.router.backends[0].info
+        assert info is not None
+        chains = rut.router.chains("acme", tokens, info.model, info.block_size)
+        deadline = time.monotonic() + 10
+        while "redis" not in rut.router.index.matched(chains, [other.name])[other.name]:
+            assert time.monotonic() < deadline, "the Redis copy never reached the index"
+            time.sleep(0.05)
+        home.proc.kill()
+        more: list[Turn] = []
+        conversation(rut.client("sk-acme"), "acme", nonce, 2, more)
+        assert {t.backend for t in more} == {other.name}
+        assert more[0].cached_tokens >= first[0].prompt_tokens // 2  # from Redis: this server never saw it
