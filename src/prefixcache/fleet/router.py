@@ -1,7 +1,7 @@
 """``prefixcache route``: an OpenAI-compatible proxy that sends each request where its
 prefill is cheapest.
 
-    client ──> auth (the servers' API keys -> tenant) ──> tokenize (the model's chat
+    client ──> BodyLimit ──> auth (the servers' API keys -> tenant) ──> tokenize (the model's chat
     template) ──> keys (fleet.keys) ──> index.matched (own + public namespace only)
     ──> Scorer.choose ──> forward, streaming ──> backend
 
@@ -32,8 +32,9 @@ from prefixcache.fleet.backends import DOWN_AFTER, Backend, BackendError, fetch_
 from prefixcache.fleet.index import GlobalIndex
 from prefixcache.fleet.keys import chain_keys, root_key
 from prefixcache.fleet.scoring import BackendView, Routing, Scorer
+from prefixcache.fleet.zmq import VllmSource
 from prefixcache.server.auth import Auth
-from prefixcache.server.errors import APIError, install_error_handlers
+from prefixcache.server.errors import APIError, BodyLimit, install_error_handlers
 from prefixcache.server.sessions import Sessions
 from prefixcache.server.settings import Settings
 from prefixcache.tenancy import PUBLIC
@@ -56,14 +57,15 @@ class RouteConfig:
     redis_url: str
     routing: Routing = Routing.COST
     scorer: Scorer = field(default_factory=Scorer)
+    vllm: tuple[VllmSource, ...] = ()  # vLLM backends, followed on their own publishers
 
 
 class Router:
     """The router's state: backends, the index, the scorer, its metrics."""
 
     def __init__(self, config: RouteConfig, settings: Settings, tokenize: Tokenize, registry: CollectorRegistry):
-        if not config.backends:
-            raise ValueError("route needs at least one --backend URL")
+        if not config.backends and not config.vllm:
+            raise ValueError("route needs at least one --backend URL or --vllm-backend")
         self.config, self.settings, self.tokenize = config, settings, tokenize
         self.auth = Auth(settings.auth, Sessions(settings.auth.dashboard_session_s))
         self.shared_mode = settings.cache.isolation == "shared"
@@ -71,6 +73,7 @@ class Router:
         self.redis = redis.Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         key = settings.auth.admin_key
         self.backends = [Backend(url.rstrip("/"), key) for url in config.backends]
+        self.backends += [Backend(v.url, source=v) for v in config.vllm]
         self.turn = 0
         self.registry = registry
         self.client: httpx.AsyncClient | None = None
@@ -95,15 +98,18 @@ class Router:
     async def check(self, backend: Backend) -> None:
         """One health check (and, until it is known, the backend's info)."""
         try:
-            if backend.info is None or not backend.up:
+            if backend.source is not None:
+                if backend.info is None:
+                    backend.attach(backend.source.info(), self.index, self.redis)
+            elif backend.info is None or not backend.up:
                 info = await asyncio.to_thread(fetch_info, backend.url, backend.admin_key)
                 if backend.info is not None and info.name != backend.info.name:
                     raise BackendError(f"{backend.url} changed its name to {info.name!r}")
                 backend.attach(info, self.index, self.redis)
             assert self.client is not None
-            reply = await self.client.get(f"{backend.url}/healthz", timeout=2.0)
+            reply = await self.client.get(backend.url + backend.health_path, timeout=2.0)
             if reply.status_code != 200:
-                raise BackendError(f"healthz answered {reply.status_code}")
+                raise BackendError(f"{backend.health_path} answered {reply.status_code}")
         except (BackendError, httpx.HTTPError) as exc:
             backend.failures += 1
             if backend.failures >= DOWN_AFTER or backend.info is None:
@@ -173,6 +179,7 @@ def create_router(router: Router) -> FastAPI:
 
     app = FastAPI(title="prefixcache route", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=router.settings.server.max_body_bytes)  # the servers' own limit
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
