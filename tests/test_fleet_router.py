@@ -1,0 +1,199 @@
+"""The router without a model: fake backends that speak the fleet endpoints and stream
+answers, a real redis-server for their event streams, the router in-process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import redis
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry
+
+from engine_support import LiveServer
+from prefixcache.fleet import router as router_module
+from prefixcache.fleet.router import RouteConfig, Router, create_router
+from prefixcache.fleet.scoring import Routing
+from prefixcache.fleet.wire import BackendInfo, BlockStored, Entry, KVEventBatch, Snapshot, encode_entry, stream_key
+from prefixcache.server.settings import AuthSettings, Settings
+from redis_server import RedisServer, free_port
+
+BS = 4
+MODEL = "fake"
+KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
+ADMIN = "sk-admin"
+
+
+def tokenize(path: str, body: dict[str, Any]) -> list[int]:
+    """Each character of the last message's content is a token."""
+    return [ord(c) for c in body["messages"][-1]["content"]]
+
+
+class Fake:
+    """A backend: fleet info and snapshot, health, and a chat route that streams its name."""
+
+    def __init__(self, name: str, client: redis.Redis) -> None:
+        self.name, self.client, self.seq, self.status = name, client, 0, 200
+        self.stream = stream_key("prefixcache:fleet", name)
+        self.blocks: list[BlockStored] = []
+        self.served = 0
+        app = FastAPI()
+
+        @app.get("/fleet/info")
+        def info() -> Response:
+            body = BackendInfo(self.name, "inc", self.stream, BS, MODEL, 100)
+            return Response(msgspec.json.encode(body), media_type="application/json")
+
+        @app.get("/fleet/snapshot")
+        def snapshot() -> Response:
+            return Response(msgspec.msgpack.encode(Snapshot("inc", self.seq, self.blocks)))
+
+        @app.get("/healthz")
+        def healthz() -> dict[str, str]:
+            return {"status": "ok"}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            if self.status != 200:
+                return JSONResponse({"error": {"message": "busy"}}, self.status)
+            self.served += 1
+
+            async def chunks() -> Iterator[bytes]:  # type: ignore[misc]
+                yield f'data: {{"backend": "{self.name}"}}\n\n'.encode()
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+
+        self.live = LiveServer(app).start()
+
+    @property
+    def url(self) -> str:
+        return self.live.url
+
+    def store(self, tenant: str, text: str) -> None:
+        """Announce a one-chain store of ``text``'s whole blocks (in ``tenant``'s namespace)."""
+        tokens = [ord(c) for c in text][: len(text) // BS * BS]
+        n = len(tokens) // BS
+        event = BlockStored(
+            [b"%s-%d" % (text.encode(), i) for i in range(n)],
+            None,
+            tokens,
+            BS,
+            None,
+            "memory",
+            None,
+            [(tenant, MODEL)] * n,
+        )
+        self.blocks.append(event)
+        self.seq += 1
+        self.client.xadd(self.stream, encode_entry(Entry("inc", self.seq, KVEventBatch(0.0, [event]))))
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer) -> redis.Redis:
+    return redis.Redis.from_url(redis_server.url)
+
+
+@pytest.fixture
+def fakes(redis_client: redis.Redis) -> Iterator[list[Fake]]:
+    made = [Fake(f"f{i}", redis_client) for i in range(3)]
+    yield made
+    for f in made:
+        f.live.stop()
+
+
+def start_router(urls: list[str], redis_url: str, routing: Routing = Routing.COST) -> tuple[Router, LiveServer]:
+    settings = Settings(auth=AuthSettings(api_keys=KEYS, admin_key=ADMIN))
+    router = Router(RouteConfig(tuple(urls), redis_url, routing), settings, tokenize, CollectorRegistry())
+    app = create_router(router)
+    live = LiveServer(app, config=uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")).start()
+    return router, live
+
+
+@pytest.fixture
+def routed(
+    fakes: list[Fake], redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Router, str]]:
+    monkeypatch.setattr(router_module, "HEALTH_EVERY_S", 3600.0)  # only the start's check: no race with a test
+    router, live = start_router([f.url for f in fakes], redis_server.url)
+    wait(lambda: all(b.up for b in router.backends))
+    yield router, live.url
+    live.stop()
+
+
+def wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def chat(url: str, text: str, key: str = "sk-acme") -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "stream": True}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+
+
+DOC = "the quick brown fox jumps over the lazy dog " * 4  # 44 blocks of 4
+
+
+def test_a_request_goes_where_its_prefix_is_and_streams_back(routed: tuple[Router, str], fakes: list[Fake]) -> None:
+    router, url = routed
+    fakes[2].store("acme", DOC)
+    wait(lambda: router.index.held("f2") > 0)
+    for _ in range(3):
+        reply = chat(url, DOC + "and then?")
+        assert reply.status_code == 200 and reply.headers["x-prefixcache-backend"] == "f2"
+        assert '"backend": "f2"' in reply.text and reply.text.endswith("data: [DONE]\n\n")
+
+
+def test_another_tenants_blocks_never_attract_a_request(routed: tuple[Router, str], fakes: list[Fake]) -> None:
+    router, url = routed
+    fakes[2].store("acme", DOC)
+    wait(lambda: router.index.held("f2") > 0)
+    tokens = tokenize("", {"messages": [{"content": DOC + "and then?"}]})
+    acme = {b.name: overlap for b, overlap, _left in router.rank("acme", tokens, set())}
+    globex = {b.name: overlap for b, overlap, _left in router.rank("globex", tokens, set())}
+    assert acme == {"f0": 0, "f1": 0, "f2": len(DOC) // BS} and globex == {"f0": 0, "f1": 0, "f2": 0}
+    first = chat(url, DOC + "and then?", key="sk-globex").headers["x-prefixcache-backend"]
+    second = chat(url, DOC + "and then?", key="sk-globex").headers["x-prefixcache-backend"]
+    assert second == first  # globex follows its own request (expected blocks), never acme's
+
+
+def test_a_backend_that_fails_before_streaming_is_skipped(routed: tuple[Router, str], fakes: list[Fake]) -> None:
+    router, url = routed
+    fakes[1].store("acme", DOC)
+    fakes[1].store("acme", DOC.upper())
+    wait(lambda: router.index.held("f1") >= 2 * (len(DOC) // BS))
+    fakes[1].status = 503  # overloaded: the next best takes it
+    reply = chat(url, DOC)
+    assert reply.status_code == 200 and reply.headers["x-prefixcache-backend"] != "f1"
+    fakes[1].live.stop()  # gone: the next request that prefers it is refused, and retried
+    reply = chat(url, DOC.upper())
+    assert reply.status_code == 200 and reply.headers["x-prefixcache-backend"] != "f1"
+    wait(lambda: not router.backends[1].up and router.index.held("f1") == 0)  # it left, with its blocks
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
+    assert "prefixcache_route_retries_total 2.0" in metrics
+    assert fakes[1].served == 0
+
+
+def test_no_backend_bad_keys_and_large_bodies_get_clear_errors(redis_server: RedisServer) -> None:
+    router, live = start_router([f"http://127.0.0.1:{free_port()}"], redis_server.url)
+    try:
+        reply = chat(live.url, "hello")
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "no_backend"
+        assert chat(live.url, "hello", key="sk-nobody").status_code == 401
+        big = httpx.post(
+            f"{live.url}/v1/chat/completions",
+            content=b"x" * (router.settings.server.max_body_bytes + 1),
+            headers={"Authorization": "Bearer sk-acme", "Content-Type": "application/json"},
+        )
+        assert big.status_code == 413
+        assert httpx.get(f"{live.url}/metrics").status_code == 401
+    finally:
+        live.stop()
