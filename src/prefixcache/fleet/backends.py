@@ -7,6 +7,10 @@ and while its health checks pass; one that fails ``DOWN_AFTER`` checks in a row,
 refuses a forwarded request, is down: its blocks leave the index (shared ones too),
 and when it comes back it is followed again from a snapshot.
 
+A vLLM backend (``source``) has none of that: its info is synthesized from the
+router's flags (``VllmSource.info``), its health is vLLM's ``/health``, and its
+events come from vLLM's own ZMQ publisher (``zmq.ZmqReader``).
+
 Load is the router's own count of what it sent (``Scorer.load``): the prompt blocks
 each request had left to prefill, until its first byte comes back, and one
 ``decode_weight`` per request still streaming.
@@ -26,6 +30,7 @@ from prefixcache.fleet.follow import Follower
 from prefixcache.fleet.index import GlobalIndex
 from prefixcache.fleet.streams import StreamReader
 from prefixcache.fleet.wire import BackendInfo, Snapshot, WireError
+from prefixcache.fleet.zmq import VllmSource, ZmqReader
 
 __all__ = ["DOWN_AFTER", "Backend", "BackendError", "fetch_info", "fetch_snapshot"]
 
@@ -87,17 +92,25 @@ class Backend:
     generating: int = 0  # requests streaming their answer
     sent: int = 0
     follower: Follower | None = None
-    reader: StreamReader | None = None
+    reader: StreamReader | ZmqReader | None = None
+    source: VllmSource | None = None  # a vLLM backend's publisher; None: a prefixcache server
 
     @property
     def name(self) -> str:
         return self.info.name if self.info is not None else self.url
+
+    @property
+    def health_path(self) -> str:
+        return "/healthz" if self.source is None else "/health"
 
     def attach(self, info: BackendInfo, index: GlobalIndex, client: redis.Redis) -> None:
         """Start following ``info``'s stream into ``index`` (once: a backend keeps its name)."""
         self.info = info
         if self.reader is None:
             self.follower = Follower(info.name, index, info.model)
+            if self.source is not None:
+                self.reader = ZmqReader(self.follower, self.source).start()
+                return
             url, key = self.url, self.admin_key
             self.reader = StreamReader(self.follower, client, info.stream, lambda: fetch_snapshot(url, key)).start()
 

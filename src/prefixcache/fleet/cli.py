@@ -19,7 +19,20 @@ def add_route_parser(sub: Any) -> None:
         "(docs/fleet.md). The settings file is the servers' own: its API keys, isolation and model.",
     )
     route.add_argument("--backend", action="append", default=[], metavar="URL", help="a backend (repeat: one each)")
-    route.add_argument("--redis", required=True, metavar="URL", help="the Redis the backends publish events to")
+    route.add_argument(
+        "--vllm-backend",
+        action="append",
+        default=[],
+        metavar="URL=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=NAME]",
+        help="a vLLM backend and its --kv-events-config publisher (repeat: one each; docs/fleet.md)",
+    )
+    route.add_argument(
+        "--block-size", type=int, default=None, help="vLLM backends' block size (default: the settings' cache)"
+    )
+    route.add_argument(
+        "--model-id", default=None, help="the model id vLLM backends' blocks are keyed under (default: [model]'s)"
+    )
+    route.add_argument("--redis", metavar="URL", help="the Redis the backends publish events to (with --backend)")
     route.add_argument("--config", help="the servers' TOML settings file (default: $PREFIXCACHE_CONFIG)")
     route.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     route.add_argument("--port", type=int, default=8100, help="port to listen on (default 8100)")
@@ -41,20 +54,30 @@ def run_route(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from prefixcache.fleet.prompts import Tokenizer
     from prefixcache.fleet.router import RouteConfig, Router, create_router
     from prefixcache.fleet.scoring import Routing, Scorer
+    from prefixcache.fleet.zmq import VllmSource
     from prefixcache.server.settings import load_settings
     from prefixcache.server.transport import uvicorn_config
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if not args.backend:
-        parser.error("route needs at least one --backend URL")
+    if not args.backend and not args.vllm_backend:
+        parser.error("route needs at least one --backend URL or --vllm-backend")
     if any(not b.startswith(("http://", "https://")) for b in args.backend):
         parser.error("each --backend is an http:// or https:// URL")
+    if args.backend and not args.redis:
+        parser.error("--backend needs --redis URL (where prefixcache servers publish their events)")
     try:
         settings = load_settings(args.config)
         scorer = Scorer() if args.load_weight is None else Scorer(load_weight=args.load_weight)
+        block_size = settings.cache.block_size if args.block_size is None else args.block_size
+        model = args.model_id or settings.model.served_id
+        vllm = tuple(VllmSource.parse(spec, block_size, model) for spec in args.vllm_backend)
     except ValueError as exc:
         parser.error(str(exc))
-    config = RouteConfig(tuple(args.backend), args.redis, Routing(args.routing), scorer)
+    urls = [*(b.rstrip("/") for b in args.backend), *(v.url for v in vllm)]
+    if len(set(urls)) != len(urls):
+        parser.error("each backend URL may be given once")
+    redis_url = args.redis or "redis://127.0.0.1:6379/0"  # never connected to without a --backend
+    config = RouteConfig(tuple(args.backend), redis_url, Routing(args.routing), scorer, vllm)
     router = Router(config, settings, Tokenizer(settings.model), CollectorRegistry())
     app = create_router(router)
     uvicorn.Server(uvicorn_config(app, settings, host=args.host, port=args.port)).run()
