@@ -7,15 +7,16 @@ vLLM's ``ZmqEventPublisher`` (``vllm/distributed/kv_events.py``, enabled by
   an 8-byte big-endian integer counting from 0 in each vLLM process, ``payload`` a
   msgpack ``KVEventBatch``;
 * an optional ROUTER replay socket: a DEALER sends ``[b"", start]`` (8 bytes) and gets
-  ``[b"", seq, payload]`` for every batch still in the publisher's buffer
-  (``buffer_steps`` batches) with ``seq >= start``, then ``[b"", -1, b""]``.
+  ``[b"", topic, seq, payload]`` for every batch still in the publisher's buffer
+  (``buffer_steps`` batches) with ``seq >= start``, then ``[b"", b"", -1, b""]``
+  (vLLM 0.32; older versions leave the topic frame out: both are read).
 
 Older vLLM encodes events as positional arrays, newer as maps tagged by ``type``, with
 fields added over time (``medium``, ``lora_name``, ``extra_keys``, ``group_idx``):
 ``decode_vllm`` reads both into ``wire``'s structs. What it changes on the way:
 
-* ``medium``: vLLM's ``GPU``/``CPU`` (none: ``GPU``) become our tier kinds ``device``/
-  ``memory``, so the scorer credits them like our own servers' tiers;
+* ``medium``: vLLM's ``GPU``/``CPU``/``STORAGE`` (none: ``GPU``) become our tier kinds
+  ``device``/``memory``/``disk``, so the scorer credits them like our servers' tiers;
 * scope: vLLM's events carry no tenant namespace (its ``extra_keys`` are its own: a
   ``cache_salt``, LoRA or multimodal keys). A chain whose first block has none is
   public, as vLLM's cache is shared; one with a salt, an adapter or extra keys goes to
@@ -61,7 +62,7 @@ RCVHWM = 100_000  # live batches queued before ZMQ drops (a gap the replay close
 BACKOFF_S = (0.05, 0.2, 1.0, 2.0)
 LOG_EVERY_S = 30.0  # at most one warning per kind of trouble in this many seconds
 
-_MEDIA = {"gpu": "device", "cpu": "memory"}
+_MEDIA = {"gpu": "device", "cpu": "memory", "storage": "disk"}
 _FIELDS = {  # vLLM's field order, which the positional form and ``wire``'s structs share
     "BlockStored": (
         "block_hashes",
@@ -256,7 +257,7 @@ class ZmqReader:
                 self._close_dealer()
 
     def _live(self, frames: list[bytes]) -> None:
-        seq = _seq(frames, 3)
+        seq = _seq(frames) if len(frames) == 3 else None
         if seq is None:
             self._bad("a live message is not [topic, seq, payload]")
             return
@@ -342,13 +343,13 @@ class ZmqReader:
                 self._close_dealer()  # a late answer must not be read as the next one's
                 break
             frames = dealer.recv_multipart()
-            seq = _seq(frames, 3, allow_end=True)
+            seq = _seq(frames, allow_end=True) if len(frames) in (3, 4) and frames[0] == b"" else None
             if seq is None:
-                self._bad("a replayed message is not [b'', seq, payload]")
+                self._bad("a replayed message is not [b'', (topic,) seq, payload]")
             elif seq == _END:
                 break
             else:
-                out.append((seq + 1, self._decode(frames[2])))
+                out.append((seq + 1, self._decode(frames[-1])))
         return out
 
     # ------------------------------------------------------------------ helpers
@@ -382,9 +383,9 @@ class ZmqReader:
             self._dealer = None
 
 
-def _seq(frames: list[bytes], n: int, allow_end: bool = False) -> int | None:
-    """The seq of an ``n``-frame message (the second-last frame), or None when malformed."""
-    if len(frames) != n or len(frames[-2]) != 8:
+def _seq(frames: list[bytes], allow_end: bool = False) -> int | None:
+    """The seq of a message (its second-last frame), or None when malformed."""
+    if len(frames[-2]) != 8:
         return None
     seq = int.from_bytes(frames[-2], "big", signed=True)
     return seq if seq >= 0 or (allow_end and seq == _END) else None
