@@ -36,11 +36,13 @@ TOPIC = "kv-events"
 
 
 class FakeVllm:
-    """vLLM's publisher, frame for frame: seqs from 0, 8-byte big-endian; a replay
-    request ``[id, b"", start]`` answers every buffered batch from ``start`` on, then
-    ``-1`` with an empty payload."""
+    """vLLM 0.32's publisher, frame for frame: seqs from 0, 8-byte big-endian; a replay
+    request ``[id, b"", start]`` answers ``[id, b"", topic, seq, payload]`` for every
+    buffered batch from ``start`` on, then ``[id, b"", b"", -1, b""]`` (``legacy``: the
+    replies of older vLLM, without the topic frame)."""
 
-    def __init__(self, buffer_steps: int = 100) -> None:
+    def __init__(self, buffer_steps: int = 100, legacy: bool = False) -> None:
+        self.legacy = legacy
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
@@ -82,9 +84,11 @@ class FakeVllm:
             with self.lock:
                 held = [(s, p) for s, p in self.buffer if s >= int.from_bytes(start, "big")]
                 self.replays += 1
+            topic = [] if self.legacy else [TOPIC.encode()]
             for s, p in held:
-                self.router.send_multipart([client, b"", s.to_bytes(8, "big"), p])
-            self.router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
+                self.router.send_multipart([client, b"", *topic, s.to_bytes(8, "big"), p])
+            end = [] if self.legacy else [b""]
+            self.router.send_multipart([client, b"", *end, (-1).to_bytes(8, "big", signed=True), b""])
 
     def close(self) -> None:
         self.stop.set()
@@ -133,9 +137,9 @@ def wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-@pytest.fixture
-def fake() -> Iterator[FakeVllm]:
-    f = FakeVllm()
+@pytest.fixture(params=[False, True], ids=["vllm-0.32", "legacy-replay"])
+def fake(request: pytest.FixtureRequest) -> Iterator[FakeVllm]:
+    f = FakeVllm(legacy=request.param)
     yield f
     f.close()
 
@@ -163,11 +167,14 @@ def warm(fake: FakeVllm, reader: ZmqReader) -> bool:
 def test_both_of_vllms_encodings_decode_with_its_media_as_our_tiers() -> None:
     event, tokens = chain("a", 2)
     removed = {"type": "BlockRemoved", "block_hashes": [b"a-1"], "medium": "CPU", "group_idx": 0}
-    as_map = msgspec.msgpack.encode({"ts": 1.0, "events": [event, removed, {"type": "AllBlocksCleared"}]})
+    off_disk = {"type": "BlockRemoved", "block_hashes": [b"a-0"], "medium": "STORAGE", "locality": "LOCAL"}
+    events = [event, removed, {"type": "AllBlocksCleared"}, off_disk]
+    as_map = msgspec.msgpack.encode({"ts": 1.0, "events": events})
     legacy = encode_batch(KVEventBatch(1.0, [BlockStored([7, 8], None, tokens, BS, None, None)]))
     got, skipped = decode_vllm(as_map)
-    assert skipped == 0 and got.ts == 1.0 and len(got.events) == 3
-    first, second = got.events[0], got.events[1]
+    assert skipped == 0 and got.ts == 1.0 and len(got.events) == 4
+    first, second, last = got.events[0], got.events[1], got.events[3]
+    assert isinstance(last, BlockRemoved) and last.medium == "disk"
     assert isinstance(first, BlockStored) and first.medium == "device" and first.token_ids == tokens
     assert first.block_hashes == [b"a-0", b"a-1"] and first.extra_keys is None  # public: vLLM's cache is shared
     assert isinstance(second, BlockRemoved) and second.medium == "memory"
