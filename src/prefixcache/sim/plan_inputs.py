@@ -1,0 +1,176 @@
+"""What the capacity planner is told besides the trace: the model's KV layout (how many
+bytes one cached token takes) and the storage tiers (their sizes and bandwidths).
+
+Bytes per token of KV, for a model of ``n`` layers storing ``h`` key/value heads of
+``d`` dimensions each at ``b`` bytes per value::
+
+    bytes_per_token = n * 2 * h * d * b          # 2: one key and one value
+
+The layout is the model profile's own where it has one, else the built-in one of the
+cost model's built-in profiles (``costmodel.MODELS``) by name; a user model without one
+needs ``--kv-layout`` to say its heads. Dtypes are the codec's (``config.KV_DTYPES``).
+
+Sizes and bandwidths take a number with an optional unit. ``K``, ``M``, ``G``, ``T``
+alone or with ``iB`` are powers of 1024 (``64G`` = ``64GiB`` = 64 x 2^30 bytes, as
+memory is sold); with ``B`` alone they are powers of 1000 (``20GB/s`` = 20 x 10^9
+bytes a second, as links and disks are rated). A bandwidth ends in ``/s``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from prefixcache.config import KVLayout
+from prefixcache.sim.costmodel import ModelProfile
+
+KV_LAYOUTS: Mapping[str, KVLayout] = MappingProxyType(
+    {
+        "llama-3-8b": KVLayout(32, 8, 128, "bfloat16"),  # grouped-query attention: 8 KV heads of 32
+        "llama-3-70b": KVLayout(80, 8, 128, "bfloat16"),
+        "smollm2-135m": KVLayout(30, 3, 64, "bfloat16"),
+    }
+)
+"""KV layouts of the cost model's built-in profiles by name, for a profile that does not
+carry its own (``ModelProfile.kv``, where the cost model has it, comes first)."""
+
+_LAYOUT_KEYS = ("kv_heads", "head_dim", "dtype")
+_LAYOUT_EXAMPLE = "kv_heads=8,head_dim=128,dtype=bfloat16"
+
+
+def kv_layout(model: ModelProfile, spec: str | None = None) -> KVLayout:
+    """The KV layout of ``model`` (its own, else the built-in one of its name), with what
+    ``spec`` (``kv_heads=8,head_dim=128,dtype=float16``, any subset) overrides; a model
+    without a layout needs ``kv_heads`` and ``head_dim`` in ``spec``. Layers are always
+    the model profile's."""
+    values: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in (spec or "").split(","))):
+        key, eq, text = (part.strip() for part in item.partition("="))
+        if not eq or key not in _LAYOUT_KEYS:
+            raise ValueError(f"KV layout {spec!r}: expected key=value with keys {', '.join(_LAYOUT_KEYS)}")
+        if key in values:
+            raise ValueError(f"KV layout {spec!r}: {key!r} given twice")
+        values[key] = text
+    own = getattr(model, "kv", None)  # NOTE: ModelProfile.kv where the cost model has it
+    base = own if isinstance(own, KVLayout) else KV_LAYOUTS.get(model.name)
+    if base is None:
+        missing = [key for key in ("kv_heads", "head_dim") if key not in values]
+        if missing:
+            raise ValueError(
+                f"model {model.name!r} has no KV layout (built-in: {', '.join(sorted(KV_LAYOUTS))}); "
+                f"give --kv-layout {_LAYOUT_EXAMPLE!r} (missing {', '.join(missing)})"
+            )
+        base = KVLayout(model.layers, 1, 1, "bfloat16")
+    try:
+        heads = int(values["kv_heads"]) if "kv_heads" in values else base.kv_heads
+        dims = int(values["head_dim"]) if "head_dim" in values else base.head_dim
+    except ValueError:
+        raise ValueError(f"KV layout {spec!r}: kv_heads and head_dim must be integers") from None
+    return KVLayout(model.layers, heads, dims, values.get("dtype", base.dtype))
+
+
+def layout_label(kv: KVLayout) -> str:
+    """``32 layers x 2 (K, V) x 8 KV heads x 128 dims x bfloat16``."""
+    return f"{kv.layers} layers x 2 (K, V) x {kv.kv_heads} KV heads x {kv.head_dim} dims x {kv.dtype}"
+
+
+# ------------------------------------------------------------------------ sizes and tiers
+
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGTP]?)(i?B?)\s*$", re.IGNORECASE)
+_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
+
+
+def parse_bytes(text: str, what: str = "size") -> float:
+    """``64G``, ``64GiB`` (binary), ``64GB`` (decimal), ``1.5e9``: a number of bytes > 0."""
+    m = _QUANTITY.match(text)
+    if m is None or m.group(3).lower() == "i":
+        raise ValueError(f"{what}: not a size: {text!r} (e.g. 64G, 64GiB, 500GB, 2T)")
+    number, prefix, unit = float(m.group(1)), m.group(2).upper(), m.group(3).lower()
+    base = 1000 if unit == "b" and prefix else 1024
+    value = float(number * base ** _POWERS[prefix])
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be > 0, got {text!r}")
+    return value
+
+
+def parse_bandwidth(text: str, what: str = "bandwidth") -> float:
+    """``20GB/s`` (decimal), ``16GiB/s`` (binary): bytes a second > 0."""
+    body = text.strip()
+    if not body.lower().endswith("/s"):
+        raise ValueError(f"{what}: {text!r} must end in /s (e.g. 20GB/s)")
+    return parse_bytes(body[:-2], what)
+
+
+@dataclass(frozen=True, slots=True)
+class Tier:
+    """One storage tier: a name, its size in bytes, the bandwidth it loads KV at."""
+
+    name: str
+    size_bytes: float
+    bandwidth: float  # bytes a second
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"tier name must be a non-empty string, got {self.name!r}")
+        for field_name, value in (("size", self.size_bytes), ("bandwidth", self.bandwidth)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (math.isfinite(value) and value > 0)
+            ):
+                raise ValueError(f"tier {self.name!r}: {field_name} must be finite and > 0, got {value!r}")
+
+
+TIER_EXAMPLE = "memory:64G:20GB/s"
+
+
+def parse_tier(spec: str) -> Tier:
+    """``NAME:SIZE:BANDWIDTH``, e.g. ``memory:64G:20GB/s`` or ``disk:2T:2GB/s``."""
+    parts = [part.strip() for part in spec.split(":")]
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"tier {spec!r}: expected NAME:SIZE:BANDWIDTH, e.g. {TIER_EXAMPLE!r}")
+    name, size, bandwidth = parts
+    return Tier(name, parse_bytes(size, f"tier {name!r} size"), parse_bandwidth(bandwidth, f"tier {name!r} bandwidth"))
+
+
+def load_tiers_toml(path: str | Path) -> list[Tier]:
+    """Tiers from a TOML file of ``[[tier]]`` tables with ``name``, ``size`` and
+    ``bandwidth`` (strings as on the command line)::
+
+        [[tier]]
+        name = "memory"
+        size = "64G"
+        bandwidth = "20GB/s"
+    """
+    try:
+        data: dict[str, Any] = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot read tiers file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"tiers file {path}: invalid TOML: {exc}") from None
+    unknown = sorted(set(data) - {"tier"})
+    tables = data.get("tier")
+    if unknown or not isinstance(tables, list) or not tables:
+        raise ValueError(f"tiers file {path}: expected one or more [[tier]] tables and nothing else")
+    tiers = []
+    for i, table in enumerate(tables, 1):
+        keys = set(table) if isinstance(table, dict) else set()
+        if keys != {"name", "size", "bandwidth"} or not all(isinstance(table[k], str) for k in keys):
+            raise ValueError(f"tiers file {path}: tier {i} needs exactly the strings name, size and bandwidth")
+        tiers.append(parse_tier(f"{table['name']}:{table['size']}:{table['bandwidth']}"))
+    return tiers
+
+
+def check_tiers(tiers: Sequence[Tier]) -> tuple[Tier, ...]:
+    """The tiers fastest first (the order the planner fills them); names must differ."""
+    names = [t.name for t in tiers]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"tier name(s) given twice: {', '.join(duplicates)}")
+    return tuple(sorted(tiers, key=lambda t: -t.bandwidth))
