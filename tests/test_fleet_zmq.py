@@ -385,3 +385,11 @@ def test_the_router_sends_a_request_to_the_vllm_backend_holding_its_prefix(monke
         for s in servers:
             s.live.stop()
             s.events.close()
+
+
+def test_stores_of_another_block_size_are_counted(fake: FakeVllm, followed: tuple[ZmqReader, GlobalIndex]) -> None:
+    reader, _index = followed
+    other, _ = chain("big", 1)
+    fake.publish(batch(other | {"block_size": 2 * BS, "token_ids": list(range(2 * BS))}))
+    wait(lambda: reader.follower.seq == fake.seq)
+    assert reader.stats.other_block_size == 1

@@ -49,7 +49,7 @@ import zmq
 
 from prefixcache.fleet.follow import Follower, Verdict
 from prefixcache.fleet.index import IndexGap
-from prefixcache.fleet.wire import BackendInfo, Entry, KVEventBatch, Snapshot, WireError
+from prefixcache.fleet.wire import BackendInfo, BlockStored, Entry, KVEventBatch, Snapshot, WireError
 
 __all__ = ["PRIVATE", "VllmSource", "ZmqReader", "ZmqStats", "decode_vllm"]
 
@@ -196,6 +196,7 @@ class ZmqStats:
     orphans: int = 0  # stores under a block the index never saw, skipped
     other_groups: int = 0  # events of KV cache groups other than 0, left out
     replay_timeouts: int = 0
+    other_block_size: int = 0  # stores whose block size is not the router's: never matched
 
 
 class ZmqReader:
@@ -361,6 +362,12 @@ class ZmqReader:
             self._bad(str(exc))
             return None
         self.stats.other_groups += skipped
+        sizes = {e.block_size for e in batch.events if isinstance(e, BlockStored)} - {self.source.block_size}
+        if sizes:
+            self.stats.other_block_size += 1
+            self._warn(
+                "block_size", "vllm=%s router=%d (pass vLLM's to --block-size)", sorted(sizes), self.source.block_size
+            )
         return batch
 
     def _bad(self, why: str) -> None:
