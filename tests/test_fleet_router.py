@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from engine_support import LiveServer
 from prefixcache.fleet import router as router_module
+from prefixcache.fleet.route_metrics import ROUTE_METRICS
 from prefixcache.fleet.router import RouteConfig, Router, create_router
 from prefixcache.fleet.scoring import Routing
 from prefixcache.fleet.wire import BackendInfo, BlockStored, Entry, KVEventBatch, Snapshot, encode_entry, stream_key
@@ -139,6 +140,9 @@ def chat(url: str, text: str, key: str = "sk-acme") -> httpx.Response:
     return httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=10)
 
 
+ROUTE_METRICS_CREATED = {  # prometheus_client's creation timestamps of counters
+    n.removesuffix("_total") + "_created" for n in ROUTE_METRICS if n.endswith("_total")
+}
 DOC = "the quick brown fox jumps over the lazy dog " * 4  # 44 blocks of 4
 
 
@@ -179,6 +183,11 @@ def test_a_backend_that_fails_before_streaming_is_skipped(routed: tuple[Router, 
     wait(lambda: not router.backends[1].up and router.index.held("f1") == 0)  # it left, with its blocks
     metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
     assert "prefixcache_route_retries_total 2.0" in metrics
+    assert 'prefixcache_route_backend_up{backend="f1"} 0.0' in metrics
+    assert 'prefixcache_route_backend_blocks{backend="f1"} 0.0' in metrics
+    lines = [line for line in metrics.splitlines() if line.startswith("prefixcache_")]
+    samples = {line.split("{")[0].split(" ")[0] for line in lines} - ROUTE_METRICS_CREATED
+    assert samples == ROUTE_METRICS  # what the alert rules may use, exactly
     assert fakes[1].served == 0
 
 

@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prefixcache.fleet.backends import DOWN_AFTER, Backend, BackendError, fetch_info
 from prefixcache.fleet.index import GlobalIndex
 from prefixcache.fleet.keys import chain_keys, root_key
+from prefixcache.fleet.route_metrics import RouteCollector
 from prefixcache.fleet.scoring import BackendView, Routing, Scorer
 from prefixcache.fleet.zmq import VllmSource
 from prefixcache.server.auth import Auth
@@ -92,6 +93,7 @@ class Router:
         Gauge("prefixcache_route_index_blocks", "Distinct blocks in the index", registry=registry).set_function(
             lambda: self.index.stats().blocks
         )
+        registry.register(RouteCollector(lambda: self.backends, self.index, config.scorer))
 
     # ------------------------------------------------------------------ health
 
