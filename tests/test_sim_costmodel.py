@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixcache.config import CacheConfig
+from prefixcache.config import CacheConfig, KVLayout
 from prefixcache.sim.costmodel import (
     GPUS,
     MODELS,
@@ -139,7 +140,12 @@ def test_bad_request_names_the_field(length: int, cached: int, field: str) -> No
 def test_builtin_profiles() -> None:
     assert set(MODELS) == {"llama-3-8b", "llama-3-70b", "smollm2-135m"}
     assert set(GPUS) == {"h100", "h200", "a100", "l40s"}
-    assert get_model("llama-3-70b") == ModelProfile("llama-3-70b", 70.6e9, 80, 8192, 131072)
+    assert get_model("llama-3-70b") == ModelProfile(
+        "llama-3-70b", 70.6e9, 80, 8192, 131072, KVLayout(80, 8, 128, "bfloat16")
+    )
+    # KV bytes a token: 2 (K, V) x layers x kv_heads x head_dim x 2 bytes (bfloat16)
+    assert get_model("llama-3-8b").kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    assert get_model("smollm2-135m").kv_bytes_per_token == 2 * 30 * 3 * 64 * 2
     assert get_gpu("h200").peak_flops == 989e12
 
 
@@ -240,6 +246,9 @@ def test_accumulator_fills_a_result() -> None:
     assert result.prefill_flops_saved == pytest.approx(want_saved)
     assert result.gpu_hours_saved == pytest.approx(want_saved / (989e12 * 0.5) / 3600)
     assert result.cost_profile == "llama-3-8b@h100 u=0.50"
+    assert result.cost_defaults == ()
+    assert result.prompts_over_context == 0 and result.context_length == 131072
+    assert result.kv_bytes_per_token == 131072
     assert result.prefill_compute_avoided == pytest.approx(want_saved / want_total)
     assert result.to_json()["gpu_hours_saved"] == result.gpu_hours_saved
 
@@ -250,3 +259,49 @@ def test_empty_accumulator_applies_zeros() -> None:
     assert result.prefill_flops_total == 0.0
     assert result.gpu_hours_saved == 0.0
     assert result.prefill_compute_avoided is None
+
+
+def test_prompts_beyond_the_context_are_a_figure_not_a_label() -> None:
+    model = CostModel(get_model("smollm2-135m"), get_gpu("h100"), defaults=("gpu", "utilization"))
+    acc = CostAccumulator(model)
+    for length in (100, 9000, 8192, 20000):
+        acc.add(length, 0)
+    result = ReplayResult(REPLAY_CONFIG, trace="t", requests=4)
+    acc.apply(result)
+    assert result.cost_profile == "smollm2-135m@h100 u=0.50"
+    assert result.prompts_over_context == 2 and result.prompts_over_context_share == 0.5
+    data = result.to_json()
+    assert data["prompts_over_context"] == 2 and data["prompts_over_context_share"] == 0.5
+    assert data["cost_defaults"] == ["gpu", "utilization"] and data["context_length"] == 8192
+
+
+def test_cost_model_defaults_must_name_its_parts() -> None:
+    with pytest.raises(ValueError, match="defaults may name model, gpu and utilization"):
+        CostModel(get_model("llama-3-8b"), get_gpu("h100"), defaults=("tokenizer",))
+
+
+def test_model_spec_with_a_kv_layout() -> None:
+    m = parse_model_profile("m:params=7e9,layers=32,hidden=4096,context=32768,kv_heads=8,head_dim=128")
+    assert m.kv == KVLayout(32, 8, 128, "bfloat16") and m.kv_bytes_per_token == 131072
+    m = parse_model_profile("m:params=7e9,layers=2,hidden=64,context=512,kv_heads=1,head_dim=8,dtype=float32")
+    assert m.kv_bytes_per_token == 2 * 2 * 1 * 8 * 4
+    assert parse_model_profile("m:params=7e9,layers=2,hidden=64,context=512").kv_bytes_per_token is None
+
+
+@pytest.mark.parametrize(
+    ("tail", "message"),
+    [
+        (",kv_heads=8", "needs both kv_heads and head_dim"),
+        (",kv_heads=8,head_dim=128,dtype=int4", "unknown dtype 'int4'"),
+        (",kv_heads=0,head_dim=128", "kv_heads"),
+        (",heads=8", "unknown field 'heads'"),
+    ],
+)
+def test_bad_kv_layout_in_a_spec_names_it(tail: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_model_profile("m:params=7e9,layers=32,hidden=4096,context=32768" + tail)
+
+
+def test_kv_layout_must_have_the_models_layers() -> None:
+    with pytest.raises(ValueError, match="KVLayout of the model's 32 layers"):
+        ModelProfile("m", 7e9, 32, 4096, 32768, KVLayout(16, 8, 128))

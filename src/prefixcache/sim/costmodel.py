@@ -25,6 +25,10 @@ It ignores the LM head and embedding details beyond what ``P`` counts, softmax,
 norms and the causal-mask halving some kernels exploit; it is a planning model, not
 a profiler. A prompt longer than the model's context length is an error: the
 model could not have served it, so its "savings" would be fiction.
+
+A profile may also give its KV layout (KV heads, head size, dtype: ``KVLayout``), which
+says how many bytes of KV a cached token holds, so a capacity in bytes can be turned
+into tokens (``ModelProfile.kv_bytes_per_token``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeVar
 
-from prefixcache.config import check_int
+from prefixcache.config import KV_DTYPES, KVLayout, check_int
 from prefixcache.sim.results import ReplayResult
 
 _T = TypeVar("_T")
@@ -55,13 +59,15 @@ def _check_positive(field_name: str, value: object) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ModelProfile:
-    """The few numbers of a model that decide its prefill cost."""
+    """The few numbers of a model that decide its prefill cost, and optionally its KV
+    layout (``kv``: the size of a cached token; its layers are the model's)."""
 
     name: str
     params: float
     layers: int
     hidden: int
     context_length: int
+    kv: KVLayout | None = None
 
     def __post_init__(self) -> None:
         _check_name("name", self.name)
@@ -69,6 +75,13 @@ class ModelProfile:
         check_int("layers", self.layers, 1)
         check_int("hidden", self.hidden, 1)
         check_int("context_length", self.context_length, 1)
+        if self.kv is not None and (not isinstance(self.kv, KVLayout) or self.kv.layers != self.layers):
+            raise ValueError(f"kv must be a KVLayout of the model's {self.layers} layers, got {self.kv!r}")
+
+    @property
+    def kv_bytes_per_token(self) -> int | None:
+        """Bytes of KV one cached token holds (K and V, every layer), ``None`` without a layout."""
+        return None if self.kv is None else self.kv.bytes_per_token
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +100,9 @@ MODELS: Mapping[str, ModelProfile] = MappingProxyType(
     {
         p.name: p
         for p in (
-            ModelProfile("llama-3-8b", 8.03e9, 32, 4096, 131072),
-            ModelProfile("llama-3-70b", 70.6e9, 80, 8192, 131072),
-            ModelProfile("smollm2-135m", 1.35e8, 30, 576, 8192),
+            ModelProfile("llama-3-8b", 8.03e9, 32, 4096, 131072, KVLayout(32, 8, 128, "bfloat16")),
+            ModelProfile("llama-3-70b", 70.6e9, 80, 8192, 131072, KVLayout(80, 8, 128, "bfloat16")),
+            ModelProfile("smollm2-135m", 1.35e8, 30, 576, 8192, KVLayout(30, 3, 64, "bfloat16")),
         )
     }
 )
@@ -109,6 +122,7 @@ GPUS: Mapping[str, GPUProfile] = MappingProxyType(
 """Built-in GPU profiles by name, peak dense BF16 FLOP/s."""
 
 _MODEL_EXAMPLE = "name:params=7e9,layers=32,hidden=4096,context=32768"
+_KV_FIELDS = ("kv_heads", "head_dim", "dtype")  # optional, together: the KV layout
 _GPU_EXAMPLE = "name:peak=500e12"
 
 
@@ -130,8 +144,11 @@ def _parse_int(field_name: str, text: str) -> int:
     return int(value)
 
 
-def _parse_spec(spec: str, keys: tuple[str, ...], example: str) -> tuple[str, dict[str, str]]:
-    """Split ``name:key=value,...`` into the name and the raw value of every key."""
+def _parse_spec(
+    spec: str, keys: tuple[str, ...], example: str, optional: tuple[str, ...] = ()
+) -> tuple[str, dict[str, str]]:
+    """Split ``name:key=value,...`` into the name and the raw value of every key given
+    (all of ``keys``, any of ``optional``)."""
     name, sep, body = spec.partition(":")
     if not sep:
         raise ValueError(f"profile spec {spec!r} has no ':'; expected e.g. {example!r}")
@@ -141,8 +158,8 @@ def _parse_spec(spec: str, keys: tuple[str, ...], example: str) -> tuple[str, di
         key, eq, text = (part.strip() for part in item.partition("="))
         if not eq:
             raise ValueError(f"profile spec {spec!r}: expected key=value, got {item!r}")
-        if key not in keys:
-            raise ValueError(f"profile spec {spec!r}: unknown field {key!r}; valid: {', '.join(keys)}")
+        if key not in keys + optional:
+            raise ValueError(f"profile spec {spec!r}: unknown field {key!r}; valid: {', '.join(keys + optional)}")
         if key in values:
             raise ValueError(f"profile spec {spec!r}: field {key!r} given twice")
         values[key] = text
@@ -153,14 +170,26 @@ def _parse_spec(spec: str, keys: tuple[str, ...], example: str) -> tuple[str, di
 
 
 def parse_model_profile(spec: str) -> ModelProfile:
-    """A user-defined model from ``name:params=7e9,layers=32,hidden=4096,context=32768``."""
-    name, v = _parse_spec(spec, ("params", "layers", "hidden", "context"), _MODEL_EXAMPLE)
+    """A user-defined model from ``name:params=7e9,layers=32,hidden=4096,context=32768``,
+    with its KV layout when ``kv_heads=8,head_dim=128`` are given too (``dtype=``, one of
+    the KV dtypes, defaults to bfloat16)."""
+    name, v = _parse_spec(spec, ("params", "layers", "hidden", "context"), _MODEL_EXAMPLE, _KV_FIELDS)
+    layers = _parse_int("layers", v["layers"])
+    kv = None
+    if any(key in v for key in _KV_FIELDS):
+        if "kv_heads" not in v or "head_dim" not in v:
+            raise ValueError(f"profile spec {spec!r}: a KV layout needs both kv_heads and head_dim (dtype optional)")
+        dtype = v.get("dtype", "bfloat16")
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"profile spec {spec!r}: unknown dtype {dtype!r}; valid: {', '.join(KV_DTYPES)}")
+        kv = KVLayout(layers, _parse_int("kv_heads", v["kv_heads"]), _parse_int("head_dim", v["head_dim"]), dtype)
     return ModelProfile(
         name,
         params=_parse_float("params", v["params"]),
-        layers=_parse_int("layers", v["layers"]),
+        layers=layers,
         hidden=_parse_int("hidden", v["hidden"]),
         context_length=_parse_int("context", v["context"]),
+        kv=kv,
     )
 
 
@@ -209,11 +238,15 @@ class CostModel:
     model: ModelProfile
     gpu: GPUProfile
     utilization: float = 0.5
+    defaults: tuple[str, ...] = ()  # which of "model", "gpu", "utilization" nobody chose
 
     def __post_init__(self) -> None:
         u = self.utilization
         if isinstance(u, bool) or not isinstance(u, int | float) or not (0 < u <= 1):
             raise ValueError(f"utilization must be in (0, 1], got {u!r}")
+        unknown = set(self.defaults) - {"model", "gpu", "utilization"}
+        if unknown:
+            raise ValueError(f"defaults may name model, gpu and utilization, got {sorted(unknown)}")
 
     @property
     def label(self) -> str:
@@ -262,8 +295,8 @@ class CostAccumulator:
 
     def add(self, input_length: int, cached_tokens: int) -> None:
         """Count one request. A prompt longer than the profile's context is costed by the
-        same formula and counted in ``over_context``, which the profile label reports:
-        a trace from a longer-context model must not abort a capacity plan."""
+        same formula and counted in ``over_context``, a figure of the result: a trace
+        from a longer-context model must not abort a capacity plan."""
         total, saved = self.model.request(input_length, cached_tokens, strict=False)
         self.over_context += input_length > self.model.model.context_length
         self.requests += 1
@@ -276,7 +309,7 @@ class CostAccumulator:
         result.prefill_flops_saved = self.flops_saved
         result.gpu_hours_saved = self.model.gpu_seconds(self.flops_saved) / 3600.0
         result.cost_profile = self.model.label
-        if self.over_context:
-            result.cost_profile += (
-                f" ({self.over_context} prompts beyond its {self.model.model.context_length:,}-token context)"
-            )
+        result.cost_defaults = self.model.defaults
+        result.context_length = self.model.model.context_length
+        result.prompts_over_context = self.over_context
+        result.kv_bytes_per_token = self.model.model.kv_bytes_per_token

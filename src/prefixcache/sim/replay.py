@@ -199,7 +199,8 @@ def replay(
     ``advance(n)``, entered once per pass. ``metrics(config, text)`` receives each
     tree-mode replay's Prometheus exposition (which needs the ``PrefixCache``).
     ``engine`` picks tree mode's engine (``make_stepper``); each result names the one that
-    ran, and its ``seconds`` are its own replay's, trace reading excluded."""
+    ran, and its ``seconds`` are its own replay's of the counted requests, trace reading
+    and warm-up excluded."""
     summary = summary if summary is not None else summarize(source)
     skip = warmup_requests(summary, warmup)
     runs: list[_TreeRun | _FlatRun] = []
@@ -223,7 +224,7 @@ def replay(
     try:
         for i, group in enumerate(passes):
             label = group[0].cfg.label if len(group) == 1 else f"{len(group)} configurations"
-            _one_pass(source, group, summary.requests, label, progress, sweep.feed if i == 0 else None)
+            _one_pass(source, group, summary.requests, skip, label, progress, sweep.feed if i == 0 else None)
         optimum = sweep.solve(source)
     finally:
         sweep.close()
@@ -255,22 +256,28 @@ def _one_pass(
     source: TraceSource,
     runs: list[_TreeRun | _FlatRun],
     total: int,
+    skip: int,
     label: str,
     progress: ProgressFactory | None,
     also: Callable[[Request], None] | None = None,
 ) -> None:
     """Stream the trace once, feeding every request to each run in turn, and to ``also``
     (the optimum's block sequences); each run's ``seconds`` add up its own share of the
-    time."""
+    time spent on the counted requests (after the first ``skip``), the ones its hit
+    rates and ``blocks_looked_up`` cover."""
     clock = time.perf_counter
     spent = [0.0] * len(runs)
     feeds = [run.feed for run in runs]
     with _progress(progress, total, label) as bar, _no_cyclic_gc():
-        for req in source():
-            for i, feed in enumerate(feeds):
-                start = clock()
-                feed(req)
-                spent[i] += clock() - start
+        for n, req in enumerate(source()):
+            if n < skip:
+                for feed in feeds:
+                    feed(req)
+            else:
+                for i, feed in enumerate(feeds):
+                    start = clock()
+                    feed(req)
+                    spent[i] += clock() - start
             if also is not None:
                 also(req)
             bar.advance(1)

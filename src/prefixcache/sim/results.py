@@ -89,6 +89,17 @@ class ReplayConfig:
         }
 
 
+COVERAGE = {
+    "counted": "requests after the warm-up: requests, lookup_tokens, hit_tokens, hit rates, optimal, "
+    "blocks_looked_up, block_hit_rate, seconds, prefill_*, gpu_hours_saved, prompts_over_context, per_tenant, "
+    "timeline",
+    "whole_replay": "evictions (the warm-up's too: it fills the cache)",
+    "seconds": "time in this configuration's own replay steps of the counted requests; reading the trace and "
+    "the warm-up excluded",
+}
+"""What the fields of a result cover, for the JSON report (``report.to_json``)."""
+
+
 @dataclass(slots=True)
 class TenantResult:
     requests: int = 0
@@ -120,7 +131,9 @@ class TimePoint:
 @dataclass(slots=True)
 class ReplayResult:
     """The measured outcome of one configuration. Only requests after the warm-up are
-    counted in the rates; evictions count over the whole replay."""
+    counted: the rates, tokens, ``blocks_looked_up``, ``seconds``, the cost, tenants and
+    timeline all cover the same requests (``COVERAGE``); evictions count over the whole
+    replay."""
 
     config: ReplayConfig
     trace: str
@@ -133,7 +146,7 @@ class ReplayResult:
     blocks_looked_up: int = 0
     block_hits: int | None = None  # flat mode: block lookups that hit, prefix or not (libCacheSim's view)
     optimal_hit_tokens: int | None = None  # Belady with bypass, same capacity; None if not computed
-    seconds: float = 0.0  # time spent in this configuration's own replay (reading the trace excluded)
+    seconds: float = 0.0  # this configuration's own replay of the counted requests (trace reading excluded)
     engine: str = "python"  # tree mode: "native" (the compiled kernel) or "python" (the PrefixCache)
     tenants: dict[str, TenantResult] = field(default_factory=dict)
     timeline: list[TimePoint] = field(default_factory=list)
@@ -142,6 +155,10 @@ class ReplayResult:
     prefill_flops_saved: float | None = None
     gpu_hours_saved: float | None = None
     cost_profile: str | None = None
+    cost_defaults: tuple[str, ...] = ()  # the profile's parts nobody chose ("model", "gpu", "utilization")
+    context_length: int | None = None  # the profile's context
+    prompts_over_context: int | None = None  # counted prompts longer than it (costed all the same)
+    kv_bytes_per_token: int | None = None  # the profile's KV layout, when it has one
 
     @property
     def token_hit_rate(self) -> float:
@@ -171,8 +188,15 @@ class ReplayResult:
             return None
         return self.prefill_flops_saved / self.prefill_flops_total
 
+    @property
+    def prompts_over_context_share(self) -> float | None:
+        if self.prompts_over_context is None:
+            return None
+        return self.prompts_over_context / self.requests if self.requests else 0.0
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict (an unlimited capacity is ``null`` with ``unlimited: true``)."""
+        bpt = self.kv_bytes_per_token
         return {
             **self.config.to_json(),
             "trace": self.trace,
@@ -193,6 +217,12 @@ class ReplayResult:
             "prefill_compute_avoided": self.prefill_compute_avoided,
             "gpu_hours_saved": self.gpu_hours_saved,
             "cost_profile": self.cost_profile,
+            "cost_defaults": list(self.cost_defaults),
+            "context_length": self.context_length,
+            "prompts_over_context": self.prompts_over_context,
+            "prompts_over_context_share": self.prompts_over_context_share,
+            "kv_bytes_per_token": bpt,
+            "capacity_kv_bytes": None if bpt is None or self.config.unlimited else bpt * self.config.cache.capacity,
             "per_tenant": {
                 name: {**asdict(t), "token_hit_rate": t.token_hit_rate} for name, t in sorted(self.tenants.items())
             },
