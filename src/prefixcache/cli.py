@@ -3,6 +3,8 @@
 - ``prefixcache replay TRACE``: replay a request trace through the cache under several
   configurations and report hit rates, the offline optimum and prefill compute saved.
 - ``prefixcache workload OUT``: write a deterministic synthetic multi-tenant trace.
+- ``prefixcache plan TRACE``: the cache capacity (tokens, GiB, tiers) for a target hit
+  rate on a trace, and the prefill GPU-hours and money it saves per hour of traffic.
 - ``prefixcache serve``: the OpenAI-compatible server on a real model, with the cache.
 - ``prefixcache diagnose URL_OR_FILE``: read /metrics (or saved scrapes) and print a
   diagnosis with the next action; exit 1 when something needs action.
@@ -27,6 +29,7 @@ from prefixcache.ops.audit_cli import add_audit_parser, run_audit_timing
 from prefixcache.ops.diagnose import add_diagnose_parser, run_diagnose
 from prefixcache.policies import POLICIES
 from prefixcache.sim.cli import add_replay_parser, add_workload_parser, run_replay, run_workload
+from prefixcache.sim.plan_cli import add_plan_parser, run_plan
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -97,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_replay_parser(sub)
     add_workload_parser(sub)
+    add_plan_parser(sub)
     add_diagnose_parser(sub)
     add_audit_parser(sub)
     add_route_parser(sub)
@@ -122,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_replay(args, parser)
     if args.command == "workload":
         return run_workload(args, parser)
+    if args.command == "plan":
+        return run_plan(args, parser)
     if args.command == "diagnose":
         return run_diagnose(args)
     if args.command == "audit-timing":

@@ -165,6 +165,7 @@ class Plan:
     inputs: PlanInputs
     requests: int  # counted (after the warm-up)
     warmup_requests: int
+    block_size: int  # the trace's own for a pre-hashed trace
     ceiling: float  # hit rate of an unlimited cache
     capacity_tokens: float | None
     hit_rate: float  # measured at the plan's capacity (or the ceiling)
@@ -300,6 +301,7 @@ def make_plan(
         inputs=inputs,
         requests=at.requests,
         warmup_requests=skip,
+        block_size=granule,
         ceiling=ceiling,
         capacity_tokens=capacity,
         hit_rate=at.token_hit_rate,
