@@ -393,3 +393,14 @@ def test_stores_of_another_block_size_are_counted(fake: FakeVllm, followed: tupl
     fake.publish(batch(other | {"block_size": 2 * BS, "token_ids": list(range(2 * BS))}))
     wait(lambda: reader.follower.seq == fake.seq)
     assert reader.stats.other_block_size == 1
+
+
+def test_a_store_no_key_can_cover_is_counted_and_the_rest_applied(
+    fake: FakeVllm, followed: tuple[ZmqReader, GlobalIndex]
+) -> None:
+    reader, index = followed
+    bad, _ = chain("neg", 1)
+    good, tokens = chain("pos", 1)
+    fake.publish(batch(bad | {"token_ids": [-1] * BS}, good))
+    wait(lambda: held(index, tokens) == 1)
+    assert reader.stats.bad == 1 and reader._thread.is_alive() and reader.follower.seq == fake.seq

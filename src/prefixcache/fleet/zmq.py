@@ -63,18 +63,10 @@ BACKOFF_S = (0.05, 0.2, 1.0, 2.0)
 LOG_EVERY_S = 30.0  # at most one warning per kind of trouble in this many seconds
 
 _MEDIA = {"gpu": "device", "cpu": "memory", "storage": "disk"}
-_FIELDS = {  # vLLM's field order, which the positional form and ``wire``'s structs share
-    "BlockStored": (
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-        "extra_keys",
-        "group_idx",
-    ),
+# vLLM's field order, which the positional form and ``wire``'s structs share
+_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
+_FIELDS = {
+    "BlockStored": (*_STORED, "extra_keys", "group_idx"),
     "BlockRemoved": ("block_hashes", "medium", "group_idx"),
     "AllBlocksCleared": (),
 }
@@ -281,7 +273,10 @@ class ZmqReader:
             self._recover(entry)
 
     def _apply(self, entry: Entry) -> Verdict:
-        verdict = self.follower.offer(entry)
+        try:
+            verdict = self.follower.offer(entry)
+        except ValueError:  # tokens no key can cover (e.g. negative ids): dropped event by event
+            verdict = Verdict.RESYNC
         if verdict is Verdict.RESYNC:  # same incarnation: an event the index cannot place
             self._orphans(entry)
             return Verdict.APPLIED
@@ -297,6 +292,8 @@ class ZmqReader:
                 f.index.apply(f.backend, event, f.model)
             except IndexGap:
                 self.stats.orphans += 1
+            except ValueError as exc:
+                self._bad(str(exc))
         f.inc, f.seq = entry.inc, entry.seq
         f.stats.applied += 1
 
