@@ -14,7 +14,7 @@ def add_route_parser(sub: Any) -> None:
 
     route = sub.add_parser(
         "route",
-        help="an OpenAI-compatible router in front of several prefixcache servers",
+        help="an OpenAI-compatible router in front of several prefixcache (or vLLM) servers",
         description="Send each request to the backend where the prefill left, plus the load there, is smallest "
         "(docs/fleet.md). The settings file is the servers' own: its API keys, isolation and model.",
     )
