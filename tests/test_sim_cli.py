@@ -67,7 +67,7 @@ def example() -> list[dict[str, Any]]:
     code, out, err = run_cli(["replay", str(SYNTHETIC), *EXAMPLE, "--json"])
     assert code == 0, err
     data = strict_json(out)
-    assert list(data) == ["results"]
+    assert list(data) == ["results", "coverage"]  # coverage: which requests each figure covers
     results: list[dict[str, Any]] = data["results"]
     return results
 
@@ -366,8 +366,12 @@ def test_isolation_modes_on_a_generated_workload(workload: Path) -> None:
         assert set(r["per_tenant"]) == {"tenant-00", "tenant-01", "tenant-02"}
 
 
-def test_block_size_list_on_a_pre_hashed_trace_merges(workload: Path) -> None:
-    code, out, _ = run_cli(["replay", str(workload), "--block-size", "16,64,256", "--json", "--no-optimal"])
+def test_block_size_on_a_pre_hashed_trace_is_an_error(workload: Path) -> None:
+    # NOTE: it used to merge silently into the trace's own block size; its hash_ids fix it.
+    code, out, err = run_cli(["replay", str(workload), "--block-size", "16,64,256", "--json", "--no-optimal"])
+    assert code == 2 and out == ""
+    assert "--block-size applies to token traces" in err and "blocks of 16 tokens" in err
+    code, out, _ = run_cli(["replay", str(workload), "--json", "--no-optimal"])
     assert code == 0
     (r,) = strict_json(out)["results"]
     assert r["block_size"] == 16 and r["optimal_token_hit_rate"] is None
@@ -389,7 +393,7 @@ def test_flat_mode_and_ttl_from_the_command_line(workload: Path) -> None:
     assert code == 0
     tree, flat = strict_json(out)["results"]
     assert (tree["mode"], flat["mode"]) == ("tree", "flat")
-    assert tree["ttl_seconds"] == flat["ttl_seconds"] == 60
+    assert tree["ttl_seconds"] == 60 and flat["ttl_seconds"] is None  # flat mode has no clock: it ran without
     assert tree["block_hit_rate"] is None and 0 < flat["block_hit_rate"] < 1
 
 

@@ -14,7 +14,7 @@ from rich.console import Console
 from prefixcache.config import CacheConfig
 from prefixcache.sim.html_report import largest_capacities, write_html
 from prefixcache.sim.report import format_tokens, progress, render_table, to_json
-from prefixcache.sim.results import ReplayConfig, ReplayResult, TenantResult, TimePoint, cache_capacity
+from prefixcache.sim.results import COVERAGE, ReplayConfig, ReplayResult, TenantResult, TimePoint, cache_capacity
 
 CAPACITIES = (1e6, 1e7, math.inf)
 
@@ -108,7 +108,7 @@ def test_json_turns_non_finite_values_into_null() -> None:
 
 
 def test_json_of_nothing() -> None:
-    assert json.loads(to_json([])) == {"results": []}
+    assert json.loads(to_json([])) == {"results": [], "coverage": COVERAGE}
 
 
 # --- terminal table -----------------------------------------------------------------

@@ -1,33 +1,47 @@
-"""``prefixcache replay`` and ``prefixcache workload``: the simulator's command line."""
+"""``prefixcache replay`` and ``prefixcache workload``: the simulator's command line.
+
+What the flags accept and which apply is checked in ``inputs``; ``workload`` lives in
+``workload_cli`` (re-exported here)."""
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import re
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from prefixcache.config import ISOLATION_MODES, CacheConfig, PublishConfig
 from prefixcache.fleet.scoring import Routing, Scorer
 from prefixcache.policies import POLICIES
-from prefixcache.sim.costmodel import GPUS, MODELS, CostModel, get_gpu, get_model
+from prefixcache.sim.costmodel import GPUS, MODELS, CostModel
 from prefixcache.sim.engines import ENGINES
 from prefixcache.sim.fleet import replay_fleet
 from prefixcache.sim.fleet_results import DEFAULT_DECODE_SECONDS, DEFAULT_EVENT_LAG, FleetSpec
+from prefixcache.sim.inputs import (
+    BYTE_FORMS,
+    DEFAULT_GPU,
+    DEFAULT_MODEL,
+    DEFAULT_UTILIZATION,
+    TOKEN_FORMS,
+    capacities,
+    cost_model,
+    parse_bytes,
+    parse_list,
+    parse_tokens,
+    static_errors,
+    trace_errors,
+)
 from prefixcache.sim.replay import replay
 from prefixcache.sim.results import ReplayConfig, cache_capacity
-from prefixcache.sim.summary import summarize
+from prefixcache.sim.summary import TraceSummary, summarize
 from prefixcache.sim.tokenizers import load_tokenizer
 from prefixcache.sim.tracefile import HASHED_BLOCKS
 from prefixcache.sim.traces import FORMATS, Request, read_trace
-from prefixcache.sim.workload_spec import WorkloadSpec
-from prefixcache.sim.workloads import write_jsonl
-
-T = TypeVar("T")
+from prefixcache.sim.workload_cli import add_workload_parser as add_workload_parser
+from prefixcache.sim.workload_cli import run_workload as run_workload
 
 REPLAY_EPILOG = """\
 examples:
@@ -49,26 +63,8 @@ backends' prefill GPU-seconds.
 """
 
 
-def _parse_list(text: str, convert: Callable[[str], T], what: str, valid: Iterable[str] | None = None) -> list[T]:
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"{what}: give at least one value")
-    out = []
-    for item in items:
-        if valid is not None and item not in valid:
-            raise argparse.ArgumentTypeError(f"{what}: unknown {item!r}; valid: {', '.join(sorted(valid))}")
-        try:
-            out.append(convert(item))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what}: not a valid value: {item!r}") from None
-    return out
-
-
-def _capacity(item: str) -> float:
-    value = float(item)
-    if math.isnan(value) or value < 0 or (not math.isinf(value) and value != int(value)):
-        raise ValueError(item)
-    return value
+_parse_list = parse_list
+_capacity = parse_tokens
 
 
 def _block_size(item: str) -> int:
@@ -147,15 +143,23 @@ def add_replay_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--capacity-tokens",
-        default="inf",
+        default=None,
         type=lambda t: _parse_list(t, _capacity, "--capacity-tokens"),
-        help="cache capacities in tokens, comma-separated, 'inf' for unlimited (default inf)",
+        help=f"cache capacities in tokens, comma-separated: {TOKEN_FORMS} for unlimited (default inf)",
+    )
+    p.add_argument(
+        "--capacity-bytes",
+        default=None,
+        type=lambda t: _parse_list(t, parse_bytes, "--capacity-bytes"),
+        help=f"cache capacities in bytes of KV, comma-separated, instead of --capacity-tokens: {BYTE_FORMS}; "
+        "needs --model, whose KV layout turns bytes into tokens",
     )
     p.add_argument(
         "--block-size",
-        default="16",
+        default=None,
         type=lambda t: _parse_list(t, _block_size, "--block-size"),
-        help="block sizes for token traces, comma-separated (default 16; pre-hashed traces use their own)",
+        help="block sizes for token traces, comma-separated (default 16; a pre-hashed trace has its own, and "
+        "--block-size is then an error)",
     )
     p.add_argument(
         "--isolation",
@@ -188,7 +192,7 @@ def add_replay_parser(sub: Any) -> None:
         "distinct tenants sent it (K >= 2; default: no publication)",
     )
     p.add_argument(
-        "--publish-min-tokens", type=int, default=256, help="shortest prefix --publish may publish (default 256)"
+        "--publish-min-tokens", type=int, default=None, help="shortest prefix --publish may publish (default 256)"
     )
     p.add_argument(
         "--ttl",
@@ -211,19 +215,34 @@ def add_replay_parser(sub: Any) -> None:
     p.add_argument("--no-optimal", action="store_true", help="skip the Belady optimum")
     p.add_argument(
         "--model",
-        default="llama-3-8b",
-        help=f"cost model profile: {', '.join(sorted(MODELS))}, "
-        "'none', or 'name:params=7e9,layers=32,hidden=4096,context=32768' (default llama-3-8b)",
+        default=None,
+        help=f"cost model profile: {', '.join(sorted(MODELS))}, 'none', or "
+        "'name:params=7e9,layers=32,hidden=4096,context=32768[,kv_heads=8,head_dim=128,dtype=bfloat16]' "
+        f"(default {DEFAULT_MODEL}, said as a default in the output)",
     )
     p.add_argument(
-        "--gpu", default="h100", help=f"GPU profile: {', '.join(sorted(GPUS))} or 'name:peak=500e12' (default h100)"
+        "--gpu",
+        default=None,
+        help=f"GPU profile: {', '.join(sorted(GPUS))} or 'name:peak=500e12' (default {DEFAULT_GPU})",
     )
     p.add_argument(
-        "--utilization", type=float, default=0.5, help="assumed prefill utilization of GPU peak (default 0.5)"
+        "--utilization",
+        type=float,
+        default=None,
+        help=f"assumed prefill utilization of GPU peak (default {DEFAULT_UTILIZATION})",
     )
-    p.add_argument("--tokenizer", default="utf8", help="tokenizer for 'text' records: utf8 or a tokenizer.json path")
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer for 'text' records: utf8 (default) or a tokenizer.json path"
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--html", type=Path, help="also write an HTML report with plots to this file")
+    p.add_argument(
+        "--tenant-capacity",
+        default=None,
+        metavar="CAP",
+        help="the replayed capacity the HTML report's per-tenant chart shows, in the unit of the capacities "
+        "given (default: the largest)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
         "--metrics",
@@ -235,39 +254,6 @@ def add_replay_parser(sub: Any) -> None:
     _add_fleet_flags(p)
 
 
-def add_workload_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "workload",
-        help="write a deterministic synthetic multi-tenant trace (our JSONL)",
-        description="Write seeded synthetic multi-tenant traffic -- chat sessions, RAG over a shared "
-        "document pool, agents with long tool prompts, one-off scans -- in the project's JSONL trace format.",
-    )
-    p.add_argument("out", type=Path, help="output file (.jsonl, or .jsonl.gz)")
-    p.add_argument("--requests", type=int, default=10_000)
-    p.add_argument("--tenants", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--duration", type=float, default=3600.0, help="seconds the arrivals span")
-    p.add_argument(
-        "--emit",
-        choices=("hash_ids", "tokens"),
-        default="hash_ids",
-        help="record prompts as block ids (compact) or token ids",
-    )
-    p.add_argument(
-        "--max-turns",
-        type=int,
-        default=None,
-        help="end a chat session after this many turns (default: sessions never end)",
-    )
-    p.add_argument("--block-size", type=int, default=16, help="block size of emitted hash_ids")
-
-
-def _cost_model(args: argparse.Namespace) -> CostModel | None:
-    if args.model == "none":
-        return None
-    return CostModel(get_model(args.model), get_gpu(args.gpu), args.utilization)
-
-
 def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.trace.exists():
         parser.error(f"no such trace file: {args.trace}")
@@ -277,8 +263,11 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error("--ttl must be a positive number of seconds")
     if args.publish is not None and args.publish < 2:
         parser.error("--publish needs K >= 2 distinct tenants (one tenant alone must never publish)")
-    if args.publish_min_tokens < 1:
+    if args.publish_min_tokens is not None and args.publish_min_tokens < 1:
         parser.error("--publish-min-tokens must be >= 1")
+    inapplicable = static_errors(args)
+    if inapplicable:
+        parser.error("; ".join(inapplicable))
     try:
         from prefixcache.sim import html_report, report  # rich and matplotlib: the 'sim' extra
     except ImportError as exc:
@@ -286,20 +275,26 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             f"replay reports need the simulator extras ({exc.name} is missing): pip install 'prefixcache[sim]'"
         )
     try:
-        cost = _cost_model(args)
-        tokenizer = load_tokenizer(args.tokenizer)
+        cost = cost_model(args)
+        tokenizer = load_tokenizer(args.tokenizer or "utf8")
+        tenant_capacity, notes = capacities(args, cost)
     except ValueError as exc:
         parser.error(str(exc))
 
     def source() -> Iterable[Request]:
         return read_trace(args.trace, args.format, tokenizer, args.hashed_blocks)
 
-    if args.backends is not None or any(getattr(args, name) is not None for name in _FLEET_FLAGS):
-        return _run_fleet(args, parser, source, cost)
+    fleet = args.backends is not None or any(getattr(args, name) is not None for name in _FLEET_FLAGS)
+    if fleet and args.tenant_capacity is not None:
+        parser.error("--tenant-capacity applies to a single-cache replay's HTML report, not a fleet's")
+    summary = _summary(args, parser, source)
+    if summary is None:
+        return 2
+    if fleet:
+        return _run_fleet(args, parser, source, cost, summary)
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     try:
         configs = _replay_configs(args)
-        summary = summarize(source)
         results = replay(
             source,
             configs,
@@ -319,12 +314,28 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if args.json:
         print(report.to_json(results))
     else:
-        report.render_table(results)
+        report.render_table(results, notes=notes)
     if args.html is not None:
-        html_report.write_html(results, args.html)
+        html_report.write_html(results, args.html, tenant_capacity=tenant_capacity, notes=notes)
         if not args.json:
             print(f"HTML report: {args.html}")
     return 0
+
+
+def _summary(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, source: Callable[[], Iterable[Request]]
+) -> TraceSummary | None:
+    """The trace's summary, or ``None`` after printing why it cannot be replayed (a
+    malformed line); options the trace rules out, or an empty trace, are usage errors."""
+    try:
+        summary = summarize(source)
+    except ValueError as exc:  # a malformed trace names its file, line and field
+        print(f"prefixcache replay: {exc}", file=sys.stderr)
+        return None
+    errors = trace_errors(args, summary, str(args.trace))
+    if errors:
+        parser.error("; ".join(errors))
+    return summary
 
 
 def _fleet_spec(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FleetSpec:
@@ -341,6 +352,7 @@ def _fleet_spec(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Fl
             ("--include-output", args.include_output),
             ("--metrics", args.metrics is not None),
             ("--model none", args.model == "none"),
+            ("--capacity-bytes", args.capacity_bytes is not None),
         )
         if on
     ]
@@ -370,6 +382,7 @@ def _run_fleet(
     parser: argparse.ArgumentParser,
     source: Callable[[], Iterable[Request]],
     cost: CostModel | None,
+    summary: TraceSummary,
 ) -> int:
     from prefixcache.sim import fleet_report, report
 
@@ -386,6 +399,7 @@ def _run_fleet(
             warmup=args.warmup,
             engine=args.engine,
             progress=lambda total, label: report.progress(total, label, show),
+            summary=summary,
         )
     except ValueError as exc:
         print(f"prefixcache replay: {exc}", file=sys.stderr)
@@ -403,26 +417,33 @@ def _run_fleet(
 
 def _replay_configs(args: argparse.Namespace) -> list[ReplayConfig]:
     """Every combination the flags list, in the order the table shows them."""
-    combos = itertools.product(args.mode, args.isolation, args.block_size, args.policy, args.capacity_tokens)
+    block_sizes = args.block_size or [16]
+    combos = itertools.product(args.mode, args.isolation, block_sizes, args.policy, args.capacity_tokens)
     return [
-        ReplayConfig(_cache_config(args, policy, capacity, block_size, isolation), mode)
+        ReplayConfig(_cache_config(args, policy, capacity, block_size, isolation, mode), mode)
         for mode, isolation, block_size, policy, capacity in combos
     ]
 
 
 def _cache_config(
-    args: argparse.Namespace, policy: str, capacity: float, block_size: int, isolation: str
+    args: argparse.Namespace, policy: str, capacity: float, block_size: int, isolation: str, mode: str
 ) -> CacheConfig:
-    # NOTE: shared isolation already shares every prefix: --publish applies to the others.
-    publish = args.publish is not None and isolation != "shared"
+    """One combination's cache. NOTE: where a list mixes configurations an option applies
+    to with others (``--ttl`` with ``--mode tree,flat``), the others do not carry it, so
+    their rows and JSON say what ran; an option that applies to none is refused earlier
+    (``inputs.static_errors``). Shared isolation already shares every prefix: --publish
+    applies to the others."""
+    tree = mode == "tree"
+    publish = args.publish is not None and isolation != "shared" and tree
+    min_tokens = 256 if args.publish_min_tokens is None else args.publish_min_tokens
     return CacheConfig(
         policy=policy,
         capacity_tokens=cache_capacity(capacity),
         block_size=block_size,
         isolation=isolation,
-        partial_blocks=args.partial_blocks,
-        ttl_seconds=args.ttl,
-        publish=PublishConfig(args.publish, args.publish_min_tokens) if publish else None,
+        partial_blocks=args.partial_blocks and tree,
+        ttl_seconds=args.ttl if tree else None,
+        publish=PublishConfig(args.publish, min_tokens) if publish else None,
     )
 
 
@@ -434,21 +455,3 @@ def _metrics_writer(directory: Path) -> Callable[[ReplayConfig, bytes], None]:
         (directory / f"{name}.prom").write_bytes(text)
 
     return write
-
-
-def run_workload(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    try:
-        spec = WorkloadSpec(
-            requests=args.requests,
-            tenants=args.tenants,
-            seed=args.seed,
-            duration_s=args.duration,
-            emit=args.emit,
-            block_size=args.block_size,
-            max_turns=args.max_turns,
-        )
-    except ValueError as exc:
-        parser.error(str(exc))
-    n = write_jsonl(spec, args.out)
-    print(f"wrote {n:,} requests to {args.out}")
-    return 0

@@ -20,7 +20,17 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from prefixcache.sim.report import NONE, format_tokens, isolation_label, percent, table_headers, table_rows, title
+from prefixcache.sim.inputs import format_capacity
+from prefixcache.sim.report import (
+    NONE,
+    format_tokens,
+    isolation_label,
+    percent,
+    result_notes,
+    table_headers,
+    table_rows,
+    title,
+)
 from prefixcache.sim.results import ReplayResult
 
 MAX_LINES = 8
@@ -53,7 +63,7 @@ def _series_label(r: ReplayResult, results: Sequence[ReplayResult]) -> str:
 
 
 def _config_label(r: ReplayResult, results: Sequence[ReplayResult]) -> str:
-    return f"{_series_label(r, results)} {format_tokens(r.config.capacity_tokens)}"
+    return f"{_series_label(r, results)} {format_capacity(r.config.capacity_tokens)}"
 
 
 def largest_capacities(results: Sequence[ReplayResult], limit: int) -> list[ReplayResult]:
@@ -111,17 +121,28 @@ def _plot_capacity(ax: Axes, results: Sequence[ReplayResult]) -> None:
     _legend(ax)
 
 
-def _tenant_results(results: Sequence[ReplayResult]) -> list[ReplayResult]:
-    """All results when few; else the largest-capacity result of each series."""
-    with_tenants = [r for r in results if r.tenants]
-    if len(with_tenants) <= 4:
-        return with_tenants
-    best: dict[tuple[object, ...], ReplayResult] = {}
-    for r in with_tenants:
-        key = _series_key(r)
-        if key not in best or r.config.capacity_tokens > best[key].config.capacity_tokens:
-            best[key] = r
-    return largest_capacities(list(best.values()), MAX_LINES)
+def chart_capacity(results: Sequence[ReplayResult], wanted: float | None = None) -> float | None:
+    """The capacity the per-tenant chart shows: ``wanted``, else the largest replayed
+    (``None`` when no result has tenants). An unreplayed one is an error listing those."""
+    replayed = sorted({r.config.capacity_tokens for r in results if r.tenants})
+    if not replayed:
+        return None
+    if wanted is None:
+        return replayed[-1]
+    if wanted not in replayed:
+        listed = ", ".join(format_capacity(c) for c in replayed)
+        raise ValueError(f"capacity {format_capacity(wanted)} was not replayed; replayed capacities: {listed}")
+    return wanted
+
+
+def _tenant_results(results: Sequence[ReplayResult], capacity: float | None) -> list[ReplayResult]:
+    """The results at ``capacity`` that have tenants, one per series, at most ``MAX_LINES``."""
+    return [r for r in results if r.tenants and r.config.capacity_tokens == capacity][:MAX_LINES]
+
+
+def _tenant_title(capacity: float, wanted: float | None) -> str:
+    how = "chosen with --tenant-capacity" if wanted is not None else "the largest replayed; --tenant-capacity picks"
+    return f"Token hit rate per tenant at capacity {format_capacity(capacity)} ({how})"
 
 
 def _top_tenants(results: Sequence[ReplayResult]) -> list[str]:
@@ -133,7 +154,7 @@ def _top_tenants(results: Sequence[ReplayResult]) -> list[str]:
     return sorted(ranked)
 
 
-def _plot_tenants(ax: Axes, results: Sequence[ReplayResult], all_results: Sequence[ReplayResult]) -> None:
+def _plot_tenants(ax: Axes, results: Sequence[ReplayResult], all_results: Sequence[ReplayResult], heading: str) -> None:
     tenants = _top_tenants(results)
     width = 0.8 / len(results)
     for i, r in enumerate(results):
@@ -142,7 +163,7 @@ def _plot_tenants(ax: Axes, results: Sequence[ReplayResult], all_results: Sequen
         ax.bar(xs, rates, width=width, label=_config_label(r, all_results))
     ax.set_xticks(range(len(tenants)), tenants, rotation=45 if len(tenants) > 6 else 0, ha="right")
     ax.set_ylabel("token hit rate (%)")
-    ax.set_title("Token hit rate per tenant")
+    ax.set_title(heading, fontsize="medium")
     _legend(ax)
 
 
@@ -182,13 +203,14 @@ def _figure_png(draw: Callable[[Axes], None], height: float = 4.5) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def _figures(results: Sequence[ReplayResult]) -> list[tuple[str, str]]:
-    """(caption, base64 PNG) of every figure the results have data for."""
+def _figures(results: Sequence[ReplayResult], tenants: tuple[list[ReplayResult], str]) -> list[tuple[str, str]]:
+    """(caption, base64 PNG) of every figure the results have data for; ``tenants``: the
+    per-tenant chart's results and heading."""
     figures = [("Hit rate vs capacity", _figure_png(lambda ax: _plot_capacity(ax, results)))]
-    tenant_results = _tenant_results(results)
+    tenant_results, heading = tenants
     if tenant_results:
-        png = _figure_png(lambda ax: _plot_tenants(ax, tenant_results, results))
-        figures.append(("Token hit rate per tenant", png))
+        png = _figure_png(lambda ax: _plot_tenants(ax, tenant_results, results, heading))
+        figures.append((heading, png))
     timed = largest_capacities([r for r in results if r.timeline], MAX_LINES)
     if timed:
         figures.append(("Hit rate over time", _figure_png(lambda ax: _plot_timeline(ax, timed, results))))
@@ -228,8 +250,15 @@ img { max-width: 100%; }
 """
 
 
-def render_html(results: Sequence[ReplayResult]) -> str:
-    """The whole report as one HTML string: no scripts, no external resources."""
+def render_html(
+    results: Sequence[ReplayResult], tenant_capacity: float | None = None, notes: Sequence[str] = ()
+) -> str:
+    """The whole report as one HTML string: no scripts, no external resources. The
+    per-tenant chart shows ``tenant_capacity`` (default: the largest replayed; one not
+    replayed is a ``ValueError`` listing those that were); ``notes`` follow the table."""
+    capacity = chart_capacity(results, tenant_capacity)
+    tenant_results = _tenant_results(results, capacity)
+    tenant_heading = "" if capacity is None else _tenant_title(capacity, tenant_capacity)
     heading = html.escape(title(results))
     parts = [
         "<!DOCTYPE html>",
@@ -241,18 +270,20 @@ def render_html(results: Sequence[ReplayResult]) -> str:
         parts.append("<p>No results.</p>")
     else:
         parts.append(_html_table(table_headers(results), table_rows(results)))
-        for caption, png in _figures(results):
+        parts += [f"<p>{html.escape(line)}</p>" for line in [*result_notes(results), *notes]]
+        for caption, png in _figures(results, (tenant_results, tenant_heading)):
             alt = html.escape(caption)
             parts.append(f'<figure><img alt="{alt}" src="data:image/png;base64,{png}"><figcaption>{alt}</figcaption>')
             parts.append("</figure>")
-        tenant_results = _tenant_results(results)
         if tenant_results:
-            parts.append("<h2>Token hit rate per tenant</h2>")
+            parts.append(f"<h2>{html.escape(tenant_heading)}</h2>")
             parts.append(_tenant_table(tenant_results, results))
     parts.append("</body></html>\n")
     return "\n".join(parts)
 
 
-def write_html(results: Sequence[ReplayResult], path: str | Path) -> None:
-    """Write the self-contained report to ``path``."""
-    Path(path).write_text(render_html(results), encoding="utf-8")
+def write_html(
+    results: Sequence[ReplayResult], path: str | Path, tenant_capacity: float | None = None, notes: Sequence[str] = ()
+) -> None:
+    """Write the self-contained report (``render_html``) to ``path``."""
+    Path(path).write_text(render_html(results, tenant_capacity, notes), encoding="utf-8")

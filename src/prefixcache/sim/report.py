@@ -18,7 +18,8 @@ import rich.progress
 from rich.console import Console
 from rich.table import Table
 
-from prefixcache.sim.results import ReplayConfig, ReplayResult
+from prefixcache.sim.inputs import format_capacity
+from prefixcache.sim.results import COVERAGE, ReplayConfig, ReplayResult
 
 NONE = "—"
 
@@ -28,7 +29,8 @@ NONE = "—"
 
 
 def format_tokens(n: float) -> str:
-    """A token count as people say it: ``1M``, ``10M``, ``1.05M``, ``inf``."""
+    """A token count as people say it, rounded to 3 digits: ``1M``, ``10M``, ``1.05M``,
+    ``inf`` (plot ticks; tables print capacities exactly, ``inputs.format_capacity``)."""
     if math.isinf(n):
         return "inf"
     for suffix, scale in (("", 1.0), ("K", 1e3), ("M", 1e6), ("G", 1e9)):
@@ -97,7 +99,7 @@ def table_rows(results: Sequence[ReplayResult]) -> list[list[str]]:
         c = r.config
         block = f"{c.block_size}" + (" partial" if c.cache.partial_blocks else "")
         mode = f"{c.mode} ({r.engine})" if c.mode == "tree" else c.mode
-        row = [c.policy, format_tokens(c.capacity_tokens), block, isolation_label(c), mode, f"{r.requests:,}"]
+        row = [c.policy, format_capacity(c.capacity_tokens), block, isolation_label(c), mode, f"{r.requests:,}"]
         row += [percent(r.token_hit_rate), percent(r.request_hit_rate)]
         if with_block_hits:
             row.append(percent(r.block_hit_rate))
@@ -112,13 +114,42 @@ def title(results: Sequence[ReplayResult]) -> str:
     """Trace name(s) and warm-up, the two things a reader needs to compare two reports."""
     traces = ", ".join(dict.fromkeys(r.trace for r in results)) or "(no results)"
     warmups = "/".join(f"{w:,}" for w in dict.fromkeys(r.warmup_requests for r in results)) or "0"
-    profiles = ", ".join(dict.fromkeys(r.cost_profile for r in results if r.cost_profile))
+    profiles = ", ".join(dict.fromkeys(cost_label(r) for r in results if r.cost_profile))
     text = f"Replay of {traces}; warm-up {warmups} requests (not counted)"
     return f"{text}; cost {profiles}" if profiles else text
 
 
-def render_table(results: list[ReplayResult], console: Console | None = None) -> None:
-    """Print the comparison table, one row per result, in the order given."""
+def cost_label(r: ReplayResult) -> str:
+    """The cost profile, and which of its parts are defaults nobody chose."""
+    if not r.cost_defaults:
+        return r.cost_profile or ""
+    names = ", ".join(r.cost_defaults)
+    flags = ", ".join(f"--{name}" for name in r.cost_defaults)
+    return f"{r.cost_profile} (defaults: {names}; set with {flags})"
+
+
+def result_notes(results: Sequence[ReplayResult]) -> list[str]:
+    """Lines a reader needs under the table: prompts the cost profile's model could not
+    have served, a figure of its own (JSON: ``prompts_over_context``)."""
+    lines = []
+    for r in results:
+        n = r.prompts_over_context
+        if not n or r.context_length is None:
+            continue
+        model = (r.cost_profile or "").split("@")[0]
+        line = (
+            f"Prompts beyond the context of {model} ({r.context_length:,} tokens): {n:,} of {r.requests:,} "
+            f"counted ({percent(r.prompts_over_context_share)}); costed by the same formula, though that model "
+            "could not have served them"
+        )
+        if line not in lines:
+            lines.append(line)
+    return lines
+
+
+def render_table(results: list[ReplayResult], console: Console | None = None, notes: Sequence[str] = ()) -> None:
+    """Print the comparison table, one row per result, in the order given, then the
+    notes (``result_notes(results)``, and the caller's ``notes``)."""
     table = Table(title=title(results))
     text_columns = {"policy", "capacity", "block", "isolation", "mode"}
     for header in table_headers(results):
@@ -126,7 +157,10 @@ def render_table(results: list[ReplayResult], console: Console | None = None) ->
         table.add_column(header, justify="left" if header in text_columns else "right", overflow="fold")
     for row in table_rows(results):
         table.add_row(*row)
-    (console or _default_console()).print(table)
+    console = console or _default_console()
+    console.print(table)
+    for line in [*result_notes(results), *notes]:
+        console.print(line, markup=False, highlight=False)
 
 
 def _default_console() -> Console:
@@ -157,8 +191,9 @@ def to_json(results: Sequence[ReplayResult]) -> str:
 
     NOTE: a NaN or infinity would make the file unreadable by strict parsers (and by
     ``jq``); such a value means "not defined here", so it becomes ``null``. Unlimited
-    capacity is already ``null`` with ``unlimited: true`` (see ``ReplayResult.to_json``)."""
-    payload = {"results": [_finite(r.to_json()) for r in results]}
+    capacity is already ``null`` with ``unlimited: true`` (see ``ReplayResult.to_json``).
+    ``coverage`` says which requests each figure covers (``results.COVERAGE``)."""
+    payload = {"results": [_finite(r.to_json()) for r in results], "coverage": COVERAGE}
     return json.dumps(payload, indent=2, allow_nan=False)
 
 
