@@ -80,7 +80,7 @@ class PlanInputs:
     cost: CostModel
     kv: KVLayout
     policy: str = CacheConfig().policy  # the library's default
-    isolation: str = "shared"
+    isolation: str = CacheConfig().isolation
     block_size: int = 16  # token traces; a pre-hashed trace uses its own
     warmup: float = 0.5
     precision: float = DEFAULT_PRECISION

@@ -78,14 +78,19 @@ def add_plan_parser(sub: Any) -> None:
         metavar="DOLLARS",
         help=f"what one GPU-hour costs (default {DEFAULT_PRICE_PER_GPU_HOUR:g}, stated in the output)",
     )
-    default_policy = CacheConfig().policy
+    default_policy, default_isolation = CacheConfig().policy, CacheConfig().isolation
     p.add_argument(
         "--policy",
         default=default_policy,
         choices=sorted(POLICIES),
         help=f"eviction policy (default {default_policy}, the library's)",
     )
-    p.add_argument("--isolation", choices=ISOLATION_MODES, default="shared", help="isolation mode (default shared)")
+    p.add_argument(
+        "--isolation",
+        choices=ISOLATION_MODES,
+        default=default_isolation,
+        help=f"isolation mode (default {default_isolation}, the library's)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="block size of a token trace (default 16)")
     p.add_argument(
         "--warmup", type=float, default=0.5, help="fraction of requests that only warm the cache (default 0.5)"

@@ -45,7 +45,7 @@ def headline(plan: Plan) -> str:
     if plan.capacity_tokens is None:
         return (
             f"Target {target} is NOT reachable: an unlimited cache reaches {_pct(plan.ceiling)} on this trace "
-            "(its ceiling: the rest of the prompt tokens are never seen twice)."
+            "(its ceiling: the other prompt tokens are never reused under this configuration)."
         )
     kv = plan.kv_bytes or 0.0
     return f"Target {target}: {format_tokens(plan.capacity_tokens)} tokens = {gib(kv)} of KV."
@@ -71,7 +71,8 @@ def render_text(plan: Plan) -> str:
                 f"{_pct(plan.below.token_hit_rate, 2)}; search precision {100 * inp.precision:g}%"
             )
     lines.append(f"  ceiling (unlimited cache): {_pct(plan.ceiling)}")
-    lines.append(f"  curve: {len(plan.curve)} capacities by {plan.curve_source}")
+    if len(plan.curve) > 1:
+        lines.append(f"  curve: {len(plan.curve)} capacities by {plan.curve_source}")
     if not plan.monotone:
         lines.append("  NOTE: the measured hit rate fell somewhere as capacity grew; the search assumes it does not")
     lines += _tier_lines(plan)
