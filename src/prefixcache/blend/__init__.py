@@ -1,0 +1,23 @@
+"""Reuse beyond the exact prefix: cached chunk KV at new positions (re-rotated keys)
+with selective recompute (EPIC's first-k rule, CacheBlend's deviation rule)."""
+
+from prefixcache.blend.plan import CacheBlend, Epic, Fresh, RecomputePlan, Reused, Segment
+from prefixcache.blend.prefill import BlendResult, blend_prefill, check_llama, greedy_continue, prefill_chunk
+from prefixcache.blend.rope import RotaryFrequencies, rerotate, rotary_of
+
+__all__ = [
+    "BlendResult",
+    "CacheBlend",
+    "Epic",
+    "Fresh",
+    "RecomputePlan",
+    "Reused",
+    "RotaryFrequencies",
+    "Segment",
+    "blend_prefill",
+    "check_llama",
+    "greedy_continue",
+    "prefill_chunk",
+    "rerotate",
+    "rotary_of",
+]
