@@ -1,5 +1,6 @@
 """The compiled parts: the trace simulator's replay kernel (src/prefixcache/sim/_kernel.c)
-and offline optimum (src/prefixcache/sim/_optimum.c), and the disk tier's placed read
+and offline optimum (src/prefixcache/sim/_optimum.c), the stack distances of its hit-rate
+curves (src/prefixcache/sim/_curves.c), and the disk tier's placed read
 (src/prefixcache/storage/_placed.c).
 
 NOTE: all optional. Where no C compiler is found the package installs without them:
@@ -30,6 +31,12 @@ setup(
         Extension(
             "prefixcache.sim._optimum",
             ["src/prefixcache/sim/_optimum.c"],
+            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            optional=True,
+        ),
+        Extension(
+            "prefixcache.sim._curves",
+            ["src/prefixcache/sim/_curves.c"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         ),
