@@ -1,0 +1,382 @@
+"""Hit rate versus capacity for one tree-mode configuration: a whole curve from one
+pass (textbook LRU) or from miniature replays (every policy the kernel models).
+
+Three methods, one result (``Curve``):
+
+- ``sampled`` (the default): spatially sampled miniature caches (SHARDS, Waldspurger
+  et al., FAST 2015; "Cache modeling and optimization using miniature simulations",
+  ATC 2017). A request is kept when a hash of its sampling unit falls under the rate
+  R; the kept requests are replayed on the compiled kernel, one miniature cache per
+  capacity, all in one pass.
+- ``stack``: Mattson's LRU stack distances in one pass (``_curves.c``), every capacity
+  at once. Exact for an LRU that keeps parents more recent than their children; the
+  cache's LRU is not quite that (below).
+- ``replay``: a full replay per capacity (``replay.replay``), the reference.
+
+Sampling a tree. A prefix chain must be kept or dropped whole, so the unit is not a
+block but the request's first block that at most ``UNIT_SHARE`` of the requests pass
+through (a first pass counts them in a sketch); a conversation's turns share it. NOTE:
+not simply the first block: every request of the Mooncake conversation trace starts
+with the same block. The blocks above the units (system prompts, tool lists, popular
+documents: what many units share) cannot be sampled; a miniature would see them
+referenced R times as often and, at capacity C x R, crowding out R times more of its
+space. So every request, kept or not, touches its shared head in every miniature, and
+a miniature's capacity is ``S + R x (C - S)`` blocks with ``S = min(C, shared
+blocks)``. Only the kept requests are counted.
+
+NOTE (LRU, stack versus cache): the cache touches a request's cached prefix before it
+links the missing blocks, so the deepest cached block ends up older than its new
+children, and LRU's victim search moves it to the tail ("blocked entries") when it
+reaches the head while they remain. That refresh depends on the capacity, so the
+cache's LRU is no stack algorithm and outlives the stack's: tests/test_sim_curves.py
+shows a four-request example. ``stack`` is kept for textbook LRU and for speed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from types import ModuleType
+from typing import Any
+
+import xxhash
+
+from prefixcache.sim.blocks import hit_tokens
+from prefixcache.sim.engines import KernelStepper, _block_digests, native_unsupported
+from prefixcache.sim.replay import replay
+from prefixcache.sim.results import UNLIMITED, ReplayConfig
+from prefixcache.sim.summary import TraceSource, TraceSummary, effective_configs, summarize, warmup_requests
+from prefixcache.sim.traces import Request
+
+_curves: ModuleType | None
+try:
+    from prefixcache.sim import _curves
+except ImportError as exc:  # NOTE: optional, like the replay kernel; ``replay`` still works
+    _curves = None
+    _CURVES_MISSING = f"the compiled curve engine is not built ({exc})"
+else:
+    _CURVES_MISSING = ""
+
+METHODS = ("auto", "stack", "sampled", "replay")
+DEFAULT_SAMPLE = 3_000_000
+"""Block lookups the sampled method keeps when no rate is given: the rate is
+``min(1, DEFAULT_SAMPLE / lookups)``. A miniature's error shrinks with the number of
+units it keeps, not with the rate; docs/simulator.md ("Curves") has the errors this
+was chosen by, and tests/test_sim_curves.py holds it to ``ERROR_BOUND``."""
+ERROR_BOUND = 0.01
+"""The absolute error in token hit rate the default sample is held to against full
+replays (``Curve.error_bound``; 0 when the rate is 1, a full replay)."""
+UNIT_SHARE = 0.001
+"""A sampling unit is a block at most this share of the requests pass through."""
+DEFAULT_POINTS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Curve:
+    """Token hit rate at each capacity (tokens, ascending; ``math.inf`` is unlimited)
+    of one configuration (policy, block size, isolation) on one trace, after its
+    warm-up. ``sampling_rate`` is set for the sampled method, with ``error_bound`` when
+    the rate was chosen by default (``ERROR_BOUND``; 0 for a rate of 1)."""
+
+    policy: str
+    block_size: int
+    isolation: str
+    capacities: tuple[float, ...]
+    token_hit_rates: tuple[float, ...]
+    method: str
+    sampling_rate: float | None = None
+    error_bound: float | None = None
+    requests: int = 0
+    lookup_tokens: int = 0
+    seconds: float = 0.0
+
+    def hit_rate_at(self, capacity: float) -> float:
+        """The hit rate at ``capacity`` tokens, linear between the points (the last
+        point's beyond them, 0 below the first's at capacity 0)."""
+        caps, rates = (0.0, *self.capacities), (0.0, *self.token_hit_rates)
+        for i in range(1, len(caps)):
+            if capacity <= caps[i]:
+                lo, hi = caps[i - 1], caps[i]
+                if math.isinf(hi) or hi == lo:
+                    return rates[i]
+                return rates[i - 1] + (rates[i] - rates[i - 1]) * (capacity - lo) / (hi - lo)
+        return rates[-1]
+
+    def capacity_for(self, target: float) -> float | None:
+        """The smallest capacity (tokens) at which the curve reaches ``target``, linear
+        between the points around it; ``None`` when no point does.
+
+        NOTE: hit-rate curves are mostly concave, so the chord lies below them and the
+        answer errs towards more capacity."""
+        caps, rates = (0.0, *self.capacities), (0.0, *self.token_hit_rates)
+        for i in range(1, len(caps)):
+            if rates[i] >= target:
+                lo, hi = caps[i - 1], caps[i]
+                if math.isinf(hi) or rates[i] == rates[i - 1] or target <= rates[i - 1]:
+                    return hi if target > rates[i - 1] else lo
+                return lo + (hi - lo) * (target - rates[i - 1]) / (rates[i] - rates[i - 1])
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "block_size": self.block_size,
+            "isolation": self.isolation,
+            "capacities": [None if math.isinf(c) else c for c in self.capacities],
+            "token_hit_rates": list(self.token_hit_rates),
+            "method": self.method,
+            "sampling_rate": self.sampling_rate,
+            "error_bound": self.error_bound,
+            "requests": self.requests,
+            "lookup_tokens": self.lookup_tokens,
+            "seconds": self.seconds,
+        }
+
+
+def unsupported(config: ReplayConfig, method: str = "auto") -> str:
+    """Why ``curve`` cannot draw ``config`` with ``method`` ("" when it can)."""
+    if method not in METHODS:
+        return f"unknown curve method {method!r}; valid: {', '.join(METHODS)}"
+    cache, reasons = config.cache, []
+    if config.mode != "tree":
+        reasons.append(f"mode {config.mode!r} (curves are drawn in tree mode)")
+    if config.isolation == "partitioned":
+        reasons.append("partitioned isolation (per-tenant pools do not scale with a sample)")
+    if method == "replay":
+        return "curves do not model " + ", ".join(reasons) if reasons else ""
+    if method == "stack":
+        if config.policy != "lru":
+            reasons.append(f"policy {config.policy!r} by stack distances (LRU only; use method 'sampled')")
+        if cache.ttl_seconds is not None:
+            reasons.append("a TTL by stack distances")
+        missing = _CURVES_MISSING
+    else:
+        missing = native_unsupported(config)
+    if cache.partial_blocks or cache.publish is not None:
+        reasons.append("partial blocks or publication (use method 'replay')")
+    if missing:
+        reasons.append(missing)
+    return "curves do not model " + ", ".join(reasons) if reasons else ""
+
+
+def curve(
+    source: TraceSource,
+    config: ReplayConfig,
+    capacities: Sequence[float] | None = None,
+    *,
+    warmup: float = 0.0,
+    method: str = "auto",
+    rate: float | None = None,
+    summary: TraceSummary | None = None,
+    seed: int = 0,
+) -> Curve:
+    """The token hit rate of ``config`` (its capacity ignored) at each of ``capacities``
+    (tokens; ``math.inf`` for unlimited; ``None``: ``DEFAULT_POINTS`` spread up to the
+    trace's distinct blocks) on the trace ``source()`` streams, with the replay's
+    semantics: ``warmup`` (a fraction of the requests, replayed but not counted), the
+    configuration's block size (a pre-hashed trace's own), its isolation.
+
+    ``method`` ``auto`` is ``sampled``: the stack is exact for textbook LRU, not for
+    the cache's (module docstring). ``rate`` is the sampled method's (default: enough
+    to keep ``DEFAULT_SAMPLE`` lookups; 1 replays every request), ``seed`` salts its
+    hash. Prompts only: a replay's ``--include-output`` is not modelled."""
+    why = unsupported(config, method)
+    if why:
+        raise ValueError(why)
+    if method == "auto":
+        method = "sampled"
+    if rate is not None and not 0.0 < rate <= 1.0:
+        raise ValueError(f"the sampling rate must be in (0, 1], got {rate}")
+    if rate is not None and method != "sampled":
+        raise ValueError(f"a sampling rate applies to method 'sampled', not {method!r}")
+    caps = None if capacities is None else _check_capacities(capacities)
+    chosen = rate is None
+    start = time.perf_counter()
+    prefixes = _curves.Prefixes() if method == "sampled" and _curves is not None else None
+    lookups = [0]
+    summary = summarize(_tapped(source, config, prefixes, lookups)) if summary is None or prefixes else summary
+    cfg = effective_configs([config], summary)[0]
+    skip = warmup_requests(summary, warmup)
+    if method == "stack":
+        out = _stack(source, cfg, summary, skip, caps)
+    elif method == "replay":
+        out = _replayed(source, cfg, summary, warmup, caps or _spread(_distinct(source, cfg, summary), cfg.block_size))
+    else:
+        assert prefixes is not None
+        rate = min(1.0, DEFAULT_SAMPLE / max(lookups[0], 1)) if rate is None else rate
+        caps = caps or _spread(prefixes.blocks, cfg.block_size)
+        most = max(1, int(summary.requests * UNIT_SHARE))
+        out = _sampled(source, cfg, summary, skip, caps, prefixes, most, rate, seed)
+    requests, lookup, caps, rates = out
+    bound = 0.0 if rate == 1.0 else ERROR_BOUND if method == "sampled" and chosen else None
+    return Curve(
+        cfg.policy,
+        cfg.block_size,
+        cfg.isolation,
+        tuple(caps),
+        tuple(rates),
+        method,
+        rate if method == "sampled" else None,
+        bound if method == "sampled" else None,
+        requests,
+        lookup,
+        time.perf_counter() - start,
+    )
+
+
+_Out = tuple[int, int, list[float], list[float]]
+
+
+def _check_capacities(capacities: Sequence[float]) -> list[float]:
+    caps = [float(c) for c in capacities]
+    if not caps or any(not c >= 0 for c in caps):
+        raise ValueError(f"capacities must be a non-empty list of tokens >= 0 (inf: unlimited), got {capacities!r}")
+    return sorted(set(caps))
+
+
+def _spread(blocks: int, block_size: int, points: int = DEFAULT_POINTS) -> list[float]:
+    """``points`` capacities, evenly spaced in log, from a thousandth of the trace's
+    distinct blocks to all of them (where every policy reaches the ceiling)."""
+    hi = max(blocks, 1)
+    lo = max(1, hi // 1000)
+    steps = [round(lo * (hi / lo) ** (i / max(points - 1, 1))) for i in range(points)]
+    return [float(b * block_size) for b in sorted(set(steps))]
+
+
+class _Chains:
+    """A request as the kernel sees it: its context root's key and its block ids."""
+
+    def __init__(self, cfg: ReplayConfig, hashed: bool) -> None:
+        self.shared = cfg.isolation == "shared"
+        self.unit = cfg.block_size
+        self.hashed = hashed
+        self._roots: dict[tuple[str, str], int] = {}
+
+    def root(self, req: Request) -> int:
+        name = (req.model, "" if self.shared else req.tenant)
+        key = self._roots.get(name)
+        if key is None:
+            key = self._roots[name] = xxhash.xxh3_64_intdigest(repr(name).encode())
+        return key
+
+    def ids(self, req: Request) -> Sequence[int]:
+        if req.hash_ids is not None:
+            return req.hash_ids
+        assert req.tokens is not None
+        return _block_digests(req.tokens, self.unit)
+
+
+def _tapped(source: TraceSource, config: ReplayConfig, prefixes: Any, lookups: list[int]) -> TraceSource:
+    """``source``, counting each request's chain in ``prefixes`` (and its block lookups
+    in ``lookups[0]``) as it goes by."""
+    if prefixes is None:
+        return source
+
+    def tapped() -> Any:
+        chains: _Chains | None = None
+        for req in source():
+            if chains is None:
+                cfg = replace(config, cache=replace(config.cache, block_size=req.block_size or config.block_size))
+                chains = _Chains(cfg, req.hash_ids is not None)
+            ids = chains.ids(req)
+            prefixes.add(chains.root(req), ids)
+            lookups[0] += len(ids)
+            yield req
+
+    return tapped
+
+
+def _stack(source: TraceSource, cfg: ReplayConfig, summary: TraceSummary, skip: int, caps: list[float] | None) -> _Out:
+    assert _curves is not None
+    stack = _curves.Stack()
+    chains = _Chains(cfg, summary.native_block_size is not None)
+    bs, requests, lookup = cfg.block_size, 0, 0
+    for i, req in enumerate(source()):
+        counted = i >= skip
+        length = req.input_length if chains.hashed else len(req.tokens or ())
+        stack.access(chains.root(req), chains.ids(req), bs, length, counted)
+        if counted:
+            requests += 1
+            lookup += req.input_length
+    caps = caps or _spread(stack.blocks, bs)
+    hits = stack.hits([None if math.isinf(c) else int(c) // bs for c in caps])
+    return requests, lookup, caps, [h / lookup if lookup else 0.0 for h in hits]
+
+
+def _distinct(source: TraceSource, cfg: ReplayConfig, summary: TraceSummary) -> int:
+    if _curves is None:
+        return 1 << 20
+    prefixes = _curves.Prefixes()
+    for _ in _tapped(source, cfg, prefixes, [0])():
+        pass
+    return int(prefixes.blocks)
+
+
+def _replayed(source: TraceSource, cfg: ReplayConfig, summary: TraceSummary, warmup: float, caps: list[float]) -> _Out:
+    configs = [replace(cfg, cache=replace(cfg.cache, capacity_tokens=_tokens(c))) for c in caps]
+    results = replay(source, configs, warmup=warmup, optimal=False, summary=summary)
+    first = results[0]
+    return first.requests, first.lookup_tokens, caps, [r.token_hit_rate for r in results]
+
+
+def _mini(blocks: int, hot: int, rate: float) -> int:
+    """A miniature's capacity in blocks: the shared head whole, the rest scaled."""
+    shared = min(hot, blocks)
+    return max(1, shared + round((blocks - shared) * rate))
+
+
+def _head(req: Request, depth: int, bs: int) -> Request:
+    """The request's first ``depth`` blocks: what a dropped request still touches."""
+    if req.hash_ids is not None:
+        return replace(req, hash_ids=req.hash_ids[:depth], input_length=min(req.input_length, depth * bs))
+    assert req.tokens is not None
+    return replace(req, tokens=req.tokens[: depth * bs], input_length=depth * bs, output_tokens=None)
+
+
+def _tokens(capacity: float) -> int:
+    return UNLIMITED if math.isinf(capacity) else int(capacity)
+
+
+def _sampled(
+    source: TraceSource,
+    cfg: ReplayConfig,
+    summary: TraceSummary,
+    skip: int,
+    caps: list[float],
+    prefixes: Any,
+    most: int,
+    rate: float,
+    seed: int,
+) -> _Out:
+    """Miniature caches: the kept requests on the kernel, the dropped ones' shared
+    heads touched, at capacity ``_mini``."""
+    bs = cfg.block_size
+    hot = prefixes.shared(most)
+    minis = [UNLIMITED if math.isinf(c) else _mini(int(c) // bs, hot, rate) * bs for c in caps]
+    steppers = [KernelStepper(replace(cfg, cache=replace(cfg.cache, capacity_tokens=m)), summary, False) for m in minis]
+    chains = _Chains(cfg, summary.native_block_size is not None)
+    threshold = int(rate * 2**64)
+    hits = [0] * len(caps)
+    requests, lookup, kept_lookup = 0, 0, 0
+    for i, req in enumerate(source()):
+        counted = i >= skip
+        if counted:
+            requests += 1
+            lookup += req.input_length
+        if rate < 1.0:
+            unit, depth = prefixes.unit(chains.root(req), chains.ids(req), most)
+            if xxhash.xxh3_64_intdigest(unit.to_bytes(8, "little"), seed=seed) >= threshold:
+                if depth:
+                    head = _head(req, depth, bs)
+                    for stepper in steppers:
+                        stepper.step(head)
+                continue
+        for j, stepper in enumerate(steppers):
+            cached = stepper.step(req)
+            if counted:
+                hits[j] += hit_tokens(req, cached, bs) if chains.hashed else cached
+        if counted:
+            kept_lookup += req.input_length
+    return requests, lookup, caps, [h / kept_lookup if kept_lookup else 0.0 for h in hits]

@@ -1,0 +1,229 @@
+"""Hit-rate curves (sim/curves.py, sim/_curves.c) against full replays.
+
+The stack engine against a reference LRU tree written here (leaf-only eviction, blocked
+entries to the tail, as policies/base.py) in both orders of a request's steps: linking
+the missing blocks after touching the cached prefix (the cache's order, which the
+kernel must match) or before (the order in which LRU is a stack algorithm, which the
+stack must match exactly). The sampled method against full replays: exact at rate 1,
+within ``ERROR_BOUND`` at its default sample; the refusals.
+
+Tests that take seconds are marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixcache.config import CacheConfig
+from prefixcache.sim.curves import ERROR_BOUND, Curve, curve, unsupported
+from prefixcache.sim.results import ReplayConfig
+from prefixcache.sim.traces import Request
+from prefixcache.sim.workload_spec import WorkloadSpec
+from prefixcache.sim.workloads import generate
+
+_curves = pytest.importorskip("prefixcache.sim._curves", reason="the compiled curve engine is not built")
+pytest.importorskip("prefixcache.sim._kernel", reason="the compiled replay kernel is not built")
+
+
+def _cfg(policy: str = "lru", isolation: str = "shared", **kw: object) -> ReplayConfig:
+    return ReplayConfig(CacheConfig(policy=policy, isolation=isolation, capacity_tokens=1 << 20, **kw))  # type: ignore[arg-type]
+
+
+def _req(ids: Sequence[int], tenant: str = "t", bs: int = 4, length: int | None = None) -> Request:
+    n = len(ids) * bs if length is None else length
+    return Request(0.0, tenant, "m", "", n, 0, hash_ids=tuple(ids), block_size=bs)
+
+
+class _TreeLRU:
+    """The ledger's LRU on a tree, in blocks: match, pin, make room (leaves only, blocked
+    entries to the tail), link; ``touch_first``: touch the cached prefix before linking
+    (the cache) or after (a stack algorithm)."""
+
+    def __init__(self, capacity: int, touch_first: bool) -> None:
+        self.capacity, self.touch_first = capacity, touch_first
+        self.queue: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self.kids: dict[tuple[int, ...], int] = {}
+
+    def access(self, ids: Sequence[int]) -> int:
+        path = [tuple(ids[: i + 1]) for i in range(len(ids))]
+        hit = 0
+        while hit < len(path) and path[hit] in self.queue:
+            hit += 1
+        if self.touch_first:
+            self._touch(path[:hit])
+        room = self._make_room(min(len(path) - hit, self.capacity), pinned=path[hit - 1] if hit else None)
+        for key in path[hit : hit + room]:
+            self.kids[key] = 0
+            if len(key) > 1:
+                self.kids[key[:-1]] += 1
+        for key in reversed(path[hit : hit + room]):  # deepest first
+            self.queue[key] = None
+        if not self.touch_first:
+            self._touch(path[:hit])
+        return hit
+
+    def _touch(self, path: list[tuple[int, ...]]) -> None:
+        for key in reversed(path):
+            self.queue.move_to_end(key)
+
+    def _make_room(self, need: int, pinned: tuple[int, ...] | None) -> int:
+        while self.capacity - len(self.queue) < need:
+            for _ in range(len(self.queue)):
+                key = next(iter(self.queue))
+                if self.kids[key] == 0 and key != pinned:
+                    del self.queue[key], self.kids[key]
+                    if len(key) > 1:
+                        self.kids[key[:-1]] -= 1
+                    break
+                self.queue.move_to_end(key)
+            else:
+                break
+        return max(0, min(need, self.capacity - len(self.queue)))
+
+
+def _stack_hits(requests: list[Request], capacities: list[int]) -> list[int]:
+    stack = _curves.Stack()
+    for r in requests:
+        assert r.hash_ids is not None
+        stack.access(1, r.hash_ids, 1, len(r.hash_ids), True)
+    return list(stack.hits(capacities))
+
+
+_chains = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_chains, st.integers(1, 12))
+def test_the_stack_is_lru_that_touches_after_linking(chains: list[list[int]], capacity: int) -> None:
+    requests = [_req(c, bs=1) for c in chains]
+    lru = _TreeLRU(capacity, touch_first=False)
+    assert sum(lru.access(c) for c in chains) == _stack_hits(requests, [capacity])[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(_chains, st.integers(1, 12))
+def test_the_reference_tree_is_the_caches_lru(chains: list[list[int]], capacity: int) -> None:
+    from prefixcache.sim import _kernel
+
+    tree = _kernel.Tree("lru", capacity, 1, False, None)
+    root = tree.root(1)
+    lru = _TreeLRU(capacity, touch_first=True)
+    for c in chains:
+        assert lru.access(c) == tree.access(root, 0, c, -1, 0.0)
+
+
+def test_the_caches_lru_is_no_stack_algorithm() -> None:
+    """[a] then [a b] leave a older than its new child b; [c] fills 3 blocks; [d e]
+    needs 2: LRU skips a (it has a child), moving it to the tail, and evicts b, then c.
+    The stack evicts b, then a: so [a] hits in the cache and misses in the stack."""
+    chains = [[1], [1, 2], [3], [4, 5], [1]]
+    lru = _TreeLRU(3, touch_first=True)
+    assert [lru.access(c) for c in chains] == [0, 1, 0, 0, 1]
+    assert _stack_hits([_req(c, bs=1) for c in chains], [3]) == [1]  # the second request's [a] only
+
+
+def test_stack_weighs_tokens_and_counts_after_the_warm_up() -> None:
+    stack = _curves.Stack()
+    stack.access(7, [1, 2, 3], 4, 10, False)  # blocks of 4 tokens, the last one 2
+    assert stack.access(7, [1, 2, 3], 4, 10, True) == 3
+    assert stack.hits([0, 1, 2, 3, None]) == [0, 4, 8, 10, 10]
+    assert stack.blocks == 3 and stack.lookups == 6 and stack.cold == 0
+
+
+def test_stack_curve_matches_a_replay_where_nothing_is_both_hit_and_linked() -> None:
+    """One-block requests: no parent ever gets a new child, so stack and cache agree."""
+    rng = random.Random(3)
+    requests = [_req([rng.randrange(60)], tenant=f"t{rng.randrange(3)}") for _ in range(2000)]
+    caps = [4.0, 40.0, 100.0, 200.0, math.inf]
+    for isolation in ("shared", "namespace"):
+        cfg = _cfg(isolation=isolation)
+        ref = curve(lambda: iter(requests), cfg, caps, method="replay", warmup=0.3)
+        got = curve(lambda: iter(requests), cfg, caps, method="stack", warmup=0.3)
+        assert got.token_hit_rates == pytest.approx(ref.token_hit_rates, abs=1e-12)
+        assert (got.requests, got.lookup_tokens) == (ref.requests, ref.lookup_tokens)
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "fifo", "sieve", "lfuda", "gittins"])
+def test_sampled_at_rate_one_is_the_replay(synthetic: list[Request], policy: str) -> None:
+    caps = [1e5, 1e6, 1e7, math.inf]
+    ref = curve(lambda: iter(synthetic), _cfg(policy), caps, method="replay", warmup=0.5)
+    got = curve(lambda: iter(synthetic), _cfg(policy), caps, method="sampled", rate=1.0, warmup=0.5)
+    assert got.token_hit_rates == pytest.approx(ref.token_hit_rates, abs=1e-9)
+    assert (got.sampling_rate, got.error_bound, got.method) == (1.0, 0.0, "sampled")
+
+
+def _max_error(requests: list[Request], policy: str, isolation: str, **kw: object) -> tuple[float, Curve]:
+    cfg = _cfg(policy, isolation)
+    ref = curve(lambda: iter(requests), cfg, None, method="replay")
+    got = curve(lambda: iter(requests), cfg, ref.capacities, **kw)  # type: ignore[arg-type]
+    return max(abs(a - b) for a, b in zip(ref.token_hit_rates, got.token_hit_rates, strict=True)), got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+def test_default_curves_of_the_mooncake_traces(
+    synthetic: list[Request], conversation: list[Request], policy: str
+) -> None:
+    for requests in (synthetic, conversation):
+        error, got = _max_error(requests, policy, "shared")
+        assert got.error_bound is not None and error <= got.error_bound <= ERROR_BOUND
+
+
+def _workload(requests: int) -> list[Request]:
+    spec = WorkloadSpec(requests=requests, tenants=16, seed=1, max_turns=12, sessions_per_tenant=50)
+    return [
+        Request(
+            r["timestamp"],
+            r["tenant"],
+            r["model"],
+            r.get("endpoint", ""),
+            r["input_length"],
+            r.get("output_length", 0),
+            hash_ids=tuple(r["hash_ids"]),
+            block_size=r["block_size"],
+        )
+        for r in generate(spec)
+    ]
+
+
+@pytest.mark.slow
+def test_sampled_error_on_a_generated_workload() -> None:
+    """A 20,000-request workload (5 M block lookups) at a rate of 0.6: the size of the
+    default sample (``DEFAULT_SAMPLE``)."""
+    requests = _workload(20_000)
+    error, got = _max_error(requests, "s3fifo", "namespace", rate=0.6)
+    assert got.sampling_rate == 0.6 and error <= ERROR_BOUND
+
+
+def test_curve_reads_and_inverts() -> None:
+    c = Curve("lru", 16, "shared", (100.0, 200.0, math.inf), (0.2, 0.4, 0.5), "stack")
+    assert c.hit_rate_at(50) == pytest.approx(0.1) and c.hit_rate_at(150) == pytest.approx(0.3)
+    assert c.hit_rate_at(1e9) == 0.5
+    assert c.capacity_for(0.3) == pytest.approx(150.0) and c.capacity_for(0.45) == math.inf
+    assert c.capacity_for(0.6) is None and c.capacity_for(0.0) == 0.0
+    assert c.to_json()["capacities"] == [100.0, 200.0, None]
+
+
+def test_refusals() -> None:
+    assert "partitioned" in unsupported(_cfg(isolation="partitioned"))
+    assert "LRU only" in unsupported(_cfg("s3fifo"), "stack")
+    assert "TTL" in unsupported(_cfg(ttl_seconds=60.0), "stack")
+    assert "tree mode" in unsupported(ReplayConfig(_cfg().cache, mode="flat"))
+    assert "unknown curve method" in unsupported(_cfg(), "magic")
+    assert unsupported(_cfg(ttl_seconds=60.0)) == ""
+    source = lambda: iter([_req([1])])  # noqa: E731
+    with pytest.raises(ValueError, match="partitioned"):
+        curve(source, _cfg(isolation="partitioned"))
+    with pytest.raises(ValueError, match="applies to method 'sampled'"):
+        curve(source, _cfg(), method="stack", rate=0.5)
+    with pytest.raises(ValueError, match="rate must be in"):
+        curve(source, _cfg(), rate=0.0)
+    with pytest.raises(ValueError, match="capacities"):
+        curve(source, _cfg(), [-1.0])
