@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.config import CacheConfig
-from prefixcache.sim.curves import ERROR_BOUND, Curve, curve, unsupported
+from prefixcache.sim.curves import DEFAULT_SAMPLE, ERROR_BOUND, Curve, curve, unsupported
 from prefixcache.sim.results import ReplayConfig
 from prefixcache.sim.traces import Request
 from prefixcache.sim.workload_spec import WorkloadSpec
@@ -195,9 +195,10 @@ def _workload(requests: int) -> list[Request]:
 
 @pytest.mark.slow
 def test_sampled_error_on_a_generated_workload() -> None:
-    """A 20,000-request workload (5 M block lookups) at a rate of 0.6: the size of the
-    default sample (``DEFAULT_SAMPLE``)."""
+    """A 20,000-request workload (5 M block lookups) at a rate of 0.6: 3 M lookups kept,
+    fewer than the default sample (``DEFAULT_SAMPLE``) keeps."""
     requests = _workload(20_000)
+    assert 0.6 * sum(len(r.hash_ids or ()) for r in requests) < DEFAULT_SAMPLE
     error, got = _max_error(requests, "s3fifo", "namespace", rate=0.6)
     assert got.sampling_rate == 0.6 and error <= ERROR_BOUND
 

@@ -43,8 +43,7 @@ from typing import Any
 
 import xxhash
 
-from prefixcache.sim.blocks import hit_tokens
-from prefixcache.sim.engines import KernelStepper, _block_digests, native_unsupported
+from prefixcache.sim.engines import _block_digests, engine_config, native_unsupported
 from prefixcache.sim.replay import replay
 from prefixcache.sim.results import UNLIMITED, ReplayConfig
 from prefixcache.sim.summary import TraceSource, TraceSummary, effective_configs, summarize, warmup_requests
@@ -60,7 +59,7 @@ else:
     _CURVES_MISSING = ""
 
 METHODS = ("auto", "stack", "sampled", "replay")
-DEFAULT_SAMPLE = 3_000_000
+DEFAULT_SAMPLE = 5_000_000
 """Block lookups the sampled method keeps when no rate is given: the rate is
 ``min(1, DEFAULT_SAMPLE / lookups)``. A miniature's error shrinks with the number of
 units it keeps, not with the rate; docs/simulator.md ("Curves") has the errors this
@@ -153,7 +152,7 @@ def unsupported(config: ReplayConfig, method: str = "auto") -> str:
             reasons.append("a TTL by stack distances")
         missing = _CURVES_MISSING
     else:
-        missing = native_unsupported(config)
+        missing = _CURVES_MISSING or native_unsupported(config)
     if cache.partial_blocks or cache.publish is not None:
         reasons.append("partial blocks or publication (use method 'replay')")
     if missing:
@@ -327,16 +326,33 @@ def _mini(blocks: int, hot: int, rate: float) -> int:
     return max(1, shared + round((blocks - shared) * rate))
 
 
-def _head(req: Request, depth: int, bs: int) -> Request:
-    """The request's first ``depth`` blocks: what a dropped request still touches."""
-    if req.hash_ids is not None:
-        return replace(req, hash_ids=req.hash_ids[:depth], input_length=min(req.input_length, depth * bs))
-    assert req.tokens is not None
-    return replace(req, tokens=req.tokens[: depth * bs], input_length=depth * bs, output_tokens=None)
-
-
 def _tokens(capacity: float) -> int:
     return UNLIMITED if math.isinf(capacity) else int(capacity)
+
+
+class _Minis:
+    """One kernel tree per capacity (``engines.KernelStepper``'s, without its per-call
+    work), each request's ids computed once for all."""
+
+    def __init__(self, cfg: ReplayConfig, summary: TraceSummary, capacities: list[int]) -> None:
+        from prefixcache.sim import _kernel
+
+        self.trees, self.roots = [], [dict[int, int]() for _ in capacities]
+        for capacity in capacities:
+            config = engine_config(replace(cfg, cache=replace(cfg.cache, capacity_tokens=capacity)), summary)
+            ttl = config.ttl_seconds
+            ttl = ttl if ttl is not None and math.isfinite(ttl) else None
+            self.trees.append(_kernel.Tree(config.policy, config.capacity, config.block_size, False, ttl))
+
+    def access(self, root_key: int, ids: Sequence[int], now: float) -> list[int]:
+        """Each tree's cached prefix of ``ids``, in blocks."""
+        out = []
+        for tree, roots in zip(self.trees, self.roots, strict=True):
+            root = roots.get(root_key)
+            if root is None:
+                root = roots[root_key] = tree.root(root_key)
+            out.append(tree.access(root, 0, ids, -1, now))
+        return out
 
 
 def _sampled(
@@ -354,8 +370,7 @@ def _sampled(
     heads touched, at capacity ``_mini``."""
     bs = cfg.block_size
     hot = prefixes.shared(most)
-    minis = [UNLIMITED if math.isinf(c) else _mini(int(c) // bs, hot, rate) * bs for c in caps]
-    steppers = [KernelStepper(replace(cfg, cache=replace(cfg.cache, capacity_tokens=m)), summary, False) for m in minis]
+    minis = _Minis(cfg, summary, [UNLIMITED if math.isinf(c) else _mini(int(c) // bs, hot, rate) * bs for c in caps])
     chains = _Chains(cfg, summary.native_block_size is not None)
     threshold = int(rate * 2**64)
     hits = [0] * len(caps)
@@ -365,18 +380,16 @@ def _sampled(
         if counted:
             requests += 1
             lookup += req.input_length
+        root, ids = chains.root(req), chains.ids(req)
         if rate < 1.0:
-            unit, depth = prefixes.unit(chains.root(req), chains.ids(req), most)
+            unit, depth = prefixes.unit(root, ids, most)
             if xxhash.xxh3_64_intdigest(unit.to_bytes(8, "little"), seed=seed) >= threshold:
                 if depth:
-                    head = _head(req, depth, bs)
-                    for stepper in steppers:
-                        stepper.step(head)
+                    minis.access(root, ids[:depth], req.timestamp)
                 continue
-        for j, stepper in enumerate(steppers):
-            cached = stepper.step(req)
-            if counted:
-                hits[j] += hit_tokens(req, cached, bs) if chains.hashed else cached
+        cached = minis.access(root, ids, req.timestamp)
         if counted:
             kept_lookup += req.input_length
+            for j, blocks in enumerate(cached):
+                hits[j] += min(blocks * bs, req.input_length) if chains.hashed else blocks * bs
     return requests, lookup, caps, [h / kept_lookup if kept_lookup else 0.0 for h in hits]
