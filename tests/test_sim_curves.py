@@ -203,6 +203,17 @@ def test_sampled_error_on_a_generated_workload() -> None:
     assert got.sampling_rate == 0.6 and error <= ERROR_BOUND
 
 
+def test_auto_draws_lru_by_its_stack_beyond_the_default_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    import prefixcache.sim.curves as curves
+
+    requests = [_req([i % 7, i]) for i in range(50)]
+    assert curve(lambda: iter(requests), _cfg(), [8.0]).method == "sampled"
+    monkeypatch.setattr(curves, "DEFAULT_SAMPLE", 10)
+    assert curve(lambda: iter(requests), _cfg(), [8.0]).method == "stack"
+    assert curve(lambda: iter(requests), _cfg("fifo"), [8.0]).method == "sampled"
+    assert curve(lambda: iter(requests), _cfg(ttl_seconds=5.0), [8.0]).method == "sampled"
+
+
 def test_curve_reads_and_inverts() -> None:
     c = Curve("lru", 16, "shared", (100.0, 200.0, math.inf), (0.2, 0.4, 0.5), "stack")
     assert c.hit_rate_at(50) == pytest.approx(0.1) and c.hit_rate_at(150) == pytest.approx(0.3)
