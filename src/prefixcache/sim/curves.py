@@ -190,7 +190,7 @@ def curve(
         raise ValueError(why)
     if rate is not None and not 0.0 < rate <= 1.0:
         raise ValueError(f"the sampling rate must be in (0, 1], got {rate}")
-    if rate is not None and method != "sampled":
+    if rate is not None and method not in ("auto", "sampled"):
         raise ValueError(f"a sampling rate applies to method 'sampled', not {method!r}")
     caps = None if capacities is None else _check_capacities(capacities)
     start = time.perf_counter()
