@@ -23,86 +23,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
 
 from prefixcache.blend.chunk_keys import ChunkKeys, Epochs
+from prefixcache.blend.chunk_types import ORPHAN, Chunk, Drop, Pool, Read, TierBook
 from prefixcache.config import CacheConfig
 from prefixcache.events import RemovalReason
-from prefixcache.policies import EvictionPolicy, make_policy
 from prefixcache.tenancy import GLOBAL, PUBLIC
 
-__all__ = ["ORPHAN", "Chunk", "ChunkLedger", "Drop", "Read", "TierBook"]
-
-ORPHAN = "\x00orphan"  # the pool of frames a disk held at open, owner unknown until a get adopts them
-
-
-@dataclass(eq=False, slots=True)
-class Chunk:
-    """One chunk's books. ``namespace`` is ``None`` for an orphan (its tokens unknown)."""
-
-    key: bytes
-    namespace: str | None
-    owner: str | None
-    model: str | None
-    adapter: str | None
-    data: bytes
-    frame_bytes: int
-    held: set[int] = field(default_factory=set)
-    pending: set[int] = field(default_factory=set)
-    pins: int = 0
-    expires: float = math.inf
-    removed: bool = False
-
-    @property
-    def orphan(self) -> bool:
-        return self.namespace is None
-
-
-@dataclass(frozen=True, slots=True)
-class Drop:
-    """A frame to delete from a tier, outside the lock."""
-
-    key: bytes
-    tier: int
-
-
-@dataclass(frozen=True, slots=True)
-class Read:
-    """A pinned chunk and the tiers to read it from, fast to slow."""
-
-    chunk: Chunk
-    tiers: tuple[int, ...]
-
-
-@dataclass(eq=False)
-class Pool:
-    used: int
-    policy: EvictionPolicy
-
-
-@dataclass(eq=False)
-class TierBook:
-    """One tier's capacity and pools. ``slot`` is a slab tier's slot size: every frame
-    takes a whole slot, and a frame longer than a slot does not go there."""
-
-    capacity: int
-    slot: int | None
-    policy: str
-    used: int = 0
-    evictions: int = 0
-    pools: dict[str, Pool] = field(default_factory=dict)
-
-    def charge(self, frame_bytes: int) -> int:
-        return self.slot if self.slot is not None else frame_bytes
-
-    def fits(self, frame_bytes: int) -> bool:
-        return (self.slot is None or frame_bytes <= self.slot) and self.charge(frame_bytes) <= self.capacity
-
-    def pool(self, name: str) -> Pool:
-        pool = self.pools.get(name)
-        if pool is None:
-            pool = self.pools[name] = Pool(0, make_policy(self.policy, max(self.capacity, 1)))
-        return pool
+__all__ = ["ChunkLedger"]
 
 
 class ChunkLedger:

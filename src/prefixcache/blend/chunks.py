@@ -40,7 +40,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
@@ -48,7 +47,8 @@ from typing import Literal
 import numpy as np
 
 from prefixcache.blend.chunk_keys import ChunkKeys, Epochs
-from prefixcache.blend.chunk_ledger import Chunk, ChunkLedger, Drop, Read, TierBook
+from prefixcache.blend.chunk_ledger import ChunkLedger
+from prefixcache.blend.chunk_types import Chunk, ChunkKV, ChunkStats, Drop, Pinned, Read, TierBook
 from prefixcache.config import CacheConfig, KVLayout, TierConfig
 from prefixcache.events import RemovalReason
 from prefixcache.hashing import CacheContext, get_hash, token_bytes
@@ -62,42 +62,6 @@ from prefixcache.tenancy import PUBLIC, Tenancy
 __all__ = ["ChunkKV", "ChunkStats", "ChunkStore", "Pinned"]
 
 Tokens = Sequence[int] | np.ndarray
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkKV:
-    """A chunk's KV, ``[layers, 2, kv_heads, tokens, head_dim]``, positions from 0."""
-
-    key: bytes
-    tokens: int
-    kv: np.ndarray
-    public: bool
-    tier: str
-
-
-@dataclass(frozen=True, slots=True)
-class Pinned:
-    """Chunks held in place for a blended prefill: ``keys[i]`` is ``None`` where chunk i
-    was not stored when pinned."""
-
-    keys: tuple[bytes | None, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkStats:
-    """Counters since open. ``removed`` counts chunks that left the store, by
-    ``RemovalReason.label``; ``tier_evictions`` frames a full tier's policy pushed out."""
-
-    chunks: int
-    bytes: int
-    pinned: int
-    hits: int
-    misses: int
-    collisions: int
-    errors: MappingProxyType[str, int]
-    removed: MappingProxyType[str, int]
-    tier_bytes: tuple[int, ...]
-    tier_evictions: tuple[int, ...]
 
 
 class ChunkStore:
@@ -175,8 +139,9 @@ class ChunkStore:
 
     def put(self, ctx: CacheContext, tokens: Tokens, kv: np.ndarray, *, public: bool = False) -> bool:
         """Store ``kv`` (``layout.shape(len(tokens))``) as the chunk of ``tokens``; whether
-        any tier took it. ``public=True`` stores it in the public namespace, where every
-        tenant of the context finds it: an operator's declaration, never a tenant's."""
+        it was written (``False``: stored already, or no room that is not pinned).
+        ``public=True`` stores it in the public namespace, where every tenant of the
+        context finds it: an operator's declaration, never a tenant's."""
         data = self._tokens(tokens)
         shape = self.layout.shape(len(data) // 4)
         if not isinstance(kv, np.ndarray) or kv.shape != shape:
