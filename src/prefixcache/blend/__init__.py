@@ -21,3 +21,7 @@ __all__ = [
     "rerotate",
     "rotary_of",
 ]
+
+from prefixcache.blend.chunks import ChunkKV, ChunkStats, ChunkStore, Pinned
+
+__all__ += ["ChunkKV", "ChunkStats", "ChunkStore", "Pinned"]
