@@ -1,0 +1,211 @@
+"""The blend quality gate: the evaluation file validates, thresholds hold exactly at
+their boundary, and on the real model a plan that recomputes everything passes while a
+plan that recomputes nothing fails; ``choose_plan`` picks the cheapest passing plan."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from engine_support import model
+from prefixcache.blend import CacheBlend, Epic, Reused
+from prefixcache.blend.evalset import KINDS, EvalSetError, assemble, load_eval_set, parse_eval_set
+from prefixcache.blend.gate import (
+    GateFigures,
+    GateReport,
+    GateStore,
+    GateThresholds,
+    Prepared,
+    cheapest_passing,
+    choose_plan,
+    evaluate,
+    judge,
+    prepare,
+    run_gate,
+)
+from prefixcache.blend.metrics import BLEND_METRICS, BlendMetrics
+from prefixcache.engine import LoadedModel
+
+EVAL = Path(__file__).parent / "data" / "blend" / "eval.json"
+# query-01: reordering without recompute changes its answer; system-04: a shifted system prompt.
+MODEL_ITEMS = ("query-01", "system-04")
+
+
+def figures(
+    plan: str = "p", top1: float = 1.0, em: float = 1.0, mean_kl: float = 0.0, work: float = 0.5
+) -> GateFigures:
+    return GateFigures(plan, 10, top1, em, mean_kl, mean_kl, 100, 10, 5, work)
+
+
+# -- the evaluation file ----------------------------------------------------------------
+
+
+def test_eval_file_validates_and_assembles() -> None:
+    eval_set = load_eval_set(EVAL)
+    assert 12 <= len(eval_set.items) <= 24
+    assert {item.kind for item in eval_set.items} == set(KINDS)
+    encode = lambda text: tuple(ord(c) for c in text)  # noqa: E731 - one token per character
+    lines = {name: [encode(line) for line in text] for name, text in eval_set.chunks.items()}
+    for item in eval_set.items:
+        pieces = assemble(item, lines, encode)
+        assert any(p.chunk is not None for p in pieces)
+        for p in pieces:
+            if p.chunk is not None:  # a reused piece is the chunk's own tokens at its own offset
+                whole = [t for line in lines[p.chunk] for t in line]
+                assert tuple(whole[p.start : p.start + len(p.tokens)]) == p.tokens
+    assert len(eval_set.of_kind("reordered_rag").items) >= 6
+
+
+def mutate(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(doc)
+    *head, last = path.split("/")
+    node: Any = doc
+    for key in head:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    if value is ...:
+        del node[int(last) if isinstance(node, list) else last]
+    else:
+        node[int(last) if isinstance(node, list) else last] = value
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        ("version", 2, r"version must be 1"),
+        ("items", [], r"items must be a non-empty list"),
+        ("items/0/kind", "poem", r"items\[0\] \(reorder-01\): kind must be one of"),
+        ("items/0/cached", ["nowhere"], r"cached names \['nowhere'\] are not in chunks"),
+        ("items/0/prompt/1", {"chunk": "tram"}, r"prompt\[1\]: chunk 'tram' is not in this item's cached list"),
+        ("items/8/prompt/1/lines", [3, 2], r"items\[8\] \(edit-01\): prompt\[1\]: lines must be \[a, b\]"),
+        ("items/0/prompt/0", {"text": "x", "chunk": "owl"}, r"needs either text or chunk"),
+        ("items/0/extra", 1, r"unknown keys \['extra'\]"),
+        ("chunks/owl", [], r"chunks.owl: must be a non-empty list"),
+        ("items/1/id", "reorder-01", r"duplicate item ids \['reorder-01'\]"),
+    ],
+)
+def test_schema_errors_are_clear(path: str, value: Any, message: str) -> None:
+    doc = json.loads(EVAL.read_text())
+    with pytest.raises(EvalSetError, match=message):
+        parse_eval_set(mutate(doc, path, value))
+
+
+def test_a_file_that_is_not_json_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "eval.json"
+    bad.write_text("{not json")
+    with pytest.raises(EvalSetError, match=r"eval\.json: not JSON"):
+        load_eval_set(bad)
+
+
+# -- thresholds, reports, the plan choice -------------------------------------------------
+
+
+def test_thresholds_hold_exactly_at_the_boundary() -> None:
+    t = GateThresholds(min_top1=0.98, min_greedy_em=0.9, max_mean_kl=0.02)
+    assert judge("m", figures(top1=0.98, em=0.9, mean_kl=0.02), t).passed
+    below = math.nextafter(0.98, 0.0)
+    report = judge("m", figures(top1=below, em=0.9, mean_kl=0.02), t)
+    assert not report.passed and [c.name for c in report.checks if not c.passed] == ["top1"]
+    report = judge("m", figures(top1=1.0, em=math.nextafter(0.9, 0.0), mean_kl=0.0), t)
+    assert [c.name for c in report.checks if not c.passed] == ["greedy_em"]
+    report = judge("m", figures(mean_kl=math.nextafter(0.02, 1.0)), t)
+    assert [c.name for c in report.checks if not c.passed] == ["mean_kl"]
+    assert GateThresholds() == GateThresholds(0.98, 0.90, 0.02)
+    with pytest.raises(ValueError, match="min_top1"):
+        GateThresholds(min_top1=1.5)
+
+
+def test_cheapest_passing_report() -> None:
+    t = GateThresholds()
+    reports = [
+        judge("m", figures("a", work=0.3, top1=0.5), t),  # cheapest, fails
+        judge("m", figures("b", work=0.6), t),
+        judge("m", figures("c", work=0.4), t),
+        judge("m", figures("d", work=0.4), t),  # a tie: the first given wins
+    ]
+    best = cheapest_passing(reports)
+    assert best is not None and best.plan == "c"
+    assert cheapest_passing(reports[:1]) is None
+
+
+def test_gate_store_round_trip(tmp_path: Path) -> None:
+    store = GateStore(tmp_path / "gate.json")
+    assert store.get("k") is None
+    store.put("k", figures("x", top1=0.75))
+    store.put("j", figures("y"))
+    assert GateStore(tmp_path / "gate.json").get("k") == figures("x", top1=0.75)
+
+
+def test_blend_metrics_export_their_names() -> None:
+    registry = CollectorRegistry()
+    metrics = BlendMetrics(registry)
+    metrics.record_gate(judge("m", figures("epic(k=8)", top1=0.5), GateThresholds()))
+    metrics.set_enabled("m", "epic(k=8)")
+    metrics.set_enabled("m", None)
+    assert registry.get_sample_value("prefixcache_blend_gate_passed", {"model": "m", "plan": "epic(k=8)"}) == 0.0
+    assert registry.get_sample_value("prefixcache_blend_enabled", {"model": "m", "plan": "epic(k=8)"}) == 0.0
+    exported = {s.name for family in registry.collect() for s in family.samples}
+    gauges = {name for name, kind in BLEND_METRICS.items() if kind == "gauge"}
+    assert gauges <= exported
+
+
+# -- on the real model --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lm() -> LoadedModel:
+    torch.set_num_threads(2)
+    return model()
+
+
+@pytest.fixture(scope="module")
+def prepared(lm: LoadedModel) -> Prepared:
+    return prepare(lm, load_eval_set(EVAL).subset(list(MODEL_ITEMS)))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> GateStore:
+    return GateStore(tmp_path_factory.mktemp("gate") / "gate.json")
+
+
+@pytest.mark.model
+def test_recomputing_everything_passes_and_recomputing_nothing_fails(
+    lm: LoadedModel, prepared: Prepared, store: GateStore
+) -> None:
+    assert all(any(isinstance(s, Reused) for s in item.segments) for item in prepared.items)
+    everything = run_gate(lm, prepared, CacheBlend(100.0), store=store)
+    assert everything.passed, everything.summary()
+    assert everything.figures.top1 == everything.figures.greedy_em == 1.0
+    assert everything.figures.reused == 0 and everything.figures.recomputed > 0
+
+    nothing, scores = evaluate(lm, prepared, Epic(0))
+    store.put(GateStore.key(prepared, Epic(0)), nothing)
+    changed = {s.id for s in scores if not s.greedy_match}
+    assert "query-01" in changed  # the no-recompute plan changes this item's continuation
+    report = judge(prepared.model, nothing, GateThresholds())
+    assert not report.passed and nothing.recomputed == 0 and nothing.work < everything.figures.work
+
+
+@pytest.mark.model
+def test_choose_plan_picks_the_cheapest_passing_plan_or_none(
+    lm: LoadedModel, prepared: Prepared, store: GateStore
+) -> None:
+    # figures come from the store filled above when it ran first, else they are computed
+    plans = [CacheBlend(100.0), Epic(0)]
+    chosen, reports = choose_plan(lm, prepared, plans, store=store)
+    assert chosen == CacheBlend(100.0) and [r.passed for r in reports] == [True, False]
+    assert all(isinstance(r, GateReport) for r in reports)
+
+    lenient = GateThresholds(min_top1=0.0, min_greedy_em=0.0, max_mean_kl=math.inf)
+    chosen, _ = choose_plan(lm, prepared, plans, lenient, store=store)
+    assert chosen == Epic(0)  # both pass: the one with less work
+
+    chosen, reports = choose_plan(lm, prepared, [Epic(0)], store=store)
+    assert chosen is None and not reports[0].passed
