@@ -1,95 +1,66 @@
-"""Blended prefill on reordered RAG prompts: prefill time saved against quality.
+"""Blended prefill on the evaluation set's reordered-RAG prompts: prefill time saved
+against quality, as a curve over EPIC's k and CacheBlend's r.
 
-Four documents are prefilled alone (the chunk store's KV); each prompt puts them in
-another order and adds a question. For EPIC's k and CacheBlend's r, against a full
-prefill of the same prompt in the same process: the prefill time saved (best of a few
-runs each), the share of (token, layer) work done, top-1 next-token agreement, and
-exact match of 16 greedy tokens decoded from the blended cache. The curve is printed
-whatever it shows.
+Every document is prefilled alone first (the chunk store's KV); each prompt puts some of
+them in a new order after a fresh header and before a fresh question. For each plan,
+against a full prefill of the same tokens in the same process: the prefill time saved
+(1 - blended / full, summed over prompts, best of a few runs each), the share of
+(token, layer) work done (noise-free), top-1 next-token agreement, greedy-32 exact
+match and the mean KL of the next token. The curve is printed whatever it shows, then
+whether the target (>= 50 % of prefill time saved at top-1 >= 98 % and greedy-32 EM >=
+90 %) is met, and at which plan.
 
-    .venv/bin/python benchmarks/bench_blend.py [--repeats 2] [--threads 2]
+    .venv/bin/python benchmarks/bench_blend.py [--repeats 2] [--threads 2] [--items N]
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from prefixcache.blend import (
-    CacheBlend,
-    Epic,
-    Fresh,
-    RecomputePlan,
-    Reused,
-    blend_prefill,
-    greedy_continue,
-    prefill_chunk,
-)
-from prefixcache.engine import LoadedModel, load_model
-from prefixcache.engine.runner import Sequence
+from prefixcache.blend import CacheBlend, Epic, RecomputePlan, blend_prefill
+from prefixcache.blend.evalset import load_eval_set
+from prefixcache.blend.gate import GateFigures, ItemScore, full_prefill, plan_name, prepare, score_result
+from prefixcache.engine import load_model
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / ".prefixcache" / "models"
-GREEDY = 16
+ROOT = Path(__file__).resolve().parent.parent
+MODELS_DIR = ROOT / ".prefixcache" / "models"
+EVAL_SET = ROOT / "tests" / "data" / "blend" / "eval.json"
 
-DOCS = (
-    "The river Thames rises in the Cotswold hills of Gloucestershire and flows eastwards for about three hundred "
-    "and forty kilometres to the North Sea. On its way it passes through Oxford, where it is locally called the "
-    "Isis, then Reading, Windsor and finally London, where it becomes a tidal estuary. For centuries the river was "
-    "the main road of the city: barges carried coal, timber and grain to the wharves, and the Port of London was "
-    "once the busiest in the world. In the nineteenth century the river was so polluted that the summer of 1858 "
-    "became known as the Great Stink, which pushed Parliament to fund a new sewer system designed by the engineer "
-    "Joseph Bazalgette. Today the Thames Barrier, completed in 1982, protects the capital from storm surges coming "
-    "up the estuary, and the river is clean enough for seals and salmon to return.",
-    "Mount Fuji is the highest mountain in Japan, rising to three thousand seven hundred and seventy-six metres on "
-    "the island of Honshu, about one hundred kilometres south-west of Tokyo. It is an active stratovolcano that "
-    "last erupted in 1707, during the Edo period, when the Hoei eruption covered the surrounding towns in ash. Its "
-    "almost perfectly symmetrical cone, snow-capped for much of the year, has made it a symbol of the country and "
-    "a favourite subject of artists such as Hokusai, whose series of prints called Thirty-six Views of Mount Fuji "
-    "is famous around the world. The official climbing season runs from early July to early September, when "
-    "mountain huts along the four main trails are open, and many climbers walk through the night to watch the "
-    "sunrise from the summit. In 2013 the mountain was added to the list of World Heritage sites as a cultural site.",
-    "Honey bees live in colonies that can hold tens of thousands of individuals but only one queen. The queen lays "
-    "all the eggs of the colony, up to two thousand a day in summer, while the workers, which are all female, do "
-    "every other task: they clean the cells, feed the larvae, build wax comb, guard the entrance and, in the last "
-    "weeks of their short lives, fly out to collect nectar, pollen, water and plant resins. A forager that finds "
-    "a rich patch of flowers returns to the hive and performs a waggle dance, whose direction and duration tell her "
-    "sisters the bearing and the distance of the food. The males, called drones, do not work and exist only to mate "
-    "with young queens from other colonies. In winter the bees cluster together and shiver their flight muscles to "
-    "keep the centre of the cluster warm, living on the honey they stored during the summer.",
-    "Copper is a soft, reddish metal that conducts heat and electricity better than any other metal except silver. "
-    "It was one of the first metals used by people, more than ten thousand years ago, and mixing it with tin gave "
-    "bronze, the alloy that named an age of human history. Because it is a good conductor and easy to draw into "
-    "thin wire, about half of the copper produced today goes into electrical wiring, motors and transformers. It "
-    "is also used for water pipes, roofing and cooking pans, and in coins, often as an alloy with nickel or zinc; "
-    "brass is an alloy of copper and zinc. When copper is exposed to the air for many years it forms a green layer "
-    "called patina, which protects the metal underneath, as can be seen on the Statue of Liberty. Chile is the "
-    "largest producer of copper, followed by Peru and the Democratic Republic of the Congo.",
-)
-
-PROMPTS = (  # (document order, question)
-    ((1, 0, 3, 2), "\nQuestion: which engineer designed the new sewer system of London? Answer:"),
-    ((3, 2, 1, 0), "\nQuestion: in which year did Mount Fuji last erupt? Answer:"),
-    ((2, 3, 0, 1), "\nQuestion: what do honey bees do in winter to keep warm? Answer:"),
-    ((0, 3, 1, 2), "\nQuestion: which metal is mixed with copper to make brass? Answer:"),
-)
+TARGET_SAVED, TARGET_TOP1, TARGET_EM = 0.50, 0.98, 0.90
 
 PLANS: tuple[RecomputePlan, ...] = (
     Epic(0),
     Epic(8),
+    Epic(16),
     Epic(32),
-    Epic(96),
+    Epic(64),
     CacheBlend(5.0),
     CacheBlend(15.0),
     CacheBlend(30.0),
     CacheBlend(50.0),
     CacheBlend(100.0),
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    figures: GateFigures
+    saved: float  # 1 - blended seconds / full seconds, over all prompts
+
+    @property
+    def meets_quality(self) -> bool:
+        return self.figures.top1 >= TARGET_TOP1 and self.figures.greedy_em >= TARGET_EM
+
+    @property
+    def meets_target(self) -> bool:
+        return self.meets_quality and self.saved >= TARGET_SAVED
 
 
 def best_time(run: Callable[[], Any], repeats: int) -> tuple[float, Any]:
@@ -101,53 +72,64 @@ def best_time(run: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return best, out
 
 
-def full_prefill(lm: LoadedModel, tokens: list[int]) -> tuple[torch.Tensor, Sequence]:
-    seq = Sequence(lm)
-    return seq.prefill(tokens)[0], seq
-
-
-def name(plan: RecomputePlan) -> str:
-    return f"EPIC k={plan.k}" if isinstance(plan, Epic) else f"CacheBlend r={plan.r:g}%"
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each prefill (the best counts)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--items", type=int, default=0, help="use the first N reordered-RAG prompts (0: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_model(models_dir=MODELS_DIR, device="cpu")
-    docs = [tuple(lm.tokenizer.encode(doc, add_special_tokens=False)) for doc in DOCS]
-    chunks = [Reused(doc, prefill_chunk(lm, doc)) for doc in docs]
-    print(f"model {Path(lm.source).name}, {lm.kv.layers} layers; documents of {[len(d) for d in docs]} tokens")
+    eval_set = load_eval_set(EVAL_SET).of_kind("reordered_rag")
+    if args.items:
+        eval_set = eval_set.subset([item.id for item in eval_set.items[: args.items]])
+    prepared = prepare(lm, eval_set)
+    lengths = [len(item.tokens) for item in prepared.items]
+    print(
+        f"model {Path(lm.source).name}, {lm.kv.layers} layers; {len(lengths)} reordered-RAG prompts of {lengths} tokens"
+    )
 
-    rows: dict[str, list[tuple[float, float, bool, bool]]] = {name(plan): [] for plan in PLANS}
-    for order, question in PROMPTS:
-        q = tuple(lm.tokenizer.encode(question, add_special_tokens=False))
-        segments = [chunks[i] for i in order] + [Fresh(q)]
-        tokens = [t for i in order for t in docs[i]] + list(q)
-        full_s, (logits, seq) = best_time(lambda tokens=tokens: full_prefill(lm, tokens), args.repeats)
-        want_top = int(logits.argmax())
-        want_text = greedy_continue(lm, seq.cache, logits, GREEDY)
-        print(f"prompt of {len(tokens)} tokens, full prefill {full_s * 1000:.0f} ms")
-        for plan in PLANS:
-            run = functools.partial(blend_prefill, lm, segments, plan)
-            blend_s, result = best_time(run, args.repeats)
-            text = greedy_continue(lm, result.cache, result.logits, GREEDY)
-            work = result.token_layers / (len(tokens) * lm.kv.layers)
-            rows[name(plan)].append(
-                (1.0 - blend_s / full_s, work, int(result.logits.argmax()) == want_top, text == want_text)
+    full_s = 0.0
+    blend_s = dict.fromkeys(range(len(PLANS)), 0.0)
+    scores: dict[int, list[ItemScore]] = {i: [] for i in range(len(PLANS))}
+    for item in prepared.items:
+        seconds, _ = best_time(lambda item=item: full_prefill(lm, item.tokens), args.repeats)
+        full_s += seconds
+        for i, plan in enumerate(PLANS):
+            seconds, result = best_time(
+                lambda item=item, plan=plan: blend_prefill(lm, item.segments, plan), args.repeats
             )
+            blend_s[i] += seconds
+            scores[i].append(score_result(lm, item, result, prepared.steps))
 
-    print(f"\n{len(PROMPTS)} reordered-RAG prompts; time saved = 1 - blended / full prefill (best of {args.repeats})")
-    print(f"{'plan':<22}{'time saved':>12}{'work done':>11}{'top-1 agree':>13}{f'greedy-{GREEDY} EM':>14}")
-    for label, results in rows.items():
-        n = len(results)
-        saved = sum(r[0] for r in results) / n
-        work = sum(r[1] for r in results) / n
-        top1 = sum(r[2] for r in results) / n
-        exact = sum(r[3] for r in results) / n
-        print(f"{label:<22}{saved:>11.0%}{work:>11.0%}{top1:>13.0%}{exact:>14.0%}")
+    points = [
+        Point(GateFigures.of(plan_name(plan), scores[i], prepared.layers), 1.0 - blend_s[i] / full_s)
+        for i, plan in enumerate(PLANS)
+    ]
+    print(f"\nfull prefill {full_s * 1000:.0f} ms over all prompts (best of {args.repeats} each)")
+    print("time saved = 1 - blended / full prefill seconds; work done = (token, layer) pairs run / full prefill's")
+    head = f"{'plan':<28}{'time saved':>11}{'work done':>11}{'top-1':>8}{'greedy-32 EM':>14}{'mean KL':>10}"
+    print(head)
+    for p in points:
+        f = p.figures
+        print(f"{f.plan:<28}{p.saved:>11.0%}{f.work:>11.0%}{f.top1:>8.0%}{f.greedy_em:>14.0%}{f.mean_kl:>10.4f}")
+
+    met = [p for p in points if p.meets_target]
+    quality = [p for p in points if p.meets_quality]
+    print(
+        f"\ntarget: >= {TARGET_SAVED:.0%} prefill time saved at top-1 >= {TARGET_TOP1:.0%},"
+        f" greedy-32 EM >= {TARGET_EM:.0%}"
+    )
+    if met:
+        best = max(met, key=lambda p: p.saved)
+        print(f"MET at {', '.join(p.figures.plan for p in met)}; most saved: {best.figures.plan} ({best.saved:.0%})")
+    else:
+        print("NOT MET at any plan of the sweep")
+        if quality:
+            best = max(quality, key=lambda p: p.saved)
+            print(f"cheapest plan meeting the quality bar: {best.figures.plan}, {best.saved:.0%} time saved")
+        else:
+            print("no plan of the sweep meets the quality bar")
 
 
 if __name__ == "__main__":
