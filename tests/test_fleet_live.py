@@ -254,10 +254,21 @@ def conversation(client: openai.OpenAI, tenant: str, nonce: str, turns: int, out
         messages.append({"role": "assistant", "content": turn.text})
 
 
-def workload(rut: RouterUnderTest, nonce: str, conversations: int = 2, turns: int = 4) -> list[Turn]:
-    """Every tenant's conversations side by side (one thread each), turn after turn."""
+CONVERSATIONS = (3, 2, 2)  # per tenant: 7 in all, prime to the 3 backends (see ``workload``)
+
+
+def workload(rut: RouterUnderTest, nonce: str, turns: int = 4) -> list[Turn]:
+    """Every tenant's conversations side by side (one thread each), turn after turn.
+
+    NOTE: conversations that keep in step send one request each per round; with a number
+    of them divisible by the backends', round robin would hand every conversation the
+    same backend each round, and be a sticky router by accident."""
     out: list[Turn] = []
-    jobs = [(key, tenant, f"{nonce}-{c}") for key, tenant in KEYS.items() for c in range(conversations)]
+    jobs = [
+        (key, tenant, f"{nonce}-{c}")
+        for (key, tenant), n in zip(KEYS.items(), CONVERSATIONS, strict=True)
+        for c in range(n)
+    ]
     with ThreadPoolExecutor(len(jobs)) as pool:
         for f in [pool.submit(conversation, rut.client(k), t, n, turns, out) for k, t, n in jobs]:
             f.result()
