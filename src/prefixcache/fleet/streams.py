@@ -39,6 +39,7 @@ class StreamReader:
         self.lost = 0  # entries read and discarded on purpose, still to lose
         self.errors = 0
         self._stop = threading.Event()
+        self._paused = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"route-{follower.backend}", daemon=True)
 
     def start(self) -> StreamReader:
@@ -49,6 +50,13 @@ class StreamReader:
         self._stop.set()
         self._thread.join(timeout)
 
+    def pause(self, paused: bool = True) -> None:
+        """Stop (or resume) reading, as a router that falls behind would (for tests)."""
+        if paused:
+            self._paused.set()
+        else:
+            self._paused.clear()
+
     def lose_next(self, n: int) -> None:
         """Discard the next ``n`` entries read, as a lossy transport would (for tests)."""
         self.lost += n
@@ -58,6 +66,9 @@ class StreamReader:
     def _run(self) -> None:
         failures = 0
         while not self._stop.is_set():
+            if self._paused.is_set():
+                self._stop.wait(READ_BLOCK_MS / 1000)
+                continue
             try:
                 if not self.follower.synced:
                     self._resync()
