@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,6 +275,19 @@ def workload(rut: RouterUnderTest, nonce: str, turns: int = 4) -> list[Turn]:
     return out
 
 
+def settled(size: Callable[[], int], minimum: int, timeout: float = 20.0) -> None:
+    """Wait until ``size()`` is at least ``minimum`` and has not changed for half a second."""
+    deadline, last, since = time.monotonic() + timeout, -1, time.monotonic()
+    while True:
+        now, value = time.monotonic(), size()
+        if value != last:
+            last, since = value, now
+        elif value >= minimum and now - since >= 0.5:
+            return
+        assert now < deadline, f"still {value} (at least {minimum} wanted)"
+        time.sleep(0.05)
+
+
 def hit_rate(turns: list[Turn]) -> float:
     return sum(t.cached_tokens for t in turns) / sum(t.prompt_tokens for t in turns)
 
@@ -313,17 +326,19 @@ def test_lost_events_are_recovered_by_replay_and_by_snapshot(fleet: Fleet) -> No
             time.sleep(0.05)
         assert home.follower.stats.replays > replays  # closed from the stream
         assert more[-1].backend == home.name and more[-1].cached_tokens > 0
-        home.reader.lose_next(1)  # lost on the way again ...
-        again: list[Turn] = []
-        conversation(rut.client("sk-acme"), "acme", nonce, 3, again)
-        deadline = time.monotonic() + 10
-        while home.reader.lost and time.monotonic() < deadline:
-            time.sleep(0.01)
+        home.reader.pause()  # the router falls behind ...
         info = home.info
         assert info is not None
-        redis.Redis.from_url(fleet.redis.url).xtrim(info.stream, maxlen=0)  # ... and gone from the stream
+        stream = redis.Redis.from_url(fleet.redis.url)
+        before = int(stream.xlen(info.stream))
+        again: list[Turn] = []
+        conversation(rut.client("sk-acme"), "acme", nonce, 3, again)
+        settled(lambda: int(stream.xlen(info.stream)), before + 1)  # the server stores after it answers
+        stream.xtrim(info.stream, maxlen=0)  # ... further than the stream holds
         after: list[Turn] = []
         conversation(rut.client("sk-acme"), "acme", nonce, 4, after)
+        settled(lambda: int(stream.xlen(info.stream)), 1)
+        home.reader.pause(False)
         deadline = time.monotonic() + 15
         while home.follower.stats.snapshots == snapshots and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -429,10 +444,18 @@ def test_a_shared_redis_tier_counts_for_every_backend_and_survives_its_writer(
         assert info is not None
         chains = rut.router.chains("acme", tokens, info.model, info.block_size)
         deadline = time.monotonic() + 30
-        whole = ("redis",) * len(chains[0])  # every whole block written through (the writer runs behind)
+        whole = ("redis",) * len(chains[0])
         while rut.router.index.matched(chains[:1], [other.name])[other.name] != whole:
             assert time.monotonic() < deadline, "the Redis copy never reached the index"
             time.sleep(0.05)
+        # NOTE: a tier's event comes when its write is queued; wait until the writer has
+        # put every block in Redis (one key a block, in the tier's own database) and stopped.
+        tier = redis.Redis.from_url(shared.redis.url.removesuffix("/0") + "/1")
+        sizes = [-1]
+        while not (sizes[-1] >= len(whole) and sizes[-1] == sizes[max(0, len(sizes) - 10)]):
+            assert time.monotonic() < deadline, "the writer never finished"
+            sizes.append(int(tier.dbsize()))  # type: ignore[arg-type]
+            time.sleep(0.1)
         home.proc.kill()
         more: list[Turn] = []
         conversation(rut.client("sk-acme"), "acme", nonce, 2, more)
