@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -123,3 +124,11 @@ class StatsSource:
 
     def stats(self) -> CacheStats:
         return self._stats
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll ``cond`` until it holds; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)

@@ -3,9 +3,6 @@ tiers, gaps closed by replay or snapshot (a real redis-server for the stream).""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import pytest
 import redis
 from hypothesis import given, settings
@@ -26,6 +23,7 @@ from prefixcache.fleet.wire import (
     encode_entry,
 )
 from redis_server import RedisServer
+from support import wait_for
 
 BS = 4
 MODEL = "m"
@@ -128,14 +126,6 @@ def test_the_index_equals_the_set_of_blocks_its_events_leave(ops: list[tuple[str
 # ---------------------------------------------------------------------------- stream
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
-
-
 class FakeBackend:
     """A publisher without a cache: numbered batches of one-block chains on a stream,
     and a snapshot of what it published."""
@@ -168,16 +158,16 @@ def test_lost_events_are_replayed_from_the_stream_then_from_a_snapshot(redis_ser
     reader = StreamReader(follower, client, "s:a", backend.snapshot).start()
     try:
         backend.store(0)
-        wait_for(lambda: held_by(index, 0))
+        wait_for(lambda: held_by(index, 0), 5.0)
         assert backend.snapshots == 1  # the start
         reader.lose_next(2)  # read and lost on the way: still in the stream
         for i in (1, 2, 3):
             backend.store(i)
-        wait_for(lambda: all(held_by(index, i) for i in (1, 2, 3)))
+        wait_for(lambda: all(held_by(index, i) for i in (1, 2, 3)), 5.0)
         assert follower.stats.replays == 1 and backend.snapshots == 1
         backend.store(4, send=False)  # never reached the stream (Redis was down)
         backend.store(5)
-        wait_for(lambda: all(held_by(index, i) for i in range(6)))
+        wait_for(lambda: all(held_by(index, i) for i in range(6)), 5.0)
         assert backend.snapshots == 2 and follower.seq == backend.seq == 6
     finally:
         reader.stop()

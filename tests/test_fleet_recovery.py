@@ -5,7 +5,6 @@ equals the cache's residency again."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -15,14 +14,8 @@ from prefixcache.fleet.index import GlobalIndex
 from prefixcache.fleet.keys import chain_keys, root_key
 from prefixcache.fleet.streams import StreamReader
 from redis_server import RedisServer
+from support import wait_for
 from test_fleet_publisher import ACME, BS, MODEL, insert, make_cache, publisher, truth
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def held(index: GlobalIndex, tokens: list[int]) -> int:
@@ -40,7 +33,7 @@ def test_the_router_resynchronizes_after_a_redis_restart(tmp_path: Path, redis_s
         a, b, c = list(range(12)), list(range(100, 112)), list(range(200, 212))
         insert(cache, a)
         pub.publish_pending()
-        wait_for(lambda: held(index, a) == 3)
+        wait_for(lambda: held(index, a) == 3, 15.0)
         redis_server.kill()
         insert(cache, b)
         pub.publish_pending()  # dropped: Redis is down
@@ -48,7 +41,7 @@ def test_the_router_resynchronizes_after_a_redis_restart(tmp_path: Path, redis_s
         time.sleep(0.1)  # past the publisher's retry pause
         insert(cache, c)
         pub.publish_pending()
-        wait_for(lambda: held(index, c) == 3 and held(index, b) == 3)
+        wait_for(lambda: held(index, c) == 3 and held(index, b) == 3, 15.0)
         assert follower.stats.snapshots >= 2  # the start, and the gap no stream held
         assert follower.seq == pub.seq
         assert held(index, a) == 3 and len(truth(cache)) == 9  # nothing lost, nothing invented

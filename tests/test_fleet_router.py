@@ -3,8 +3,7 @@ answers, a real redis-server for their event streams, the router in-process."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -24,6 +23,7 @@ from prefixcache.fleet.scoring import Routing
 from prefixcache.fleet.wire import BackendInfo, BlockStored, Entry, KVEventBatch, Snapshot, encode_entry, stream_key
 from prefixcache.server.settings import AuthSettings, Settings
 from redis_server import RedisServer, free_port
+from support import wait_for
 
 BS = 4
 MODEL = "fake"
@@ -123,16 +123,9 @@ def routed(
 ) -> Iterator[tuple[Router, str]]:
     monkeypatch.setattr(router_module, "HEALTH_EVERY_S", 3600.0)  # only the start's check: no race with a test
     router, live = start_router([f.url for f in fakes], redis_server.url)
-    wait(lambda: all(b.up for b in router.backends))
+    wait_for(lambda: all(b.up for b in router.backends))
     yield router, live.url
     live.stop()
-
-
-def wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def chat(url: str, text: str, key: str = "sk-acme") -> httpx.Response:
@@ -149,7 +142,7 @@ DOC = "the quick brown fox jumps over the lazy dog " * 4  # 44 blocks of 4
 def test_a_request_goes_where_its_prefix_is_and_streams_back(routed: tuple[Router, str], fakes: list[Fake]) -> None:
     router, url = routed
     fakes[2].store("acme", DOC)
-    wait(lambda: router.index.held("f2") > 0)
+    wait_for(lambda: router.index.held("f2") > 0)
     for _ in range(3):
         reply = chat(url, DOC + "and then?")
         assert reply.status_code == 200 and reply.headers["x-prefixcache-backend"] == "f2"
@@ -159,7 +152,7 @@ def test_a_request_goes_where_its_prefix_is_and_streams_back(routed: tuple[Route
 def test_another_tenants_blocks_never_attract_a_request(routed: tuple[Router, str], fakes: list[Fake]) -> None:
     router, url = routed
     fakes[2].store("acme", DOC)
-    wait(lambda: router.index.held("f2") > 0)
+    wait_for(lambda: router.index.held("f2") > 0)
     tokens = tokenize("", {"messages": [{"content": DOC + "and then?"}]})
     acme = {b.name: overlap for b, overlap, _left in router.rank("acme", tokens, set())}
     globex = {b.name: overlap for b, overlap, _left in router.rank("globex", tokens, set())}
@@ -173,14 +166,14 @@ def test_a_backend_that_fails_before_streaming_is_skipped(routed: tuple[Router, 
     router, url = routed
     fakes[1].store("acme", DOC)
     fakes[1].store("acme", DOC.upper())
-    wait(lambda: router.index.held("f1") >= 2 * (len(DOC) // BS))
+    wait_for(lambda: router.index.held("f1") >= 2 * (len(DOC) // BS))
     fakes[1].status = 503  # overloaded: the next best takes it
     reply = chat(url, DOC)
     assert reply.status_code == 200 and reply.headers["x-prefixcache-backend"] != "f1"
     fakes[1].live.stop()  # gone: the next request that prefers it is refused, and retried
     reply = chat(url, DOC.upper())
     assert reply.status_code == 200 and reply.headers["x-prefixcache-backend"] != "f1"
-    wait(lambda: not router.backends[1].up and router.index.held("f1") == 0)  # it left, with its blocks
+    wait_for(lambda: not router.backends[1].up and router.index.held("f1") == 0)  # it left, with its blocks
     metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
     assert "prefixcache_route_retries_total 2.0" in metrics
     assert 'prefixcache_route_backend_up{backend="f1"} 0.0' in metrics

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -29,6 +29,7 @@ from prefixcache.fleet.router import RouteConfig, Router, create_router
 from prefixcache.fleet.wire import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from prefixcache.fleet.zmq import PRIVATE, VllmSource, ZmqReader, decode_vllm
 from prefixcache.server.settings import Settings
+from support import wait_for
 
 BS = 4
 MODEL = "m"
@@ -130,13 +131,6 @@ def held(index: GlobalIndex, tokens: list[int], backend: str = "v") -> int:
     return len(index.matched([chain_keys(root_key("", MODEL), tokens, BS)], [backend])[backend])
 
 
-def wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 @pytest.fixture(params=[False, True], ids=["vllm-0.32", "legacy-replay"])
 def fake(request: pytest.FixtureRequest) -> Iterator[FakeVllm]:
     f = FakeVllm(legacy=request.param)
@@ -148,7 +142,7 @@ def fake(request: pytest.FixtureRequest) -> Iterator[FakeVllm]:
 def followed(fake: FakeVllm) -> Iterator[tuple[ZmqReader, GlobalIndex]]:
     index = GlobalIndex()
     reader = ZmqReader(Follower("v", index, MODEL), fake.source()).start()
-    wait(lambda: warm(fake, reader))  # ZMQ's slow joiner: batches sent before the SUB is connected
+    wait_for(lambda: warm(fake, reader))  # ZMQ's slow joiner: batches sent before the SUB is connected
     yield reader, index
     reader.stop()
 
@@ -212,10 +206,10 @@ def test_batches_are_applied_in_order(fake: FakeVllm, followed: tuple[ZmqReader,
     second, more = chain("doc", 2, parent=b"doc-2", start=3)
     fake.publish(batch(first))
     fake.publish(batch(second))
-    wait(lambda: held(index, tokens + more) == 5)
+    wait_for(lambda: held(index, tokens + more) == 5)
     assert index.matched([chain_keys(root_key("", MODEL), tokens, BS)], ["v"])["v"] == ("device",) * 3
     fake.publish(batch({"type": "BlockRemoved", "block_hashes": [b"doc-4"], "medium": "GPU"}))
-    wait(lambda: held(index, tokens + more) == 4)
+    wait_for(lambda: held(index, tokens + more) == 4)
     assert reader.stats.cleared == 0 and reader.stats.bad == 0 and reader.follower.seq == fake.seq
 
 
@@ -228,7 +222,7 @@ def test_a_lost_batch_is_replayed_from_the_replay_socket(
     reader.lose_next(1)
     fake.publish(batch(lost))
     fake.publish(batch(after))
-    wait(lambda: held(index, tokens + more) == 3)
+    wait_for(lambda: held(index, tokens + more) == 3)
     assert reader.follower.stats.replays >= 1 and reader.stats.cleared == 0 and reader.stats.orphans == 0
     assert fake.replays >= 1
 
@@ -238,10 +232,10 @@ def test_a_gap_older_than_the_buffer_clears_the_backend_and_recovers_from_later_
     index = GlobalIndex()
     reader = ZmqReader(Follower("v", index, MODEL), fake.source()).start()
     try:
-        wait(lambda: warm(fake, reader))
+        wait_for(lambda: warm(fake, reader))
         before, old = chain("old", 2)
         fake.publish(batch(before))
-        wait(lambda: held(index, old) == 2)
+        wait_for(lambda: held(index, old) == 2)
         fake.publish(batch(chain("gone", 1)[0]), send=False)  # lost, and soon out of the buffer
         child, _ = chain("old", 1, parent=b"old-1", start=2)
         fake.publish(batch(child), send=False)  # replayable, but its parent was cleared
@@ -249,7 +243,7 @@ def test_a_gap_older_than_the_buffer_clears_the_backend_and_recovers_from_later_
         fake.publish(batch(new), send=False)
         later, more = chain("new", 1, parent=b"new-1", start=2)
         fake.publish(batch(later))
-        wait(lambda: held(index, tokens + more) == 3)
+        wait_for(lambda: held(index, tokens + more) == 3)
         assert held(index, old) == 0  # what the backend held before the gap is forgotten
         assert reader.stats.cleared == 1 and reader.stats.orphans == 1
         assert reader.follower.seq == fake.seq
@@ -264,13 +258,13 @@ def test_a_restarted_publisher_starts_a_new_incarnation(
     reader, index = followed
     before, old = chain("old", 2)
     fake.publish(batch(before))
-    wait(lambda: held(index, old) == 2)
+    wait_for(lambda: held(index, old) == 2)
     inc = reader.inc
     fake.restart()  # seqs from 0 again, an empty cache
     fake.publish(batch(), send=False)  # its first batch is missed: the replay brings it
     after, tokens = chain("new", 2)
     fake.publish(batch(after))
-    wait(lambda: held(index, tokens) == 2)
+    wait_for(lambda: held(index, tokens) == 2)
     assert held(index, old) == 0 and reader.inc != inc and reader.stats.restarts == 1
     assert reader.follower.inc == reader.inc and reader.follower.seq == 2 and reader.stats.cleared == 0
 
@@ -283,7 +277,7 @@ def test_bad_messages_are_counted_and_the_reader_goes_on(
     fake.publish(b"\xc1 not msgpack")
     good, tokens = chain("good", 2)
     fake.publish(batch(good))
-    wait(lambda: held(index, tokens) == 2)
+    wait_for(lambda: held(index, tokens) == 2)
     assert reader.stats.bad >= 2 and reader.follower.seq == fake.seq and reader._thread.is_alive()
 
 
@@ -297,11 +291,11 @@ def test_a_silent_replay_socket_clears_instead_of_blocking(fake: FakeVllm, monke
     source = VllmSource.parse(f"http://vllm={fake.endpoint},replay=tcp://127.0.0.1:{port},topic={TOPIC}", BS, MODEL)
     reader = ZmqReader(Follower("v", index, MODEL), source).start()
     try:
-        wait(lambda: warm(fake, reader))
+        wait_for(lambda: warm(fake, reader))
         fake.publish(batch(), send=False)
         new, tokens = chain("new", 2)
         fake.publish(batch(new))
-        wait(lambda: held(index, tokens) == 2)
+        wait_for(lambda: held(index, tokens) == 2)
         assert reader.stats.replay_timeouts >= 1 and reader.stats.cleared >= 1
     finally:
         reader.stop()
@@ -366,15 +360,15 @@ def test_the_router_sends_a_request_to_the_vllm_backend_holding_its_prefix(monke
     app = create_router(router)
     live = LiveServer(app, config=uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")).start()
     try:
-        wait(lambda: all(b.up for b in router.backends))
+        wait_for(lambda: all(b.up for b in router.backends))
         tokens = [ord(c) for c in text][: len(text) // BS * BS]
         store = stored([i for i in range(len(tokens) // BS)], None, tokens)
         target = servers[1]
         reader = router.backends[1].reader
         assert isinstance(reader, ZmqReader)
-        wait(lambda: warm(target.events, reader))
+        wait_for(lambda: warm(target.events, reader))
         target.events.publish(batch(store))
-        wait(lambda: router.index.held(target.live.url) == len(tokens) // BS)
+        wait_for(lambda: router.index.held(target.live.url) == len(tokens) // BS)
         body = {"model": MODEL, "messages": [{"role": "user", "content": text + "and?"}], "stream": True}
         for _ in range(3):
             reply = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=10)
@@ -391,7 +385,7 @@ def test_stores_of_another_block_size_are_counted(fake: FakeVllm, followed: tupl
     reader, _index = followed
     other, _ = chain("big", 1)
     fake.publish(batch(other | {"block_size": 2 * BS, "token_ids": list(range(2 * BS))}))
-    wait(lambda: reader.follower.seq == fake.seq)
+    wait_for(lambda: reader.follower.seq == fake.seq)
     assert reader.stats.other_block_size == 1
 
 
@@ -402,5 +396,5 @@ def test_a_store_no_key_can_cover_is_counted_and_the_rest_applied(
     bad, _ = chain("neg", 1)
     good, tokens = chain("pos", 1)
     fake.publish(batch(bad | {"token_ids": [-1] * BS}, good))
-    wait(lambda: held(index, tokens) == 1)
+    wait_for(lambda: held(index, tokens) == 1)
     assert reader.stats.bad == 1 and reader._thread.is_alive() and reader.follower.seq == fake.seq
