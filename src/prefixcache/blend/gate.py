@@ -252,6 +252,12 @@ def evaluate(loaded: LoadedModel, prepared: Prepared, plan: RecomputePlan) -> tu
     return GateFigures.of(plan_name(plan), scores, prepared.layers), scores
 
 
+def gate_key(model: str, eval_digest: str, steps: int, plan: RecomputePlan) -> str:
+    """The store's key of a plan's figures: what they depend on, and nothing else (a
+    server reads its gate with it without preparing the set)."""
+    return f"{model}|eval={eval_digest}|steps={steps}|{plan_name(plan)}"
+
+
 class GateStore:
     """Gate figures in a small JSON file, keyed by (model fingerprint, evaluation set,
     continuation length, plan). Written whole to a temporary file and renamed."""
@@ -261,7 +267,7 @@ class GateStore:
 
     @staticmethod
     def key(prepared: Prepared, plan: RecomputePlan) -> str:
-        return f"{prepared.model}|eval={prepared.eval_digest}|steps={prepared.steps}|{plan_name(plan)}"
+        return gate_key(prepared.model, prepared.eval_digest, prepared.steps, plan)
 
     def get(self, key: str) -> GateFigures | None:
         entry = self._read().get(key)
@@ -278,7 +284,9 @@ class GateStore:
     def _read(self) -> dict[str, dict[str, Any]]:
         if not self.path.is_file():
             return {}
-        entries: dict[str, dict[str, Any]] = json.loads(self.path.read_text())
+        entries = json.loads(self.path.read_text())
+        if not isinstance(entries, dict):
+            raise ValueError(f"{self.path} is not a gate store (a JSON object of figures by key)")
         return entries
 
 
@@ -346,6 +354,7 @@ __all__ = [
     "cheapest_passing",
     "choose_plan",
     "evaluate",
+    "gate_key",
     "judge",
     "model_fingerprint",
     "plan_name",
