@@ -118,6 +118,11 @@ class ChunkStore:
             epochs = self._keys.epochs(ctx)
         return self._keys.key(ctx, self._tokens(tokens), self.namespace(ctx, public), epochs)
 
+    def epoch(self, ctx: CacheContext) -> int:
+        """The model epoch ``ctx``'s chunks are keyed at now (an embedding index partitions by it)."""
+        with self._lock:
+            return self._keys.epochs(ctx).model
+
     def _lookup_keys(self, ctx: CacheContext, data: bytes) -> tuple[list[bytes], list[bool], Epochs]:
         """The keys a get of ``ctx`` may find: its own namespace's, then the public one's."""
         with self._lock:
