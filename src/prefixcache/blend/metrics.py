@@ -3,11 +3,14 @@
 
 Two kinds of figures:
 
-- per blended prefill (tenant x model): prefills run, and prompt tokens by what happened
-  to them: ``reused`` (cached KV kept, re-rotated), ``recomputed`` (reused tokens run
-  again by the plan) and ``fresh`` (no cached KV). Blended tokens are never exact cache
-  hits: they are not in ``prefixcache_hit_tokens_total``. The tenant label is the one
-  ``ServingMetrics.record_request`` returned, so the cardinality guard applies here too.
+- per request of an opted-in tenant (tenant x model): requests by outcome (blended,
+  no chunk found, gate off), candidate chunks by how they were found (exact hash,
+  embedding fallback, missed), and for blended prefills the prompt tokens by what
+  happened to them: ``reused`` (chunk KV kept, re-rotated), ``recomputed`` (chunk KV the
+  plan ran again) and ``fresh`` (no cached KV, exact prefix hits excluded). Blended
+  tokens are never exact cache hits: they are not in ``prefixcache_hit_tokens_total``.
+  The tenant label is the one ``ServingMetrics.record_request`` returned, so the
+  cardinality guard applies here too.
 - per gate run (model x plan): the quality gate's figures and verdict, and per model
   whether the mode is on and with which plan.
 
@@ -22,9 +25,11 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from prefixcache.blend.gate import GateReport
-from prefixcache.blend.prefill import BlendResult
+from prefixcache.blend.serve_types import BlendUsage
 
 BLEND_METRICS = {
+    "prefixcache_blend_requests_total": "counter",
+    "prefixcache_blend_chunk_lookups_total": "counter",
     "prefixcache_blend_prefills_total": "counter",
     "prefixcache_blend_reused_tokens_total": "counter",
     "prefixcache_blend_recomputed_tokens_total": "counter",
@@ -39,6 +44,8 @@ BLEND_METRICS = {
 }
 
 PREFILL_LABELS = ("tenant", "model")
+OUTCOME_LABELS = ("tenant", "model", "outcome")
+LOOKUP_LABELS = ("tenant", "model", "found")
 GATE_LABELS = ("model", "plan")
 
 
@@ -49,6 +56,18 @@ class BlendMetrics:
         r = registry
         self._lock = threading.Lock()
         self._enabled: dict[str, str] = {}  # model -> plan label of the series set to 1
+        self.requests = Counter(
+            "prefixcache_blend_requests",
+            "Requests of opted-in tenants, by outcome: blended, no_reuse (no chunk found), gate_off.",
+            OUTCOME_LABELS,
+            registry=r,
+        )
+        self.lookups = Counter(
+            "prefixcache_blend_chunk_lookups",
+            "Candidate chunks of opted-in prompts, by how they were found: exact, similar, missed.",
+            LOOKUP_LABELS,
+            registry=r,
+        )
         self.prefills = Counter("prefixcache_blend_prefills", "Blended prefills run.", PREFILL_LABELS, registry=r)
         self.reused = Counter(
             "prefixcache_blend_reused_tokens",
@@ -108,14 +127,20 @@ class BlendMetrics:
             registry=r,
         )
 
-    def record_prefill(self, tenant: str, model: str, result: BlendResult) -> None:
-        """Count one blended prefill (``tenant``: the label ServingMetrics gave it)."""
+    def record_request(self, tenant: str, model: str, usage: BlendUsage, fresh: int) -> None:
+        """Count one request of an opted-in tenant (``tenant``: the label ServingMetrics
+        gave it; ``fresh``: its prompt tokens computed with no cached KV)."""
         labels = (tenant, model)
         with self._lock:
-            self.prefills.labels(*labels).inc()
-            self.reused.labels(*labels).inc(result.reused)
-            self.recomputed.labels(*labels).inc(result.recomputed)
-            self.fresh.labels(*labels).inc(result.fresh)
+            self.requests.labels(*labels, usage.outcome.value).inc()
+            for found, n in (("exact", usage.lookups_exact), ("similar", usage.lookups_similar)):
+                self.lookups.labels(*labels, found).inc(n)
+            self.lookups.labels(*labels, "missed").inc(usage.lookups_missed)
+            if usage.blended:
+                self.prefills.labels(*labels).inc()
+                self.reused.labels(*labels).inc(usage.reused)
+                self.recomputed.labels(*labels).inc(usage.recomputed)
+                self.fresh.labels(*labels).inc(fresh)
 
     def record_gate(self, report: GateReport) -> None:
         """Export one plan's gate figures and verdict."""
