@@ -29,6 +29,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from prefixcache.blend.metrics import BlendMetrics
+from prefixcache.blend.serve_engine import BlendEngine
+from prefixcache.blend.serve_gate import GateStatus
 from prefixcache.cache import PrefixCache
 from prefixcache.cache.stats import CacheStats, to_json, top_tenants
 from prefixcache.engine import Engine
@@ -67,13 +70,25 @@ class Server:
         self.created = int(time.time())
         self.sessions = Sessions(settings.auth.dashboard_session_s)
         self.auth = Auth(settings.auth, self.sessions)
-        self.recorder = Recorder(registry, engine.model_id, cache)
+        self.blend = BlendMetrics(registry)
+        self.blend_engine = engine if isinstance(engine, BlendEngine) else None
+        if self.blend_engine is not None:
+            self._gate(self.blend_engine.gate)
+        self.recorder = Recorder(registry, engine.model_id, cache, self.blend)
         self.completions = Completions(engine, self.recorder)
         self.fleet: FleetPublisher | None = None
         fleet = settings.fleet
         if fleet.publish and cache is not None:
             config = PublisherConfig(fleet.redis_url, settings.fleet_name, fleet.stream_prefix, fleet.maxlen)
             self.fleet = FleetPublisher(cache, config, engine.model_id, registry=registry)
+
+    def _gate(self, gate: GateStatus) -> None:
+        """Export the gate's verdict on the configured plan, and whether the mode is on."""
+        if gate.report is not None:
+            self.blend.record_gate(gate.report)
+        self.blend.set_enabled(self.model_id, gate.plan if gate.passed else None)
+        if not gate.passed:
+            self.blend.enabled.labels(self.model_id, gate.plan).set(0.0)
 
     def need_fleet(self) -> FleetPublisher:
         if self.fleet is None:
@@ -206,13 +221,18 @@ def _operator_routes(app: FastAPI, server: Server) -> None:
     def bump_epoch(body: EpochRequest) -> dict[str, Any]:
         if body.model != server.model_id:  # a typo would otherwise count an epoch of a model nobody serves
             raise APIError(404, f"The model `{body.model}` is not served here.", code="model_not_found", param="model")
+        blender = server.blend_engine.blender if server.blend_engine is not None else None
+        if blender is not None:
+            blender.bump_epoch(body.model)
         return {"model": body.model, "epoch": server.need_cache().bump_epoch(body.model)}
 
     @app.post("/admin/purge", dependencies=[Depends(auth.admin)])
     def purge(body: PurgeRequest) -> dict[str, Any]:
         cache = server.need_cache()
         if body.prompt is None and body.messages is None:
-            return {"tenant": body.tenant, "removed_blocks": cache.purge(body.tenant)}
+            blender = server.blend_engine.blender if server.blend_engine is not None else None
+            chunks = {"removed_chunks": blender.purge(body.tenant)} if blender is not None else {}
+            return {"tenant": body.tenant, "removed_blocks": cache.purge(body.tenant)} | chunks
         if body.messages is not None:
             tokens = engine.tokenize_chat([{"role": m.role, "content": m.text()} for m in body.messages], False)
         else:

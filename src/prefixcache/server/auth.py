@@ -10,11 +10,9 @@ from fastapi import Request
 
 from prefixcache.server.errors import APIError
 from prefixcache.server.sessions import COOKIE, Sessions
-from prefixcache.server.settings import AuthSettings
+from prefixcache.server.settings import LOCAL_TENANT, AuthSettings
 
 __all__ = ["LOCAL_TENANT", "Auth"]
-
-LOCAL_TENANT = "local"
 
 
 class Auth:

@@ -17,6 +17,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from prefixcache.blend.serve_engine import BlendEngine
+from prefixcache.blend.serve_gate import open_blender
 from prefixcache.cache import PrefixCache
 from prefixcache.engine import Engine, load_model
 from prefixcache.server.app import create_app
@@ -66,13 +68,12 @@ def build_service(settings: Settings) -> Service:
     """Load the model, open the cache and wire the app (what ``serve`` and the tests run)."""
     loaded = load_model(settings.model.name, settings.model.models_dir, settings.model.device, settings.model.dtype)
     cache = PrefixCache(settings.cache_config(loaded.kv)) if settings.server.cache else None
-    engine = Engine(
-        loaded,
-        settings.model.served_id,
-        cache=cache,
-        max_queue=settings.server.max_queue,
-        timeout_s=settings.server.request_timeout_s,
-    )
+    model_id, queue, timeout = settings.model.served_id, settings.server.max_queue, settings.server.request_timeout_s
+    if not settings.blend.enabled:
+        return Service(Engine(loaded, model_id, cache=cache, max_queue=queue, timeout_s=timeout), cache, settings)
+    config = settings.blend.config()
+    blender, gate = open_blender(config, loaded, model_id, settings.cache_config(loaded.kv))
+    engine = BlendEngine(loaded, model_id, config, blender, gate, cache=cache, max_queue=queue, timeout_s=timeout)
     return Service(engine, cache, settings)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from prefixcache.blend.serve_types import BlendedDone
 from prefixcache.engine import DoneEvent, Engine, EngineError, ErrorEvent, Event, Handle, SamplingParams, TokenEvent
 from prefixcache.engine import Request as EngineRequest
 from prefixcache.server.errors import APIError
@@ -186,12 +187,19 @@ class Completions:
 
 
 def _usage(done: DoneEvent) -> dict[str, Any]:
+    """OpenAI's usage; ``cached_tokens`` counts exact prefix-cache hits only. A request of
+    a tenant opted into the blend mode also gets, in ``prompt_tokens_details``, the
+    prompt tokens whose KV came from cached chunks: ``blend_reused_tokens`` (kept) and
+    ``blend_recomputed_tokens`` (run again by the recompute plan)."""
     u = done.usage
+    details: dict[str, Any] = {"cached_tokens": u.cached_tokens}
+    if isinstance(done, BlendedDone):
+        details |= {"blend_reused_tokens": done.blend.reused, "blend_recomputed_tokens": done.blend.recomputed}
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "prompt_tokens_details": details,
     }
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from prefixcache.blend.metrics import BlendMetrics
+from prefixcache.blend.serve_types import BlendedDone
 from prefixcache.cache import PrefixCache
 from prefixcache.engine import DoneEvent
 from prefixcache.ops.metrics import PrefillRate, RequestRecord, ServingMetrics
@@ -27,9 +29,12 @@ STRIP_LEVELS = ("L0", "L1", "L2")  # the page's colours; slower tiers are drawn 
 class Recorder:
     """Counts finished requests into the server's metrics."""
 
-    def __init__(self, registry: CollectorRegistry, model_id: str, cache: PrefixCache | None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, model_id: str, cache: PrefixCache | None, blend: BlendMetrics | None = None
+    ) -> None:
         self.model_id = model_id
         self.metrics = ServingMetrics(registry)
+        self.blend = blend if blend is not None else BlendMetrics(registry)
         self.prefill_rate = PrefillRate()
         self.tier_levels = tier_levels(cache)
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
@@ -66,7 +71,10 @@ class Recorder:
                 total_seconds=time.monotonic() - arrived,
                 prefill_seconds=usage.prefill_s,
             )
-            self.metrics.record_request(record)
+            label = self.metrics.record_request(record)
+            if isinstance(done, BlendedDone):
+                fresh = usage.prompt_tokens - usage.cached_tokens - done.blend.blended
+                self.blend.record_request(label, self.model_id, done.blend, fresh)
         except ValueError:  # metrics must never fail a request
             log.exception("recording metrics failed")
 

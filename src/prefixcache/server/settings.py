@@ -46,11 +46,13 @@ from pydantic_settings import (
 
 from prefixcache.config import CacheConfig, KVLayout, TierConfig, valid_names
 from prefixcache.engine.model import DEFAULT_MODEL
+from prefixcache.server.settings_blend import BlendSettings
 
 __all__ = [
     "ENV_PREFIX",
     "SERVER_CACHE",
     "AuthSettings",
+    "BlendSettings",
     "FleetSettings",
     "ModelSettings",
     "ServerSettings",
@@ -71,6 +73,7 @@ SERVER_CACHE = CacheConfig(
     ),
 )
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
+LOCAL_TENANT = "local"  # the one tenant of local mode (no API keys)
 
 
 class ServerSettings(BaseModel):
@@ -224,6 +227,7 @@ class Settings(BaseSettings):
     cache: CacheConfig = SERVER_CACHE
     auth: AuthSettings = AuthSettings()
     fleet: FleetSettings = FleetSettings()
+    blend: BlendSettings = BlendSettings()
 
     @classmethod
     def settings_customise_sources(
@@ -265,6 +269,16 @@ class Settings(BaseSettings):
     def _fleet_events(self) -> Settings:
         if self.fleet.publish and self.cache.events_capacity == 0:
             raise ValueError("fleet.publish = true needs the cache's events (cache.events_capacity > 0)")
+        return self
+
+    @model_validator(mode="after")
+    def _blend_tenants(self) -> Settings:
+        known = set(self.auth.api_keys.values()) if not self.auth.local_mode else {LOCAL_TENANT}
+        unknown = sorted(set(self.blend.tenants) - known)
+        if unknown and not self.auth.tenant_header:  # a gateway's header may name any tenant
+            raise ValueError(
+                f"blend.tenants names {unknown}, no tenant of this server; valid: {', '.join(sorted(known))}"
+            )
         return self
 
     @property
@@ -350,6 +364,7 @@ def describe(settings: Settings) -> dict[str, Any]:
             "allow_cross_tenant_reuse": settings.auth.allow_cross_tenant_reuse,
         },
         "fleet": settings.fleet.model_dump() | {"redis_url": _without_password(settings.fleet.redis_url)},
+        "blend": settings.blend.model_dump(),
     }
     return out
 
