@@ -288,3 +288,14 @@ def test_blend_settings_from_a_file_and_the_environment(tmp_path: Path) -> None:
     assert not load_settings(env={}).blend.enabled  # off by default
     env = {"PREFIXCACHE_BLEND_TENANTS": "local"}  # local mode's one tenant
     assert load_settings(env=env).blend.config().tenants == frozenset({"local"})
+
+
+@pytest.mark.model
+def test_purging_a_tenant_removes_its_chunks(live: tuple[LiveServer, BlendEngine]) -> None:
+    server, engine = live
+    ask(server, engine, ACME, ["glacier", "lighthouse", "owl"], "How tall is the lighthouse?")
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    purged = httpx.post(server.url + "/admin/purge", json={"tenant": "acme"}, headers=headers).json()
+    assert purged["removed_chunks"] >= 3 and purged["removed_blocks"] > 0
+    usage = ask(server, engine, ACME, ["owl", "glacier", "lighthouse"], "When did measurements start?")
+    assert blend_of(usage) == (0, 0) and usage.prompt_tokens_details.cached_tokens == 0

@@ -133,8 +133,8 @@ class BlendMetrics:
         labels = (tenant, model)
         with self._lock:
             self.requests.labels(*labels, usage.outcome.value).inc()
-            for found, n in (("exact", usage.lookups_exact), ("similar", usage.lookups_similar)):
-                self.lookups.labels(*labels, found).inc(n)
+            self.lookups.labels(*labels, "exact").inc(usage.lookups_exact)
+            self.lookups.labels(*labels, "similar").inc(usage.lookups_similar)
             self.lookups.labels(*labels, "missed").inc(usage.lookups_missed)
             if usage.blended:
                 self.prefills.labels(*labels).inc()

@@ -21,13 +21,15 @@ one) and the index's (a query opens the tenant's partition and the public one); 
 fallback candidate is fetched from the store with the requester's own context, so a
 chunk of another tenant can be neither found nor loaded.
 
-NOTE: one ``Blender`` serves one engine's worker thread: its table of chunk tokens is
-not locked.
+NOTE: one ``Blender`` serves one engine's worker thread; the admin routes purge and bump
+from others, so the table of chunk tokens the fallback resolves hits with has a lock
+(held for dict operations only; the store and the index lock themselves).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -113,6 +115,7 @@ class Blender:
         )
         self._breaks: dict[int, bool] = {}  # token id -> ends a line (newline or special)
         self._known: OrderedDict[bytes, tuple[str, tuple[int, ...]]] = OrderedDict()  # key -> namespace, tokens
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ lines
 
@@ -170,7 +173,8 @@ class Blender:
             vector, namespace, ctx.model, self.store.epoch(ctx), CANDIDATES, self.config.min_similarity
         )
         for hit in hits:
-            known = self._known.get(hit.chunk_id)
+            with self._lock:
+                known = self._known.get(hit.chunk_id)
             if known is None or known[0] != namespace:
                 continue
             chunk = self.store.get(ctx, known[1])  # the requester's own context: isolation holds
@@ -230,23 +234,27 @@ class Blender:
         key = self.store.key(ctx, piece)
         namespace = self.store.namespace(ctx)
         vector = self.embedder.embed([self._text(piece)])[0]
-        if self.index.insert(ChunkEntry(key, namespace, ctx.model, self.store.epoch(ctx)), vector):
+        if not self.index.insert(ChunkEntry(key, namespace, ctx.model, self.store.epoch(ctx)), vector):
+            return
+        with self._lock:
             self._known[key] = (namespace, piece)
             self._known.move_to_end(key)
-        while len(self._known) > KNOWN_CHUNKS:
-            old, (old_namespace, _) = self._known.popitem(last=False)
+            evicted = [self._known.popitem(last=False) for _ in range(len(self._known) - KNOWN_CHUNKS)]
+        for old, (old_namespace, _) in evicted:
             self.index.remove(old, old_namespace)
 
     def purge(self, tenant: str | None = None) -> int:
         """Remove ``tenant``'s chunks (or all) from the store and the fallback's index."""
         removed = self.store.purge(tenant)
-        if self.index is not None:
+        if self.index is None:
+            return removed
+        with self._lock:
             namespaces = {ns for ns, _ in self._known.values()}
             if tenant is not None:
                 namespaces = {self.store.namespace(CacheContext(tenant=tenant))} - {PUBLIC}
-            for namespace in namespaces:
-                self.index.purge(namespace)
             self._known = OrderedDict((k, v) for k, v in self._known.items() if v[0] not in namespaces)
+        for namespace in namespaces:
+            self.index.purge(namespace)
         return removed
 
     def bump_epoch(self, model: str) -> int:
