@@ -294,3 +294,25 @@ def test_the_kv_read_from_an_insert_is_the_new_range_only() -> None:
             assert end == len(history) // BLOCK * BLOCK and begin == (len(history) - 13) // BLOCK * BLOCK
             assert new == (end - begin) * per_token <= (13 + BLOCK) * per_token
         assert fetch(cache, history)[1] == len(history) // BLOCK * BLOCK
+
+
+def test_a_tier_announces_a_block_when_its_bytes_land_not_when_queued(tmp_path: Path) -> None:
+    """Another server may read a shared tier the moment it hears of a block: a queued
+    write is announced (``TierEntered``) when it lands, and a residency snapshot taken
+    meanwhile leaves it out."""
+    from prefixcache.events import TierEntered
+
+    def entered(events: object) -> list[str]:
+        return [e.kind for e in events if isinstance(e, TierEntered)]  # type: ignore[attr-defined]
+
+    with cache_with(mem(64, write="through"), disk(tmp_path), writer="deferred") as cache:
+        tokens = prompt(1)
+        store(cache, tokens)
+        blocks = len(tokens) // BLOCK
+        drained = cache.drain(residency=True)
+        assert cache.stats().tiers[1].writes_pending == blocks
+        assert entered(drained.events) == ["memory"] * blocks
+        assert drained.resident is not None and entered(drained.resident) == ["memory"] * blocks
+        assert cache.flush()
+        assert entered(cache.drain().events) == ["disk"] * blocks
+        assert entered(cache.drain(residency=True).resident or []) == ["memory", "disk"] * blocks

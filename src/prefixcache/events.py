@@ -96,8 +96,8 @@ class PrefixPublished:
 
 @dataclass(frozen=True, slots=True)
 class TierEntered:
-    """A block gained a copy in a tier of ``kind`` (it had none of that kind): held, or
-    its write there queued (readable from the queue until it lands). Self-contained, so
+    """A block gained a copy in a tier of ``kind`` (it had none of that kind): its bytes
+    landed there (a queued write is announced when it lands). Self-contained, so
     that a consumer never reads the cache back: ``namespace`` is the tenancy namespace
     (``""`` public, or every block in shared isolation), ``tokens`` little-endian uint32."""
 

@@ -193,11 +193,13 @@ class Books:
         res = block.res
         if res is None:
             res = block.res = Residency()
-        old = res.held | res.pending
+        old, old_held = res.held | res.pending, res.held
         res.held, res.pending = held, pending
         new = held | pending
-        if old != new and self.events is not None and self.events.capacity:
-            record_change(self.events, self.kinds, block, old, new)
+        if old_held != held and self.events is not None and self.events.capacity:
+            # NOTE: announced when the bytes are there (held), not when a write is queued:
+            # another server may read a shared tier the moment it hears of a block
+            record_change(self.events, self.kinds, block, old_held, held)
         if new and not old:
             self.owner[block.key] = block
         elif not new and old and self.owner.get(block.key) is block:

@@ -45,13 +45,13 @@ def record_change(events: EventLog, kinds: Sequence[tuple[str, int]], block: Blo
 
 
 def resident(blocks: Iterable[Block], kinds: Sequence[tuple[str, int]]) -> list[TierEntered]:
-    """The residency of ``blocks`` as events: one per block and kind it is in, parents
-    before children (a parent's ``end`` is below its children's)."""
+    """The residency of ``blocks`` as events: one per block and kind that holds its
+    bytes (a queued write is not announced until it lands), parents before children (a
+    parent's ``end`` is below its children's)."""
     out: list[TierEntered] = []
     for block in sorted(blocks, key=_end):
-        res = block.res
-        avail = res.held | res.pending if res is not None else 0
-        out.extend(entered(block, kind) for kind, mask in kinds if avail & mask)
+        held = block.res.held if block.res is not None else 0
+        out.extend(entered(block, kind) for kind, mask in kinds if held & mask)
     return out
 
 
