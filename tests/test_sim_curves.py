@@ -239,3 +239,22 @@ def test_refusals() -> None:
         curve(source, _cfg(), rate=0.0)
     with pytest.raises(ValueError, match="capacities"):
         curve(source, _cfg(), [-1.0])
+
+
+def test_a_miniatures_head_blocks_cost_their_own_unit() -> None:
+    """``head_unit``: a request's first ``head`` new blocks cost it, the rest ``unit``;
+    eviction gives back what each block cost."""
+    from prefixcache.sim import _kernel
+
+    tree = _kernel.Tree("lru", 12, 4, False, None, 1)
+    root = tree.root(1)
+    assert tree.access(root, 0, [1, 2, 3], -1, 0.0, 2) == 0
+    assert (tree.used, len(tree)) == (1 + 1 + 4, 3)
+    assert tree.access(root, 0, [1, 2, 4], -1, 0.0, 2) == 2  # a sibling leaf: 4 more
+    assert (tree.used, len(tree)) == (10, 4)
+    assert tree.access(root, 0, [5], -1, 0.0, 0) == 0  # 4 more: the oldest leaf (3) leaves
+    assert (tree.used, len(tree), tree.evictions) == (10, 4, 1)
+    with pytest.raises(ValueError, match="head must be >= 0"):
+        tree.access(root, 0, [1], -1, 0.0, -1)
+    with pytest.raises(ValueError, match="head_unit"):
+        _kernel.Tree("lru", 12, 4, False, None, -1)

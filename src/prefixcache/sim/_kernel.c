@@ -24,6 +24,9 @@
  *
  * All blocks of one tree have one size, ``unit`` tokens (the block size; 1 for a
  * pre-hashed trace, whose capacity counts native blocks), as without partial blocks.
+ * The one exception is for sampled curves (curves.py): a request's first ``head``
+ * blocks, when it names them, are charged ``head_unit`` each (each block records its
+ * ``cost``), so that a miniature cache can weigh unsampled blocks at full scale.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -163,6 +166,7 @@ typedef struct {
     int32_t interior;     /* Gittins: told it has children (out of the groups) */
     int32_t tprev, tnext; /* TTL order links */
     int32_t in_ttl;
+    int32_t cost;         /* what it holds of its pool, in tokens: unit, or head_unit (curves.py) */
     double last_access;
 } Node;
 
@@ -207,7 +211,7 @@ typedef struct {
     PyObject_HEAD
     int policy;
     int partitioned;
-    int64_t capacity, unit, used;
+    int64_t capacity, unit, head_unit, used;
     int64_t evictions, collisions, expired;
     int64_t blocks; /* resident blocks (roots excluded) */
     double ttl;     /* seconds; 0: none */
@@ -404,7 +408,7 @@ static int32_t lfu_victim(Tree *t, Pool *p);
 /* EvictionPolicy.insert */
 static int policy_insert(Tree *t, Pool *p, int32_t n) {
     Node *nodes = t->nodes;
-    int64_t size = t->unit;
+    int64_t size = nodes[n].cost;
     switch (t->policy) {
     case P_LRU:
     case P_FIFO:
@@ -450,7 +454,7 @@ static inline int policy_access(Tree *t, Pool *p, int32_t n) {
     case P_LFUDA:
         return lfu_access(t->nodes, p, n);
     case P_GITTINS:
-        return gittins_access(p->g, t->nodes, n, t->unit);
+        return gittins_access(p->g, t->nodes, n, node->cost);
     default:
         if (node->freq < FREQ_CAP) node->freq++;
     }
@@ -505,9 +509,9 @@ static int32_t sieve_victim(Tree *t, Pool *p) {
 static int32_t s3_evict_small(Tree *t, Pool *p) {
     Node *nodes = t->nodes;
     Queue *small = &p->q[0];
-    int64_t size = t->unit;
     while (small->len) {
         int32_t n = small->head;
+        int64_t size = nodes[n].cost;
         q_unlink(nodes, small, n);
         p->qused[0] -= size;
         if (nodes[n].freq < MOVE_THRESHOLD && evictable(&nodes[n])) {
@@ -531,7 +535,7 @@ static int32_t s3_evict_main(Tree *t, Pool *p) {
             run = 0;
         } else if (evictable(&nodes[n])) {
             q_unlink(nodes, main, n);
-            p->qused[1] -= t->unit;
+            p->qused[1] -= nodes[n].cost;
             return n;
         } else {
             run++;
@@ -709,7 +713,7 @@ static void policy_remove(Tree *t, Pool *p, int32_t n) {
     default: {
         int32_t which = nodes[n].queue;
         q_unlink(nodes, &p->q[which], n);
-        p->qused[which] -= t->unit;
+        p->qused[which] -= nodes[n].cost;
     }
     }
 }
@@ -808,9 +812,9 @@ static int remove_block(Tree *t, int32_t n, int expired) {
     ttl_unlink(t, n);
     map_del(&t->index, node->key);
     if (!--t->nodes[node->parent].nkids && set_leaf(t, node->parent, 1) < 0) return -1;
-    p->used -= t->unit;
+    p->used -= node->cost;
     p->blocks--;
-    t->used -= t->unit;
+    t->used -= node->cost;
     t->blocks--;
     node->pool = NONE;
     node->next = t->free_head;
@@ -838,7 +842,7 @@ static int evict_from(Tree *t, int32_t pool, int64_t tokens) {
         int32_t v = policy_victim(t, &t->pools[pool]);
         if (v == -2) return -1;
         if (v == NONE) return freed > 0;
-        freed += t->unit;
+        freed += t->nodes[v].cost;
         if (evict(t, v) < 0) return -1;
     }
     return 1;
@@ -933,12 +937,13 @@ static int block_id(PyObject *obj, Py_ssize_t i, uint64_t *out) {
 }
 
 static int Tree_init(Tree *t, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"policy", "capacity", "unit", "partitioned", "ttl", NULL};
+    static char *kwlist[] = {"policy", "capacity", "unit", "partitioned", "ttl", "head_unit", NULL};
     const char *policy;
-    long long capacity, unit;
+    long long capacity, unit, head_unit = 0;
     int partitioned = 0;
     PyObject *ttl = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sLL|pO", kwlist, &policy, &capacity, &unit, &partitioned, &ttl))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sLL|pOL", kwlist, &policy, &capacity, &unit, &partitioned, &ttl,
+                                     &head_unit))
         return -1;
     if (ttl != Py_None) {
         t->ttl = PyFloat_AsDouble(ttl);
@@ -965,12 +970,17 @@ static int Tree_init(Tree *t, PyObject *args, PyObject *kwds) {
         PyErr_Format(PyExc_ValueError, "capacity must be >= 0, got %lld", capacity);
         return -1;
     }
-    if (unit < 1) {
-        PyErr_Format(PyExc_ValueError, "unit (tokens per block) must be >= 1, got %lld", unit);
+    if (unit < 1 || unit > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "unit (tokens per block) must be in [1, 2**31), got %lld", unit);
+        return -1;
+    }
+    if (head_unit < 0 || head_unit > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "head_unit must be in [0, 2**31) (0: unit), got %lld", head_unit);
         return -1;
     }
     t->capacity = capacity;
     t->unit = unit;
+    t->head_unit = head_unit ? head_unit : unit;
     t->partitioned = partitioned;
     t->free_head = NONE;
     if (map_init(&t->index, 1024) < 0) return -1;
@@ -1030,14 +1040,15 @@ static PyObject *Tree_root(Tree *t, PyObject *arg) {
  * ``Ledger.access`` (``PrefixCache.access``) of a prompt of ``len(ids)`` blocks at time ``now``; with
  * ``match_blocks`` >= 0, the match covers only the first ``match_blocks`` of them and the
  * insert all of them (a prompt and its answer: ``match(prompt)``, ``insert(prompt +
- * output)``, release).
+ * output)``, release). A new block among the first ``head`` of ``ids`` costs ``head_unit``.
  */
 static PyObject *Tree_access(Tree *t, PyObject *args) {
     int root, tenant;
     PyObject *ids_obj;
-    Py_ssize_t match_blocks = -1;
+    Py_ssize_t match_blocks = -1, head = 0;
     double now = 0.0;
-    if (!ready(t) || !PyArg_ParseTuple(args, "iiO|nd", &root, &tenant, &ids_obj, &match_blocks, &now)) return NULL;
+    if (!ready(t) || !PyArg_ParseTuple(args, "iiO|ndn", &root, &tenant, &ids_obj, &match_blocks, &now, &head))
+        return NULL;
     if (root < 0 || root >= t->n_nodes || t->nodes[root].parent != NONE || t->nodes[root].pool != NONE) {
         PyErr_Format(PyExc_IndexError, "%d is not a root of this tree (Tree.root gives them)", root);
         return NULL;
@@ -1053,6 +1064,10 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
     PyObject *result = NULL;
     if (match_blocks < -1) {
         PyErr_Format(PyExc_ValueError, "match_blocks must be >= 0, or -1 for all, got %zd", match_blocks);
+        goto done;
+    }
+    if (head < 0) {
+        PyErr_Format(PyExc_ValueError, "head must be >= 0, got %zd", head);
         goto done;
     }
     if (match_blocks == -1 || match_blocks > n_ids) match_blocks = n_ids;
@@ -1120,11 +1135,14 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
         int32_t pool = pool_for(t, tenant);
         if (pool == NONE) goto unpin;
         t->nodes[parent].pins++;
-        int64_t room = make_room(t, pool, (int64_t)(n_ids - depth) * t->unit);
+        int64_t need = 0;
+        for (Py_ssize_t i = depth; i < n_ids; i++) need += i < head ? t->head_unit : t->unit;
+        int64_t room = make_room(t, pool, need);
         t->nodes[parent].pins--;
         if (room < 0) goto unpin;
         Py_ssize_t first = depth;
-        for (Py_ssize_t i = depth; i < n_ids && t->unit <= room; i++) {
+        int64_t stored = 0;
+        for (Py_ssize_t i = depth; i < n_ids && (i < head ? t->head_unit : t->unit) <= room; i++) {
             uint64_t key = chain(t->nodes[parent].key, id_of[i]);
             if (map_get(&t->index, key) != NONE) { /* the walk stopped here: another path's key */
                 t->collisions++;
@@ -1139,12 +1157,13 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
             node->nkids = node->pins = node->freq = node->queue = node->in_ttl = 0;
             node->last_access = 0.0;
             node->pool = pool;
+            node->cost = (int32_t)(i < head ? t->head_unit : t->unit);
             t->nodes[parent].nkids++;
             path[depth++] = parent = n;
-            room -= t->unit;
+            room -= node->cost;
+            stored += node->cost;
         }
         Pool *p = &t->pools[pool];
-        int64_t stored = (int64_t)(depth - first) * t->unit;
         p->used += stored;
         p->blocks += depth - first;
         t->used += stored;
@@ -1194,7 +1213,7 @@ static PyObject *Tree_pools(Tree *t, PyObject *unused) {
 static PyMethodDef Tree_methods[] = {
     {"root", (PyCFunction)Tree_root, METH_O, "root(key) -> slot of a new context root"},
     {"access", (PyCFunction)Tree_access, METH_VARARGS,
-     "access(root, tenant, ids, match_blocks=-1) -> hit blocks: match, insert, release"},
+     "access(root, tenant, ids, match_blocks=-1, now=0.0, head=0) -> hit blocks: match, insert, release"},
     {"pools", (PyCFunction)Tree_pools, METH_NOARGS, "pools() -> [{quota, used, blocks, evictions}] in creation order"},
     {NULL},
 };
@@ -1214,7 +1233,8 @@ static PyTypeObject TreeType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "prefixcache.sim._kernel.Tree",
     .tp_basicsize = sizeof(Tree),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Tree(policy, capacity, unit, partitioned=False, ttl=None): PrefixCache's metadata path for replays.",
+    .tp_doc = "Tree(policy, capacity, unit, partitioned=False, ttl=None, head_unit=0): PrefixCache's metadata path for "
+              "replays.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Tree_init,
     .tp_dealloc = (destructor)Tree_dealloc,

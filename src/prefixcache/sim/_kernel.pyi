@@ -6,14 +6,28 @@ POLICIES: tuple[str, ...]
 
 class Tree:
     """``PrefixCache``'s metadata path for replays: ``capacity`` tokens, blocks of ``unit``
-    tokens, one pool or (``partitioned``) one per tenant."""
+    tokens, one pool or (``partitioned``) one per tenant. ``head_unit`` (0: ``unit``) is
+    what each of a request's first ``head`` new blocks costs instead (sampled curves)."""
 
     def __init__(
-        self, policy: str, capacity: int, unit: int, partitioned: bool = False, ttl: float | None = None
+        self,
+        policy: str,
+        capacity: int,
+        unit: int,
+        partitioned: bool = False,
+        ttl: float | None = None,
+        head_unit: int = 0,
     ) -> None: ...
     def root(self, key: int) -> int: ...
     def access(
-        self, root: int, tenant: int, ids: Sequence[int], match_blocks: int = -1, now: float = 0.0, /
+        self,
+        root: int,
+        tenant: int,
+        ids: Sequence[int],
+        match_blocks: int = -1,
+        now: float = 0.0,
+        head: int = 0,
+        /,
     ) -> int: ...
     def pools(self) -> list[dict[str, int]]: ...
     @property

@@ -19,19 +19,23 @@ through (a first pass counts them in a sketch); a conversation's turns share it.
 not simply the first block: every request of the Mooncake conversation trace starts
 with the same block. The blocks above the units (system prompts, tool lists, popular
 documents: what many units share) cannot be sampled; a miniature would see them
-referenced only R times as often and, at capacity C x R, crowding out R times more of its
-space. So every request, kept or not, touches its shared head in every miniature, and
-a miniature's capacity is ``S + R x (C - S)`` blocks with ``S = min(C, shared
-blocks)``. Only the kept requests are counted. NOTE: that capacity assumes the cache
-keeps the shared head, as S3-FIFO's main queue does; LRU at capacities below the
-head's footprint keeps less of it, and its miniatures then overestimate the hit rate.
+referenced only R times as often. So every request, kept or not, touches its shared
+head in every miniature, and a miniature of capacity C holds C x R, in which a sampled
+block costs its size and a head block R times its size (the kernel's ``head_unit``):
+the head is weighed at full scale, whatever the policy keeps of it. Only the kept
+requests are counted. NOTE: a miniature holds whole requests in R times less room, so
+at capacities of a few requests' chains it misses more than the cache: the errors
+measured are in docs/simulator.md ("Curves").
 
 NOTE (LRU, stack versus cache): the cache touches a request's cached prefix before it
 links the missing blocks, so the deepest cached block ends up older than its new
 children, and LRU's victim search moves it to the tail ("blocked entries") when it
 reaches the head while they remain. That refresh depends on the capacity, so the
 cache's LRU is no stack algorithm and outlives the stack's: tests/test_sim_curves.py
-shows a five-request example. ``stack`` is kept for textbook LRU and for speed.
+shows a five-request example. ``stack`` is kept for textbook LRU and for speed. NOTE:
+swapping the two steps makes the cache's LRU a stack algorithm, but that LRU, which
+loses the refresh, falls below FIFO on both Mooncake traces (docs/simulator.md), so
+the cache keeps its order.
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ ERROR_BOUND = 0.01
 in the repository to (they keep fewer than ``DEFAULT_SAMPLE`` lookups: rate 1, exact).
 Below rate 1 no bound is claimed (``Curve.error_bound`` is ``None``): the errors
 measured on a generated workload are in docs/simulator.md ("Curves")."""
+_RESOLUTION = 1024
+"""At a rate below 1, the least cost of a miniature's block, in integer units."""
 UNIT_SHARE = 0.001
 """A sampling unit is a block at most this share of the requests pass through."""
 DEFAULT_POINTS = 20
@@ -324,21 +330,17 @@ def _replayed(source: TraceSource, cfg: ReplayConfig, summary: TraceSummary, war
     return first.requests, first.lookup_tokens, caps, [r.token_hit_rate for r in results]
 
 
-def _mini(blocks: int, hot: int, rate: float) -> int:
-    """A miniature's capacity in blocks: the shared head whole, the rest scaled."""
-    shared = min(hot, blocks)
-    return max(1, shared + round((blocks - shared) * rate))
-
-
 def _tokens(capacity: float) -> int:
     return UNLIMITED if math.isinf(capacity) else int(capacity)
 
 
 class _Minis:
     """One kernel tree per capacity (``engines.KernelStepper``'s, without its per-call
-    work), each request's ids computed once for all."""
+    work), each request's ids computed once for all. At a rate R below 1, a miniature
+    of capacity C holds C x R, a sampled block costs its size, and a block of a shared
+    head (unsampled: every request touches it) costs R times its size."""
 
-    def __init__(self, cfg: ReplayConfig, summary: TraceSummary, capacities: list[int]) -> None:
+    def __init__(self, cfg: ReplayConfig, summary: TraceSummary, capacities: list[int], rate: float = 1.0) -> None:
         from prefixcache.sim import _kernel
 
         self.trees, self.roots = [], [dict[int, int]() for _ in capacities]
@@ -346,16 +348,23 @@ class _Minis:
             config = engine_config(replace(cfg, cache=replace(cfg.cache, capacity_tokens=capacity)), summary)
             ttl = config.ttl_seconds
             ttl = ttl if ttl is not None and math.isfinite(ttl) else None
-            self.trees.append(_kernel.Tree(config.policy, config.capacity, config.block_size, False, ttl))
+            unit, size, head_unit = config.block_size, config.capacity, 0
+            if rate < 1.0:  # NOTE: integer costs: scale all by k so that a head block's is exact enough
+                k = math.ceil(_RESOLUTION / (unit * rate))
+                head_unit = max(1, round(unit * k * rate))
+                size = size if capacity == UNLIMITED else round(size * k * rate)
+                unit *= k
+            self.trees.append(_kernel.Tree(config.policy, size, unit, False, ttl, head_unit))
 
-    def access(self, root_key: int, ids: Sequence[int], now: float) -> list[int]:
-        """Each tree's cached prefix of ``ids``, in blocks."""
+    def access(self, root_key: int, ids: Sequence[int], now: float, head: int = 0) -> list[int]:
+        """Each tree's cached prefix of ``ids`` (the first ``head`` of them a shared
+        head), in blocks."""
         out = []
         for tree, roots in zip(self.trees, self.roots, strict=True):
             root = roots.get(root_key)
             if root is None:
                 root = roots[root_key] = tree.root(root_key)
-            out.append(tree.access(root, 0, ids, -1, now))
+            out.append(tree.access(root, 0, ids, -1, now, head))
         return out
 
 
@@ -373,8 +382,7 @@ def _sampled(
     """Miniature caches: the kept requests on the kernel, the dropped ones' shared
     heads touched, at capacity ``_mini``."""
     bs = cfg.block_size
-    hot = prefixes.shared(most)
-    minis = _Minis(cfg, summary, [UNLIMITED if math.isinf(c) else _mini(int(c) // bs, hot, rate) * bs for c in caps])
+    minis = _Minis(cfg, summary, [_tokens(c) for c in caps], rate)
     chains = _Chains(cfg, summary.native_block_size is not None)
     threshold = int(rate * 2**64)
     hits = [0] * len(caps)
@@ -389,9 +397,11 @@ def _sampled(
             unit, depth = prefixes.unit(root, ids, most)
             if xxhash.xxh3_64_intdigest(unit.to_bytes(8, "little"), seed=seed) >= threshold:
                 if depth:
-                    minis.access(root, ids[:depth], req.timestamp)
+                    minis.access(root, ids[:depth], req.timestamp, depth)
                 continue
-        cached = minis.access(root, ids, req.timestamp)
+        else:
+            depth = 0
+        cached = minis.access(root, ids, req.timestamp, depth)
         if counted:
             kept_lookup += req.input_length
             for j, blocks in enumerate(cached):
