@@ -6,6 +6,8 @@ clear errors. The official ``openai`` client parses every answer."""
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -16,15 +18,17 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_support import MODEL_ID, LiveServer, model, tiered_cache
+from engine_support import MODEL_ID, MODELS_DIR, LiveServer, model, tiered_cache
 from prefixcache.blend.evalset import load_eval_set
-from prefixcache.blend.gate import GateFigures, GateStore, gate_key, model_fingerprint
+from prefixcache.blend.gate import GateFigures, GateStore, GateThresholds, gate_key, model_fingerprint
 from prefixcache.blend.serve_engine import BlendEngine
 from prefixcache.blend.serve_gate import open_blender, read_gate
 from prefixcache.blend.serve_types import BlendConfig
+from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.engine import LoadedModel
 from prefixcache.server.app import create_app
-from prefixcache.server.settings import AuthSettings, BlendSettings, Settings, load_settings
+from prefixcache.server.main import build_service
+from prefixcache.server.settings import AuthSettings, BlendSettings, ModelSettings, Settings, describe, load_settings
 
 KEYS = {"sk-acme-0123456789": "acme", "sk-globex-0123456789": "globex", "sk-initech-0123456789": "initech"}
 ACME, GLOBEX, INITECH = KEYS
@@ -257,6 +261,43 @@ def test_no_gate_figures_is_off_and_a_missing_eval_set_is_an_error(lm: LoadedMod
     (tmp_path / "bad.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"blend\.gate_file"):
         read_gate(replace(config, gate_file=tmp_path / "bad.json"), lm, MODEL_ID)
+
+
+@pytest.mark.model
+def test_gate_on_start_measures_missing_figures_once(lm: LoadedModel, tmp_path: Path) -> None:
+    doc = json.loads(EVAL.read_text())
+    doc["items"] = [item for item in doc["items"] if item["id"] == "reorder-01"]
+    small = tmp_path / "eval.json"
+    small.write_text(json.dumps(doc))
+    base = blend_settings(tmp_path / "gate.json", eval_set=str(small), gate_on_start=True).config()
+    config = replace(base, gate_steps=2, thresholds=GateThresholds(0.0, 0.0, math.inf))
+    first = read_gate(config, lm, MODEL_ID)
+    assert first.passed and first.report is not None and first.report.figures.items == 1
+    assert first.report.figures.recomputed > 0  # epic(k=4) recomputed the first tokens of each chunk
+    again = read_gate(replace(config, gate_on_start=False), lm, MODEL_ID)  # read back, not measured
+    assert again.report is not None and again.report.figures == first.report.figures
+
+
+@pytest.mark.model
+def test_build_service_opens_the_blend_mode_past_the_gate(lm: LoadedModel, tmp_path: Path) -> None:
+    blend = blend_settings(tmp_path / "gate.json", fallback=False)
+    write_gate(lm, blend.config(), passed=True)
+    settings = Settings(
+        auth=AuthSettings(api_keys=KEYS, admin_key=ADMIN),
+        model=ModelSettings(models_dir=str(MODELS_DIR), device="cpu"),
+        cache=CacheConfig(
+            block_size=16, partial_blocks=True, tiers=(TierConfig(kind="memory", capacity_bytes=64 << 20),)
+        ),
+        blend=blend,
+    )
+    service = build_service(settings)
+    try:
+        assert isinstance(service.engine, BlendEngine) and service.engine.blender is not None
+        assert service.engine.gate.passed and describe(settings)["blend"]["tenants"] == ("acme", "globex")
+    finally:
+        service.close()
+        assert service.engine.blender is not None
+        service.engine.blender.store.close()
 
 
 BAD = [
