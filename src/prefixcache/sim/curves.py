@@ -186,9 +186,8 @@ def curve(
     semantics: ``warmup`` (a fraction of the requests, replayed but not counted), the
     configuration's block size (a pre-hashed trace's own), its isolation.
 
-    ``method`` ``auto`` is ``sampled``, except for LRU on a trace of more than
-    ``DEFAULT_SAMPLE`` lookups: ``stack``, nearer the cache's LRU than its miniatures
-    there, and faster. ``rate`` is the sampled method's (default: enough to keep
+    ``method`` ``auto`` is ``sampled`` (the cache's LRU too: ``stack`` is textbook LRU,
+    further from it than its miniatures). ``rate`` is the sampled method's (default: enough to keep
     ``DEFAULT_SAMPLE`` lookups; 1 replays every request), ``seed`` salts its hash.
     Prompts only: a replay's ``--include-output`` is not modelled."""
     why = unsupported(config, method)
@@ -203,9 +202,8 @@ def curve(
     prefixes = _curves.Prefixes() if method in ("auto", "sampled") and _curves is not None else None
     lookups = [0]
     summary = summarize(_tapped(source, config, prefixes, lookups)) if summary is None or prefixes else summary
-    if method == "auto":  # NOTE: LRU's miniatures err more than its stack (docs/simulator.md, "Curves")
-        big = rate is None and lookups[0] > DEFAULT_SAMPLE and config.cache.ttl_seconds is None
-        method = "stack" if config.policy == "lru" and big else "sampled"
+    if method == "auto":
+        method = "sampled"
     cfg = effective_configs([config], summary)[0]
     skip = warmup_requests(summary, warmup)
     if method == "stack":
