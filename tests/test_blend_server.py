@@ -286,7 +286,7 @@ def test_build_service_opens_the_blend_mode_past_the_gate(lm: LoadedModel, tmp_p
         auth=AuthSettings(api_keys=KEYS, admin_key=ADMIN),
         model=ModelSettings(models_dir=str(MODELS_DIR), device="cpu"),
         cache=CacheConfig(
-            block_size=16, partial_blocks=True, tiers=(TierConfig(kind="memory", capacity_bytes=64 << 20),)
+            block_size=16, partial_blocks=True, tiers=(TierConfig(kind="memory", capacity_bytes=128 << 20),)
         ),
         blend=blend,
     )
@@ -294,6 +294,9 @@ def test_build_service_opens_the_blend_mode_past_the_gate(lm: LoadedModel, tmp_p
     try:
         assert isinstance(service.engine, BlendEngine) and service.engine.blender is not None
         assert service.engine.gate.passed and describe(settings)["blend"]["tenants"] == ("acme", "globex")
+        assert service.cache is not None  # the tier split: a quarter to the chunks, the rest to the blocks
+        blocks, chunks = service.cache.config.tiers[0], service.engine.blender.store.config.tiers[0]
+        assert (blocks.capacity_bytes, chunks.capacity_bytes) == (96 << 20, 32 << 20)
     finally:
         service.close()
         assert service.engine.blender is not None

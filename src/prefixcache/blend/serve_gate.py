@@ -83,7 +83,8 @@ def open_blender(
     config: BlendConfig, loaded: LoadedModel, model_id: str, cache: CacheConfig
 ) -> tuple[Blender | None, GateStatus]:
     """The gate's verdict, and a ``Blender`` when it passed (None: exact caching only).
-    Chunks live in ``cache``'s tiers (beside the blocks: see ``ChunkStore``)."""
+    Chunks live in ``cache``'s tiers, beside the blocks (see ``ChunkStore``): the server
+    passes the chunk store's share of its tiers (``serve_types.split_tiers``)."""
     status = read_gate(config, loaded, model_id)
     if not status.passed:
         log.warning(

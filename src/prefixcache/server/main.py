@@ -67,12 +67,21 @@ class Service:
 def build_service(settings: Settings) -> Service:
     """Load the model, open the cache and wire the app (what ``serve`` and the tests run)."""
     loaded = load_model(settings.model.name, settings.model.models_dir, settings.model.device, settings.model.dtype)
-    cache = PrefixCache(settings.cache_config(loaded.kv)) if settings.server.cache else None
+    split = settings.tier_split(loaded.kv)  # blend on: the chunk store's share of every tier, apart
+    cache = PrefixCache(split.cache) if settings.server.cache else None
     model_id, queue, timeout = settings.model.served_id, settings.server.max_queue, settings.server.request_timeout_s
-    if not settings.blend.enabled:
+    if split.chunks is None:
         return Service(Engine(loaded, model_id, cache=cache, max_queue=queue, timeout_s=timeout), cache, settings)
+    for blocks, chunks in zip(split.cache.tiers, split.chunks.tiers, strict=True):
+        log.info(
+            "event=blend_tier tier=%s block_bytes=%d chunk_bytes=%d (blend.chunk_share=%s)",
+            blocks.label,
+            blocks.capacity_bytes,
+            chunks.capacity_bytes,
+            settings.blend.chunk_share,
+        )
     config = settings.blend.config()
-    blender, gate = open_blender(config, loaded, model_id, settings.cache_config(loaded.kv))
+    blender, gate = open_blender(config, loaded, model_id, split.chunks)
     engine = BlendEngine(loaded, model_id, config, blender, gate, cache=cache, max_queue=queue, timeout_s=timeout)
     return Service(engine, cache, settings)
 

@@ -44,6 +44,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from prefixcache.blend.serve_types import TierSplit, split_tiers
 from prefixcache.config import CacheConfig, KVLayout, TierConfig, valid_names
 from prefixcache.engine.model import DEFAULT_MODEL
 from prefixcache.server.settings_blend import BlendSettings
@@ -297,10 +298,17 @@ class Settings(BaseSettings):
         return self.fleet.name or f"{host}:{self.server.port}"
 
     def cache_config(self, layout: KVLayout) -> CacheConfig:
-        """The cache this server opens: ``[cache]`` with the model's KV layout."""
+        """The cache this server opens: ``[cache]`` with the model's KV layout, its tiers
+        less the chunk store's share when blend is on (``tier_split``)."""
+        return self.tier_split(layout).cache
+
+    def tier_split(self, layout: KVLayout) -> TierSplit:
+        """``[cache]`` with the model's KV layout, its tiers divided between the block
+        cache and the chunk store (``blend.chunk_share``) when blend is on, whole when off."""
         if self.cache.kv_layout is not None:
             raise ValueError("cache.kv_layout comes from the model; remove it from the settings")
-        return dataclasses.replace(self.cache, kv_layout=layout)
+        blend = self.blend.config() if self.blend.enabled else None
+        return split_tiers(dataclasses.replace(self.cache, kv_layout=layout), blend)
 
 
 def load_settings(

