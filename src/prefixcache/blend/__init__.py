@@ -1,7 +1,7 @@
 """Reuse beyond the exact prefix: cached chunk KV at new positions (re-rotated keys)
-with selective recompute (EPIC's first-k rule, CacheBlend's deviation rule)."""
+with selective recompute (EPIC's first-k rule, CacheBlend's deviation rule, or both)."""
 
-from prefixcache.blend.plan import CacheBlend, Epic, Fresh, RecomputePlan, Reused, Segment
+from prefixcache.blend.plan import CacheBlend, Epic, EpicBlend, Fresh, RecomputePlan, Reused, Segment
 from prefixcache.blend.prefill import BlendResult, blend_prefill, check_llama, greedy_continue, prefill_chunk
 from prefixcache.blend.rope import RotaryFrequencies, rerotate, rotary_of
 
@@ -9,6 +9,7 @@ __all__ = [
     "BlendResult",
     "CacheBlend",
     "Epic",
+    "EpicBlend",
     "Fresh",
     "RecomputePlan",
     "Reused",

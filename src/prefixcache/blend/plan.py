@@ -15,6 +15,10 @@ missing cross-attention is restored where it matters most:
   there the ``r`` percent of them whose fresh K/V deviates most from the re-rotated
   cache are chosen, and only they go on through the later layers (CacheBlend,
   EuroSys 2025).
+* ``EpicBlend(k, r)``: both: the first ``k`` tokens of every reused chunk always, and
+  of the others the top ``r`` percent by deviation at ``check_layer``. The first rule
+  repairs the chunk's own attention sink, which the deviation score need not rank high
+  enough; the second spends the rest of the budget where the cache is most wrong.
 """
 
 from __future__ import annotations
@@ -92,7 +96,27 @@ class CacheBlend:
         return min(candidates, math.ceil(candidates * self.r / 100.0 - 1e-9))
 
 
-RecomputePlan = Epic | CacheBlend
+@dataclass(frozen=True, slots=True)
+class EpicBlend:
+    """Recompute the first ``k`` tokens of every reused chunk, and of its other tokens the
+    top ``r`` percent by KV deviation at ``check_layer`` (as ``CacheBlend``)."""
+
+    k: int
+    r: float
+    check_layer: int = 1
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise ValueError(f"EpicBlend's k must be >= 0, got {self.k}")
+        CacheBlend(self.r, self.check_layer)  # the same checks on r and check_layer
+
+    @property
+    def deviation(self) -> CacheBlend:
+        """The deviation half of the plan, applied to the tokens past the first ``k``."""
+        return CacheBlend(self.r, self.check_layer)
+
+
+RecomputePlan = Epic | CacheBlend | EpicBlend
 
 
 @dataclass(frozen=True, slots=True)

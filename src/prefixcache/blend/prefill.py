@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM, apply_rotary_pos_emb
 
-from prefixcache.blend.plan import CacheBlend, Epic, Layout, RecomputePlan, Reused, Segment, lay_out
+from prefixcache.blend.plan import CacheBlend, Epic, EpicBlend, Layout, RecomputePlan, Reused, Segment, lay_out
 from prefixcache.blend.rope import RotaryFrequencies, rerotate, rotary_of
 from prefixcache.engine.kv import cut_cache
 from prefixcache.engine.model import LoadedModel
@@ -70,7 +70,7 @@ def blend_prefill(loaded: LoadedModel, segments: Sequence[Segment], plan: Recomp
     if n > loaded.context_length:
         raise ValueError(f"the prompt has {n} tokens, over the model's context of {loaded.context_length}")
     layers = list(model.model.layers)
-    if isinstance(plan, CacheBlend) and plan.check_layer >= len(layers):
+    if not isinstance(plan, Epic) and plan.check_layer >= len(layers):
         raise ValueError(f"check_layer {plan.check_layer} is past the model's {len(layers)} layers")
     dtype = next(model.parameters()).dtype
     device = loaded.device
@@ -83,6 +83,11 @@ def blend_prefill(loaded: LoadedModel, segments: Sequence[Segment], plan: Recomp
     ids = torch.tensor(layout.tokens, dtype=torch.long, device=device)
     hidden = model.model.embed_tokens(ids[positions])[None]
     everywhere = torch.arange(n, device=device)
+    # NOTE: the active positions change at most once (at the check layer), so their
+    # rotary angles and causal mask are made once per change, not once per layer.
+    cos, sin = model.model.rotary_emb(hidden, position_ids=positions[None])
+    allowed = positions[:, None] >= everywhere[None, :]  # causal, by position
+    check = _check_layer(plan)
     token_layers = 0
     for index, layer in enumerate(layers):
         attn = layer.self_attn
@@ -92,17 +97,15 @@ def blend_prefill(loaded: LoadedModel, segments: Sequence[Segment], plan: Recomp
         q = attn.q_proj(x).view(shape).transpose(1, 2)
         k = attn.k_proj(x).view(shape).transpose(1, 2)
         v = attn.v_proj(x).view(shape).transpose(1, 2)
-        cos, sin = model.model.rotary_emb(x, position_ids=positions[None])
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if isinstance(plan, CacheBlend) and index == plan.check_layer:
-            keep = _deviating(plan, k, v, keys[index], values[index], positions, reused, n)
-        else:
-            keep = None
+        keep = None
+        if index == check and not isinstance(plan, Epic):
+            keep = _deviating(plan, k, v, keys[index], values[index], positions, layout, n)
         keys[index].index_copy_(2, positions, k)
         values[index].index_copy_(2, positions, v)
         if keep is not None:
             q, hidden, positions = q[:, :, keep], hidden[:, keep], positions[keep]
-        allowed = positions[:, None] >= everywhere[None, :]  # causal, by position
+            cos, sin, allowed = cos[:, keep], sin[:, keep], allowed[keep]
         out = F.scaled_dot_product_attention(
             q, keys[index], values[index], attn_mask=allowed, scale=attn.scaling, enable_gqa=True
         )
@@ -123,27 +126,37 @@ def _first_active(layout: Layout, plan: RecomputePlan) -> torch.Tensor:
     """Positions that enter layer 0: fresh ones plus the reused ones the plan starts with."""
     if isinstance(plan, Epic):
         return ~layout.reused | (layout.first < plan.k)
-    return torch.ones(layout.length, dtype=torch.bool)  # CacheBlend: everyone until check_layer
+    return torch.ones(layout.length, dtype=torch.bool)  # deviation plans: everyone until check_layer
+
+
+def _check_layer(plan: RecomputePlan) -> int:
+    """The layer after which a deviation plan drops the rows it does not recompute (-1: none)."""
+    return -1 if isinstance(plan, Epic) else plan.check_layer
 
 
 def _deviating(
-    plan: CacheBlend,
+    plan: CacheBlend | EpicBlend,
     k: torch.Tensor,
     v: torch.Tensor,
     cached_k: torch.Tensor,
     cached_v: torch.Tensor,
     positions: torch.Tensor,
-    reused: torch.Tensor,
+    layout: Layout,
     n: int,
 ) -> torch.Tensor:
-    """Which active rows go on past the check layer: fresh rows, the last position, and
-    the top ``r`` % of reused rows by squared K and V deviation from the cache."""
-    deviation = (k - cached_k[:, :, positions]).float().pow(2).sum(dim=(0, 1, 3))
-    deviation += (v - cached_v[:, :, positions]).float().pow(2).sum(dim=(0, 1, 3))
-    candidates = reused[positions]
+    """Which active rows go on past the check layer: fresh rows, the last position, the
+    first ``k`` tokens of each chunk (``EpicBlend``) and, of the other reused rows, the
+    top ``r`` % by squared K and V deviation from the re-rotated cache."""
+    candidates = layout.reused.to(positions.device)[positions]
     keep = ~candidates | (positions == n - 1)
-    count = plan.chosen(int(candidates.sum()))
+    if isinstance(plan, EpicBlend):
+        first = candidates & (layout.first.to(positions.device)[positions] < plan.k)
+        keep |= first
+        candidates &= ~first
+    count = (plan.deviation if isinstance(plan, EpicBlend) else plan).chosen(int(candidates.sum()))
     if count > 0:
+        deviation = (k - cached_k[:, :, positions]).float().pow(2).sum(dim=(0, 1, 3))
+        deviation += (v - cached_v[:, :, positions]).float().pow(2).sum(dim=(0, 1, 3))
         scores = torch.where(candidates, deviation, torch.full_like(deviation, -1.0))
         keep[scores.topk(count).indices] = True
     return keep
