@@ -258,3 +258,23 @@ def test_a_miniatures_head_blocks_cost_their_own_unit() -> None:
         tree.access(root, 0, [1], -1, 0.0, -1)
     with pytest.raises(ValueError, match="head_unit"):
         _kernel.Tree("lru", 12, 4, False, None, -1)
+
+
+def test_capacities_too_small_for_a_miniature_are_replayed_whole() -> None:
+    """A miniature that would hold fewer than ``MIN_INSERTS`` requests' new blocks is
+    replayed at rate 1: those points equal the replay's, the others are sampled."""
+    from prefixcache.sim.miniatures import MIN_INSERTS
+
+    requests = _workload(1_500)
+    new = len({(r.tenant, r.hash_ids[: i + 1]) for r in requests for i in range(len(r.hash_ids or ()))})
+    inserts = new / len(requests)
+    bs = requests[0].block_size
+    assert bs is not None
+    rate = 0.5
+    small = [c * bs for c in (inserts, 10 * inserts, 0.9 * MIN_INSERTS * inserts / rate)]
+    caps = [*small, 4 * MIN_INSERTS * inserts / rate * bs]
+    ref = curve(lambda: iter(requests), _cfg("s3fifo", "namespace"), caps, method="replay")
+    got = curve(lambda: iter(requests), _cfg("s3fifo", "namespace"), caps, method="sampled", rate=rate)
+    assert got.token_hit_rates[:3] == pytest.approx(ref.token_hit_rates[:3], abs=1e-12)
+    assert got.token_hit_rates[3] != ref.token_hit_rates[3]  # sampled: near, not equal
+    assert got.sampling_rate == rate and got.error_bound is None

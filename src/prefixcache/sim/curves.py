@@ -20,12 +20,8 @@ not simply the first block: every request of the Mooncake conversation trace sta
 with the same block. The blocks above the units (system prompts, tool lists, popular
 documents: what many units share) cannot be sampled; a miniature would see them
 referenced only R times as often. So every request, kept or not, touches its shared
-head in every miniature, and a miniature of capacity C holds C x R, in which a sampled
-block costs its size and a head block R times its size (the kernel's ``head_unit``):
-the head is weighed at full scale, whatever the policy keeps of it. Only the kept
-requests are counted. NOTE: a miniature holds whole requests in R times less room, so
-at capacities of a few requests' chains it misses more than the cache: the errors
-measured are in docs/simulator.md ("Curves").
+head (and its unit) in every miniature, where a head block weighs R times a sampled
+one (miniatures.py says how and why). Only the kept requests are counted.
 
 NOTE (LRU, stack versus cache): the cache touches a request's cached prefix before it
 links the missing blocks, so the deepest cached block ends up older than its new
@@ -47,13 +43,11 @@ from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
-import xxhash
-
-from prefixcache.sim.engines import _block_digests, engine_config, native_unsupported
+from prefixcache.sim.engines import native_unsupported
+from prefixcache.sim.miniatures import Chains, Out, Sample, sampled, tokens
 from prefixcache.sim.replay import replay
-from prefixcache.sim.results import UNLIMITED, ReplayConfig
+from prefixcache.sim.results import ReplayConfig
 from prefixcache.sim.summary import TraceSource, TraceSummary, effective_configs, summarize, warmup_requests
-from prefixcache.sim.traces import Request
 
 _curves: ModuleType | None
 try:
@@ -74,8 +68,6 @@ ERROR_BOUND = 0.01
 in the repository to (they keep fewer than ``DEFAULT_SAMPLE`` lookups: rate 1, exact).
 Below rate 1 no bound is claimed (``Curve.error_bound`` is ``None``): the errors
 measured on a generated workload are in docs/simulator.md ("Curves")."""
-_RESOLUTION = 1024
-"""At a rate below 1, the least cost of a miniature's block, in integer units."""
 UNIT_SHARE = 0.001
 """A sampling unit is a block at most this share of the requests pass through."""
 DEFAULT_POINTS = 20
@@ -215,7 +207,8 @@ def curve(
         rate = min(1.0, DEFAULT_SAMPLE / max(lookups[0], 1)) if rate is None else rate
         caps = caps or _spread(prefixes.blocks, cfg.block_size)
         most = max(1, int(summary.requests * UNIT_SHARE))
-        out = _sampled(source, cfg, summary, skip, caps, prefixes, most, rate, seed)
+        sample = Sample(rate, seed, most, prefixes.blocks / max(summary.requests, 1))
+        out = sampled(source, cfg, summary, skip, caps, prefixes, sample)
     requests, lookup, caps, rates = out
     bound = 0.0 if rate == 1.0 else None
     return Curve(
@@ -231,9 +224,6 @@ def curve(
         lookup,
         time.perf_counter() - start,
     )
-
-
-_Out = tuple[int, int, list[float], list[float]]
 
 
 def _check_capacities(capacities: Sequence[float]) -> list[float]:
@@ -252,29 +242,6 @@ def _spread(blocks: int, block_size: int, points: int = DEFAULT_POINTS) -> list[
     return [float(b * block_size) for b in sorted(set(steps))]
 
 
-class _Chains:
-    """A request as the kernel sees it: its context root's key and its block ids."""
-
-    def __init__(self, cfg: ReplayConfig, hashed: bool) -> None:
-        self.shared = cfg.isolation == "shared"
-        self.unit = cfg.block_size
-        self.hashed = hashed
-        self._roots: dict[tuple[str, str], int] = {}
-
-    def root(self, req: Request) -> int:
-        name = (req.model, "" if self.shared else req.tenant)
-        key = self._roots.get(name)
-        if key is None:
-            key = self._roots[name] = xxhash.xxh3_64_intdigest(repr(name).encode())
-        return key
-
-    def ids(self, req: Request) -> Sequence[int]:
-        if req.hash_ids is not None:
-            return req.hash_ids
-        assert req.tokens is not None
-        return _block_digests(req.tokens, self.unit)
-
-
 def _tapped(source: TraceSource, config: ReplayConfig, prefixes: Any, lookups: list[int]) -> TraceSource:
     """``source``, counting each request's chain in ``prefixes`` (and its block lookups
     in ``lookups[0]``) as it goes by."""
@@ -282,11 +249,11 @@ def _tapped(source: TraceSource, config: ReplayConfig, prefixes: Any, lookups: l
         return source
 
     def tapped() -> Any:
-        chains: _Chains | None = None
+        chains: Chains | None = None
         for req in source():
             if chains is None:
                 cfg = replace(config, cache=replace(config.cache, block_size=req.block_size or config.block_size))
-                chains = _Chains(cfg, req.hash_ids is not None)
+                chains = Chains(cfg, req.hash_ids is not None)
             ids = chains.ids(req)
             prefixes.add(chains.root(req), ids)
             lookups[0] += len(ids)
@@ -295,10 +262,10 @@ def _tapped(source: TraceSource, config: ReplayConfig, prefixes: Any, lookups: l
     return tapped
 
 
-def _stack(source: TraceSource, cfg: ReplayConfig, summary: TraceSummary, skip: int, caps: list[float] | None) -> _Out:
+def _stack(source: TraceSource, cfg: ReplayConfig, summary: TraceSummary, skip: int, caps: list[float] | None) -> Out:
     assert _curves is not None
     stack = _curves.Stack()
-    chains = _Chains(cfg, summary.native_block_size is not None)
+    chains = Chains(cfg, summary.native_block_size is not None)
     bs, requests, lookup = cfg.block_size, 0, 0
     for i, req in enumerate(source()):
         counted = i >= skip
@@ -321,87 +288,8 @@ def _distinct(source: TraceSource, cfg: ReplayConfig, summary: TraceSummary) -> 
     return int(prefixes.blocks)
 
 
-def _replayed(source: TraceSource, cfg: ReplayConfig, summary: TraceSummary, warmup: float, caps: list[float]) -> _Out:
-    configs = [replace(cfg, cache=replace(cfg.cache, capacity_tokens=_tokens(c))) for c in caps]
+def _replayed(source: TraceSource, cfg: ReplayConfig, summary: TraceSummary, warmup: float, caps: list[float]) -> Out:
+    configs = [replace(cfg, cache=replace(cfg.cache, capacity_tokens=tokens(c))) for c in caps]
     results = replay(source, configs, warmup=warmup, optimal=False, summary=summary)
     first = results[0]
     return first.requests, first.lookup_tokens, caps, [r.token_hit_rate for r in results]
-
-
-def _tokens(capacity: float) -> int:
-    return UNLIMITED if math.isinf(capacity) else int(capacity)
-
-
-class _Minis:
-    """One kernel tree per capacity (``engines.KernelStepper``'s, without its per-call
-    work), each request's ids computed once for all. At a rate R below 1, a miniature
-    of capacity C holds C x R, a sampled block costs its size, and a block of a shared
-    head (unsampled: every request touches it) costs R times its size."""
-
-    def __init__(self, cfg: ReplayConfig, summary: TraceSummary, capacities: list[int], rate: float = 1.0) -> None:
-        from prefixcache.sim import _kernel
-
-        self.trees, self.roots = [], [dict[int, int]() for _ in capacities]
-        for capacity in capacities:
-            config = engine_config(replace(cfg, cache=replace(cfg.cache, capacity_tokens=capacity)), summary)
-            ttl = config.ttl_seconds
-            ttl = ttl if ttl is not None and math.isfinite(ttl) else None
-            unit, size, head_unit = config.block_size, config.capacity, 0
-            if rate < 1.0:  # NOTE: integer costs: scale all by k so that a head block's is exact enough
-                k = math.ceil(_RESOLUTION / (unit * rate))
-                head_unit = max(1, round(unit * k * rate))
-                size = size if capacity == UNLIMITED else round(size * k * rate)
-                unit *= k
-            self.trees.append(_kernel.Tree(config.policy, size, unit, False, ttl, head_unit))
-
-    def access(self, root_key: int, ids: Sequence[int], now: float, head: int = 0) -> list[int]:
-        """Each tree's cached prefix of ``ids`` (the first ``head`` of them a shared
-        head), in blocks."""
-        out = []
-        for tree, roots in zip(self.trees, self.roots, strict=True):
-            root = roots.get(root_key)
-            if root is None:
-                root = roots[root_key] = tree.root(root_key)
-            out.append(tree.access(root, 0, ids, -1, now, head))
-        return out
-
-
-def _sampled(
-    source: TraceSource,
-    cfg: ReplayConfig,
-    summary: TraceSummary,
-    skip: int,
-    caps: list[float],
-    prefixes: Any,
-    most: int,
-    rate: float,
-    seed: int,
-) -> _Out:
-    """Miniature caches: the kept requests on the kernel, the dropped ones' shared
-    heads touched, at capacity ``_mini``."""
-    bs = cfg.block_size
-    minis = _Minis(cfg, summary, [_tokens(c) for c in caps], rate)
-    chains = _Chains(cfg, summary.native_block_size is not None)
-    threshold = int(rate * 2**64)
-    hits = [0] * len(caps)
-    requests, lookup, kept_lookup = 0, 0, 0
-    for i, req in enumerate(source()):
-        counted = i >= skip
-        if counted:
-            requests += 1
-            lookup += req.input_length
-        root, ids = chains.root(req), chains.ids(req)
-        if rate < 1.0:
-            unit, depth = prefixes.unit(root, ids, most)
-            if xxhash.xxh3_64_intdigest(unit.to_bytes(8, "little"), seed=seed) >= threshold:
-                if depth:
-                    minis.access(root, ids[:depth], req.timestamp, depth)
-                continue
-        else:
-            depth = 0
-        cached = minis.access(root, ids, req.timestamp, depth)
-        if counted:
-            kept_lookup += req.input_length
-            for j, blocks in enumerate(cached):
-                hits[j] += min(blocks * bs, req.input_length) if chains.hashed else blocks * bs
-    return requests, lookup, caps, [h / kept_lookup if kept_lookup else 0.0 for h in hits]
