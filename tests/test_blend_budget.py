@@ -144,3 +144,19 @@ def test_the_stores_opened_on_the_split_hold_no_more_than_the_configured_tier(tm
     finally:
         chunks.close()
         cache.close()
+
+
+def test_each_plan_setting_builds_its_plan_with_its_own_gate_name(tmp_path: Path) -> None:
+    """``plan`` picks the recompute plan; the gate store keys each under its own name, so
+    figures measured for one plan never pass another."""
+    from prefixcache.blend.gate import plan_name
+    from prefixcache.blend.plan import CacheBlend, Epic, EpicBlend
+
+    plans = {
+        name: settings(tmp_path, {"plan": name, "k": 8, "r": 15.0}).blend.config().plan
+        for name in ("epic", "cacheblend", "epicblend")
+    }
+    assert plans == {"epic": Epic(8), "cacheblend": CacheBlend(15.0, 1), "epicblend": EpicBlend(8, 15.0, 1)}
+    assert len({plan_name(p) for p in plans.values()}) == 3
+    with pytest.raises(ValueError, match=r"blend\.plan"):
+        settings(tmp_path, {"plan": "fast"})

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from prefixcache.blend.evalset import EvalSet, assemble
-from prefixcache.blend.plan import Epic, Fresh, RecomputePlan, Reused, Segment
+from prefixcache.blend.plan import Epic, EpicBlend, Fresh, RecomputePlan, Reused, Segment
 from prefixcache.blend.prefill import BlendResult, blend_prefill, greedy_continue, prefill_chunk
 from prefixcache.engine.model import LoadedModel
 from prefixcache.engine.runner import Sequence as FullPrefill
@@ -152,8 +152,11 @@ def judge(model: str, figures: GateFigures, thresholds: GateThresholds) -> GateR
 
 
 def plan_name(plan: RecomputePlan) -> str:
+    """The plan as the gate store keys it: a distinct name for each kind and setting."""
     if isinstance(plan, Epic):
         return f"epic(k={plan.k})"
+    if isinstance(plan, EpicBlend):
+        return f"epicblend(k={plan.k},r={plan.r:g},layer={plan.check_layer})"
     return f"cacheblend(r={plan.r:g},layer={plan.check_layer})"
 
 

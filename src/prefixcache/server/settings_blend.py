@@ -11,7 +11,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic_settings import NoDecode
 
 from prefixcache.blend.gate import GateThresholds
-from prefixcache.blend.plan import CacheBlend, Epic, RecomputePlan
+from prefixcache.blend.plan import CacheBlend, Epic, EpicBlend, RecomputePlan
 from prefixcache.blend.serve_types import BlendConfig
 
 __all__ = ["BlendSettings"]
@@ -43,10 +43,10 @@ class BlendSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tenants: Annotated[tuple[str, ...], NoDecode, BeforeValidator(_tenant_list), AfterValidator(_check_tenants)] = ()
-    plan: Literal["epic", "cacheblend"] = "cacheblend"  # which tokens of reused chunks are recomputed
-    k: int = Field(default=16, ge=0)  # epic: the first k tokens of every reused chunk
-    r: float = Field(default=15.0, ge=0.0, le=100.0)  # cacheblend: the top r % of reused tokens by KV deviation
-    check_layer: int = Field(default=1, ge=0)  # cacheblend: the layer where deviation is measured
+    plan: Literal["epic", "cacheblend", "epicblend"] = "cacheblend"  # which tokens of reused chunks are recomputed
+    k: int = Field(default=16, ge=0)  # epic, epicblend: the first k tokens of every reused chunk
+    r: float = Field(default=15.0, ge=0.0, le=100.0)  # cacheblend, epicblend: the top r % by KV deviation
+    check_layer: int = Field(default=1, ge=0)  # cacheblend, epicblend: the layer where deviation is measured
     gate_file: str = ".prefixcache/blend-gate.json"  # the gate's figures (GateStore)
     eval_set: str = "tests/data/blend/eval.json"  # the evaluation set the figures are measured on
     gate_on_start: bool = False  # measure missing figures at startup (slow on a CPU)
@@ -73,7 +73,13 @@ class BlendSettings(BaseModel):
         return bool(self.tenants)
 
     def config(self) -> BlendConfig:
-        plan: RecomputePlan = Epic(self.k) if self.plan == "epic" else CacheBlend(self.r, self.check_layer)
+        plan: RecomputePlan = (
+            Epic(self.k)
+            if self.plan == "epic"
+            else EpicBlend(self.k, self.r, self.check_layer)
+            if self.plan == "epicblend"
+            else CacheBlend(self.r, self.check_layer)
+        )
         return BlendConfig(
             tenants=frozenset(self.tenants),
             plan=plan,
