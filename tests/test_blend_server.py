@@ -306,7 +306,7 @@ def test_build_service_opens_the_blend_mode_past_the_gate(lm: LoadedModel, tmp_p
 BAD = [
     ({"tenants": ["acme", "nobody"]}, "blend.tenants names ['nobody'], no tenant of this server; valid: acme"),
     ({"tenants": "acme, acme"}, "lists a tenant twice"),
-    ({"tenants": ["acme"], "plan": "fast"}, "blend.plan: Input should be 'epic' or 'cacheblend'"),
+    ({"tenants": ["acme"], "plan": "fast"}, "blend.plan: Input should be 'epic', 'cacheblend' or 'epicblend'"),
     ({"r": 150}, "blend.r: Input should be less than or equal to 100"),
     ({"k": -1}, "blend.k: Input should be greater than or equal to 0"),
     ({"min_top1": 1.5}, "blend.min_top1"),
