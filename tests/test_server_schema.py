@@ -92,6 +92,11 @@ def test_every_operation_answers_as_documented_and_never_5xx(case: Case[Any]) ->
     model = body.get("model") if isinstance(body, dict) else None
     if isinstance(body, dict) and isinstance(model, str) and len(model) % 4 != 1:
         body["model"] = STANDIN_ID  # so that most bodies reach the engine; the others get a 404
+    # NOTE: Content-Length belongs to the transport: a generated one ("f73f") is refused by
+    # uvicorn's HTTP parser before the app, in plain text no document describes; httpx
+    # sends the true one.
+    for name in [h for h in case.headers or {} if h.lower() == "content-length"]:
+        del case.headers[name]  # type: ignore[union-attr]
     case.call_and_validate()
 
 
