@@ -108,23 +108,13 @@ class BlendEngine(Engine):
             handle.sink = sink
             self._turn = None
 
-    def _prefill(self, seq: Sequence, request: Request) -> tuple[int, dict[str, int], torch.Tensor]:
+    def _prefill_after(
+        self, seq: Sequence, request: Request, prefix_kv: np.ndarray[Any, Any] | None, tiers: dict[str, int]
+    ) -> tuple[int, dict[str, int], torch.Tensor]:
         turn = self._turn
         if turn is None or self.blender is None:
-            return super()._prefill(seq, request)
-        tokens, ctx = request.tokens, self.context(request.tenant)
-        if self.cache is None:
-            return self._blend(seq, tokens, ctx, turn, None, {})
-        with self.cache.match(tokens, ctx) as match:
-            if match.cached_tokens == 0:
-                return self._blend(seq, tokens, ctx, turn, None, {})
-            loaded = self.cache.load(match, out=self._buffer(match.cached_tokens))
-            usable = min(int(loaded.tokens), len(tokens) - 1)  # the last token is always prefilled
-            if usable <= 0:
-                return self._blend(seq, tokens, ctx, turn, None, {})
-            tiers = _clip_tiers(dict(loaded.tier_tokens), usable)
-            # NOTE: inside the match: the load may sit in the engine's reused buffer
-            return self._blend(seq, tokens, ctx, turn, loaded.kv[:, :, :, :usable], tiers)
+            return super()._prefill_after(seq, request, prefix_kv, tiers)
+        return self._blend(seq, request.tokens, self.context(request.tenant), turn, prefix_kv, tiers)
 
     def _blend(
         self,
@@ -165,13 +155,3 @@ class BlendEngine(Engine):
                 self.blender.remember(self.context(request.tenant), request.tokens, turn.lookup.store)
             except Exception:
                 log.exception("storing the chunks of a prompt failed")
-
-
-def _clip_tiers(tiers: dict[str, int], total: int) -> dict[str, int]:
-    """Per-tier token counts cut to ``total``, taking from the slowest (last) tiers first."""
-    excess = sum(tiers.values()) - total
-    for name in reversed(list(tiers)):
-        take = min(excess, tiers[name])
-        tiers[name] -= take
-        excess -= take
-    return tiers

@@ -273,17 +273,27 @@ class Engine:
         """Prefill what the cache does not hold; returns (tokens reused, by tier, last logits)."""
         tokens = request.tokens
         if self.cache is None:
-            return 0, {}, seq.prefill(tokens)[-1]
+            return self._prefill_after(seq, request, None, {})
         with self.cache.match(tokens, self.context(request.tenant)) as match:
             if match.cached_tokens == 0:
-                return 0, {}, seq.prefill(tokens)[-1]
+                return self._prefill_after(seq, request, None, {})
             loaded = self.cache.load(match, out=self._buffer(match.cached_tokens))
             # NOTE: the last prompt token is always prefilled, since its logits start decoding.
             usable = min(int(loaded.tokens), len(tokens) - 1)
             if usable <= 0:
-                return 0, {}, seq.prefill(tokens)[-1]
-            logits = seq.prefill(tokens, loaded.kv[:, :, :, :usable])[-1]
-            return usable, _clip_tiers(dict(loaded.tier_tokens), usable), logits
+                return self._prefill_after(seq, request, None, {})
+            # NOTE: inside the match: the load may sit in the worker's reused buffer
+            tiers = _clip_tiers(dict(loaded.tier_tokens), usable)
+            return self._prefill_after(seq, request, loaded.kv[:, :, :, :usable], tiers)
+
+    def _prefill_after(
+        self, seq: Sequence, request: Request, prefix_kv: np.ndarray[Any, Any] | None, tiers: dict[str, int]
+    ) -> tuple[int, dict[str, int], torch.Tensor]:
+        """Prefill the prompt after its cached prefix ``prefix_kv`` (None: none), whose
+        tokens came from ``tiers``; returns (tokens reused, by tier, last logits). The
+        blend mode (``blend/serve_engine.py``) prefills the rest its own way here."""
+        prefix = 0 if prefix_kv is None else int(prefix_kv.shape[3])
+        return prefix, tiers, seq.prefill(request.tokens, prefix_kv)[-1]
 
     def _buffer(self, tokens: int) -> np.ndarray[Any, Any] | None:
         """A reusable destination for a load of ``tokens`` (None: let the load allocate).
