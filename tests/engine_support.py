@@ -25,6 +25,11 @@ def model() -> LoadedModel:
     return load_model(models_dir=MODELS_DIR, device="cpu")
 
 
+def encode(loaded: LoadedModel, text: str) -> tuple[int, ...]:
+    """``text``'s token ids, without the tokenizer's special tokens."""
+    return tuple(loaded.tokenizer.encode(text, add_special_tokens=False))
+
+
 def layout(loaded: LoadedModel) -> KVLayout:
     return loaded.kv
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_support import model
+from engine_support import encode, model
 from prefixcache.blend import CacheBlend, Epic, EpicBlend, Fresh, Reused, blend_prefill, prefill_chunk
 from prefixcache.blend.plan import lay_out
 from prefixcache.blend.prefill import _deviating
@@ -26,10 +26,6 @@ QUESTION = " Question: which sea does the Thames reach? Answer:"
 def lm() -> LoadedModel:
     torch.set_num_threads(2)
     return model()
-
-
-def encode(lm: LoadedModel, text: str) -> tuple[int, ...]:
-    return tuple(lm.tokenizer.encode(text, add_special_tokens=False))
 
 
 def test_a_chunk_rerotated_back_to_its_position_is_a_full_prefill(lm: LoadedModel) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from engine_support import model
+from engine_support import encode, model
 from prefixcache.blend import (
     BlendResult,
     CacheBlend,
@@ -48,10 +48,6 @@ QUESTIONS = (
 def lm() -> LoadedModel:
     torch.set_num_threads(2)
     return model()
-
-
-def encode(lm: LoadedModel, text: str) -> tuple[int, ...]:
-    return tuple(lm.tokenizer.encode(text, add_special_tokens=False))
 
 
 def full(lm: LoadedModel, tokens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
