@@ -610,3 +610,45 @@ def test_int_subclasses_run_no_python_code(tree: Any) -> None:
     root = tree.root(1)
     assert tree.access(root, 0, [Loud(2**70), 5]) == 0
     assert tree.access(root, 0, [2**70, 5]) == 2
+
+
+@pytest.mark.parametrize("policy", KERNEL_POLICIES)
+def test_access_all_is_each_trees_access(policy: str) -> None:
+    """``access_all`` (the miniatures' one call per request) gives each tree what its own
+    ``access`` gives a twin, decision for decision: the same hits and counters after
+    every request, heads and limits included (prefetching changes no decision)."""
+    rng = random.Random(7)
+    shape = [(c, h) for c in (6, 20, 60, 1 << 40) for h in (0, 3)]
+    trees = [_kernel.Tree(policy, c, 4, False, None, h) for c, h in shape]
+    twins = [_kernel.Tree(policy, c, 4, False, None, h) for c, h in shape]
+    roots: dict[int, tuple[list[int], list[int]]] = {}
+    for step in range(600):
+        key = rng.randrange(3)
+        if key not in roots:
+            roots[key] = ([t.root(key) for t in trees], [t.root(key) for t in twins])
+        ids = [rng.randrange(4) for _ in range(2)] + [rng.randrange(40) for _ in range(rng.randrange(6))]
+        head, limit = rng.choice([(0, -1), (2, -1), (3, 3), (1, 2)])
+        got = _kernel.access_all(trees, roots[key][0], ids, float(step), head, limit)
+        part = ids if limit < 0 else ids[:limit]
+        want = [t.access(r, 0, part, -1, float(step), head) for t, r in zip(twins, roots[key][1], strict=True)]
+        assert got == want
+        for a, b in zip(trees, twins, strict=True):
+            assert (a.used, len(a), a.evictions, a.collisions) == (b.used, len(b), b.evictions, b.collisions)
+
+
+def test_access_all_refuses_bad_arguments(tree: Any) -> None:
+    root = tree.root(1)
+    with pytest.raises(ValueError, match="1 trees but 2 roots"):
+        _kernel.access_all([tree], [root, root], [1], 0.0, 0)
+    with pytest.raises(TypeError, match="not a Tree"):
+        _kernel.access_all([object()], [root], [1], 0.0, 0)
+    with pytest.raises(IndexError, match="not a root"):
+        _kernel.access_all([tree], [root + 5], [1], 0.0, 0)
+    with pytest.raises(ValueError, match="head must be >= 0"):
+        _kernel.access_all([tree], [root], [1], 0.0, -1)
+    with pytest.raises(TypeError, match="block id 1 must be an int"):
+        _kernel.access_all([tree], [root], [1, "x"], 0.0, 0)
+    assert len(tree) == 0  # a refused call changes nothing
+    assert _kernel.access_all([tree], [root], [1, 2, 3], 0.0, 0, 2) == [0]
+    assert _kernel.access_all([], [], [1], 0.0, 0) == []
+    assert len(tree) == 2

@@ -1035,48 +1035,75 @@ static PyObject *Tree_root(Tree *t, PyObject *arg) {
     return PyLong_FromLong(n);
 }
 
-/* access(root, tenant, ids, match_blocks=-1, now=0.0) -> hit blocks.
- *
- * ``Ledger.access`` (``PrefixCache.access``) of a prompt of ``len(ids)`` blocks at time ``now``; with
- * ``match_blocks`` >= 0, the match covers only the first ``match_blocks`` of them and the
- * insert all of them (a prompt and its answer: ``match(prompt)``, ``insert(prompt +
- * output)``, release). A new block among the first ``head`` of ``ids`` costs ``head_unit``.
- */
-static PyObject *Tree_access(Tree *t, PyObject *args) {
-    int root, tenant;
-    PyObject *ids_obj;
-    Py_ssize_t match_blocks = -1, head = 0;
-    double now = 0.0;
-    if (!ready(t) || !PyArg_ParseTuple(args, "iiO|ndn", &root, &tenant, &ids_obj, &match_blocks, &now, &head))
-        return NULL;
+/* Tree_access's checks of its root and tenant: 1, or 0 with an exception set. */
+static int check_root(Tree *t, int root, int tenant) {
     if (root < 0 || root >= t->n_nodes || t->nodes[root].parent != NONE || t->nodes[root].pool != NONE) {
         PyErr_Format(PyExc_IndexError, "%d is not a root of this tree (Tree.root gives them)", root);
-        return NULL;
+        return 0;
     }
     if (tenant < 0) {
         PyErr_Format(PyExc_ValueError, "tenant must be >= 0, got %d", tenant);
-        return NULL;
+        return 0;
     }
+    return 1;
+}
+
+/* The ids of ``ids_obj`` (a list or tuple), their first ``limit`` (-1: all), as 64 bits in
+ * a new buffer (``*n`` of them); NULL with an exception set. A bad id is an error before
+ * anything changed. */
+static uint64_t *convert_ids(PyObject *ids_obj, Py_ssize_t limit, Py_ssize_t *n) {
     PyObject *ids = PySequence_Fast(ids_obj, "ids must be a list or tuple of block ids (ints >= 0)");
     if (!ids) return NULL;
     Py_ssize_t n_ids = PySequence_Fast_GET_SIZE(ids);
+    if (limit >= 0 && limit < n_ids) n_ids = limit;
     PyObject **items = PySequence_Fast_ITEMS(ids);
-    PyObject *result = NULL;
-    if (match_blocks < -1) {
-        PyErr_Format(PyExc_ValueError, "match_blocks must be >= 0, or -1 for all, got %zd", match_blocks);
-        goto done;
+    uint64_t *id_of = PyMem_Malloc((n_ids ? n_ids : 1) * sizeof(uint64_t));
+    if (!id_of) PyErr_NoMemory();
+    for (Py_ssize_t i = 0; id_of && i < n_ids; i++)
+        if (!block_id(items[i], i, &id_of[i])) {
+            PyMem_Free(id_of);
+            id_of = NULL;
+        }
+    Py_DECREF(ids);
+    *n = n_ids;
+    return id_of;
+}
+
+/* Memory, not work, bounds a walk down a large tree: each step's map slot and node are
+ * a cache miss, one after another, since a step knows its node only from the one
+ * before. But every key of the path is known before any lookup (the chain of the ids
+ * from the root's key, as ``find_child`` and the insert compute them), so the map slots
+ * of the path are fetched together, 32 at a time, then the nodes they name. Only loads
+ * (build with -DNO_PREFETCH to compare): no decision changes. */
+static void prefetch_path(Tree *t, int32_t root, const uint64_t *id_of, Py_ssize_t n_ids) {
+#ifndef NO_PREFETCH
+    const Map *m = &t->index;
+    uint64_t key = t->nodes[root].key;
+    size_t slots[32];
+    for (Py_ssize_t start = 0; start < n_ids; start += 32) {
+        Py_ssize_t n = n_ids - start < 32 ? n_ids - start : 32;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            key = chain(key, id_of[start + i]);
+            slots[i] = (size_t)key & m->mask;
+            __builtin_prefetch(&m->keys[slots[i]]);
+            __builtin_prefetch(&m->vals[slots[i]]);
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (m->keys[slots[i]]) __builtin_prefetch(&t->nodes[m->vals[slots[i]]]);
     }
-    if (head < 0) {
-        PyErr_Format(PyExc_ValueError, "head must be >= 0, got %zd", head);
-        goto done;
-    }
-    if (match_blocks == -1 || match_blocks > n_ids) match_blocks = n_ids;
+#endif
+}
+
+/* Ledger.access of a prompt of ``n_ids`` blocks (checked root and tenant, ``match_blocks``
+ * in [0, n_ids]): the hit in blocks, or -1 with an exception set. */
+static Py_ssize_t tree_access(Tree *t, int32_t root, int tenant, const uint64_t *id_of, Py_ssize_t n_ids,
+                              Py_ssize_t match_blocks, double now, Py_ssize_t head) {
     if (t->partitioned && tenant >= t->n_tenants) {
         int32_t n = tenant + 1 > t->n_tenants * 2 ? tenant + 1 : t->n_tenants * 2;
         int32_t *bigger = PyMem_Realloc(t->tenant_pool, (size_t)n * sizeof(int32_t));
         if (!bigger) {
             PyErr_NoMemory();
-            goto done;
+            return -1;
         }
         for (int32_t i = t->n_tenants; i < n; i++) bigger[i] = NONE;
         t->tenant_pool = bigger;
@@ -1086,22 +1113,16 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
         int32_t *bigger = PyMem_Realloc(t->path, (size_t)n_ids * sizeof(int32_t));
         if (!bigger) {
             PyErr_NoMemory();
-            goto done;
+            return -1;
         }
         t->path = bigger;
         t->cap_path = n_ids;
     }
-    /* Convert first: a bad id is an error before anything changed. */
-    uint64_t *id_of = PyMem_Malloc((n_ids ? n_ids : 1) * sizeof(uint64_t));
-    if (!id_of) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n_ids; i++)
-        if (!block_id(items[i], i, &id_of[i])) goto free_ids;
+    Py_ssize_t result = -1;
+    int32_t *path = t->path;
+    prefetch_path(t, root, id_of, n_ids);
 
     /* match: the deepest cached block, verified step by step (Ledger.find) */
-    int32_t *path = t->path;
     Py_ssize_t depth = 0;
     int collided = 0;
     int32_t cur = root;
@@ -1176,14 +1197,98 @@ static PyObject *Tree_access(Tree *t, PyObject *args) {
     }
     if (t->ttl && n_ids) /* Ledger._refresh_ttl: the stored path counts as just used */
         for (Py_ssize_t i = depth - 1; i >= 0; i--) ttl_touch(t, path[i]);
-    result = PyLong_FromSsize_t(hit);
+    result = hit;
 unpin:
     if (pinned != NONE) t->nodes[pinned].pins--;
-free_ids:
-    PyMem_Free(id_of);
-done:
-    Py_DECREF(ids);
     return result;
+}
+
+/* access(root, tenant, ids, match_blocks=-1, now=0.0, head=0) -> hit blocks.
+ *
+ * ``Ledger.access`` (``PrefixCache.access``) of a prompt of ``len(ids)`` blocks at time ``now``; with
+ * ``match_blocks`` >= 0, the match covers only the first ``match_blocks`` of them and the
+ * insert all of them (a prompt and its answer: ``match(prompt)``, ``insert(prompt +
+ * output)``, release). A new block among the first ``head`` of ``ids`` costs ``head_unit``.
+ */
+static PyObject *Tree_access(Tree *t, PyObject *args) {
+    int root, tenant;
+    PyObject *ids_obj;
+    Py_ssize_t match_blocks = -1, head = 0, n_ids;
+    double now = 0.0;
+    if (!ready(t) || !PyArg_ParseTuple(args, "iiO|ndn", &root, &tenant, &ids_obj, &match_blocks, &now, &head))
+        return NULL;
+    if (!check_root(t, root, tenant)) return NULL;
+    if (match_blocks < -1) {
+        PyErr_Format(PyExc_ValueError, "match_blocks must be >= 0, or -1 for all, got %zd", match_blocks);
+        return NULL;
+    }
+    if (head < 0) {
+        PyErr_Format(PyExc_ValueError, "head must be >= 0, got %zd", head);
+        return NULL;
+    }
+    uint64_t *id_of = convert_ids(ids_obj, -1, &n_ids);
+    if (!id_of) return NULL;
+    if (match_blocks == -1 || match_blocks > n_ids) match_blocks = n_ids;
+    Py_ssize_t hit = tree_access(t, root, tenant, id_of, n_ids, match_blocks, now, head);
+    PyMem_Free(id_of);
+    return hit < 0 ? NULL : PyLong_FromSsize_t(hit);
+}
+
+static PyTypeObject TreeType;
+
+/* access_all(trees, roots, ids, now, head, limit=-1) -> [hit blocks of each tree].
+ *
+ * ``trees[i].access(roots[i], 0, ids[:limit], -1, now, head)`` for every i, the ids
+ * converted once (curves.py's miniatures: one request on every capacity in one call).
+ */
+static PyObject *access_all(PyObject *module, PyObject *args) {
+    PyObject *trees_obj, *roots_obj, *ids_obj;
+    double now;
+    Py_ssize_t head, limit = -1, n_ids;
+    if (!PyArg_ParseTuple(args, "OOOdn|n", &trees_obj, &roots_obj, &ids_obj, &now, &head, &limit)) return NULL;
+    if (head < 0) {
+        PyErr_Format(PyExc_ValueError, "head must be >= 0, got %zd", head);
+        return NULL;
+    }
+    PyObject *trees = PySequence_Fast(trees_obj, "trees must be a list or tuple of Tree");
+    if (!trees) return NULL;
+    PyObject *roots = PySequence_Fast(roots_obj, "roots must be a list or tuple of root slots");
+    PyObject *out = NULL;
+    uint64_t *id_of = NULL;
+    if (!roots) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(trees);
+    if (PySequence_Fast_GET_SIZE(roots) != n) {
+        PyErr_Format(PyExc_ValueError, "%zd trees but %zd roots", n, PySequence_Fast_GET_SIZE(roots));
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *tree = PySequence_Fast_GET_ITEM(trees, i);
+        if (!PyObject_TypeCheck(tree, &TreeType)) {
+            PyErr_Format(PyExc_TypeError, "trees[%zd] is a %.100s, not a Tree", i, Py_TYPE(tree)->tp_name);
+            goto done;
+        }
+        long root = PyLong_AsLong(PySequence_Fast_GET_ITEM(roots, i));
+        if (root == -1 && PyErr_Occurred()) goto done;
+        if (!ready((Tree *)tree) || !check_root((Tree *)tree, root < INT32_MAX ? (int)root : -1, 0)) goto done;
+    }
+    id_of = convert_ids(ids_obj, limit, &n_ids);
+    if (!id_of || !(out = PyList_New(n))) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Tree *t = (Tree *)PySequence_Fast_GET_ITEM(trees, i);
+        int32_t root = (int32_t)PyLong_AsLong(PySequence_Fast_GET_ITEM(roots, i));
+        Py_ssize_t hit = tree_access(t, root, 0, id_of, n_ids, n_ids, now, head);
+        PyObject *value = hit < 0 ? NULL : PyLong_FromSsize_t(hit);
+        if (!value) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, value);
+    }
+done:
+    PyMem_Free(id_of);
+    Py_XDECREF(roots);
+    Py_DECREF(trees);
+    return out;
 }
 
 static Py_ssize_t Tree_len(Tree *t) { return (Py_ssize_t)t->blocks; }
@@ -1243,8 +1348,15 @@ static PyTypeObject TreeType = {
     .tp_as_sequence = &Tree_as_sequence,
 };
 
+static PyMethodDef kernel_functions[] = {
+    {"access_all", access_all, METH_VARARGS,
+     "access_all(trees, roots, ids, now, head, limit=-1) -> [hit blocks]: one request on every tree"},
+    {NULL},
+};
+
 static struct PyModuleDef kernel_module = {
     PyModuleDef_HEAD_INIT,
+    .m_methods = kernel_functions,
     .m_name = "prefixcache.sim._kernel",
     .m_doc = "The trace simulator's compiled replay kernel (see _kernel.c).",
     .m_size = -1,

@@ -41,3 +41,9 @@ class Tree:
     @property
     def capacity(self) -> int: ...
     def __len__(self) -> int: ...
+
+def access_all(
+    trees: Sequence[Tree], roots: Sequence[int], ids: Sequence[int], now: float, head: int, limit: int = -1, /
+) -> list[int]:
+    """``trees[i].access(roots[i], 0, ids[:limit], -1, now, head)`` for every i, the ids
+    converted once: one request on every miniature (sampled curves)."""
