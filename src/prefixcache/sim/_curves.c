@@ -412,6 +412,20 @@ static uint32_t estimate(Prefixes *p, uint64_t key) {
     return least;
 }
 
+/* The keys of blocks ``start`` up to ``start + CHUNK`` (at most ``n``) of ``p->ids``, the
+ * chain going on from ``*key``, into ``keys`` (their number returned), their cells
+ * fetched: a chain's keys are known before any count is read, so the cache misses of
+ * a chunk are taken together, not one after another. */
+#define CHUNK 16
+static Py_ssize_t chunk_keys(Prefixes *p, uint64_t *key, Py_ssize_t start, Py_ssize_t n, uint64_t *keys) {
+    Py_ssize_t m = n - start < CHUNK ? n - start : CHUNK;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        keys[i] = *key = chain(*key, p->ids[start + i]);
+        for (int r = 0; r < SKETCH_ROWS; r++) __builtin_prefetch(cell(p, keys[i], r));
+    }
+    return m;
+}
+
 /* add(root_key, ids): one request through its chain. */
 static PyObject *Prefixes_add(Prefixes *p, PyObject *args) {
     unsigned long long root;
@@ -419,16 +433,18 @@ static PyObject *Prefixes_add(Prefixes *p, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KO", &root, &ids_obj)) return NULL;
     Py_ssize_t n = read_ids(ids_obj, &p->ids, &p->cap);
     if (n < 0) return NULL;
-    uint64_t key = root;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        key = chain(key, p->ids[i]);
-        uint32_t least = estimate(p, key);
-        if (least < UINT32_MAX)
-            for (int r = 0; r < SKETCH_ROWS; r++) { /* conservative update */
-                uint32_t *c = cell(p, key, r);
-                if (*c == least) *c = least + 1;
-            }
-        if (mix64(key) >> (64 - ESTIMATE_SHIFT) == 0 && !map_slot(&p->seen, key, 0)) return NULL;
+    uint64_t key = root, keys[CHUNK];
+    for (Py_ssize_t start = 0; start < n; start += CHUNK) {
+        Py_ssize_t m = chunk_keys(p, &key, start, n, keys);
+        for (Py_ssize_t i = 0; i < m; i++) {
+            uint32_t least = estimate(p, keys[i]);
+            if (least < UINT32_MAX)
+                for (int r = 0; r < SKETCH_ROWS; r++) { /* conservative update */
+                    uint32_t *c = cell(p, keys[i], r);
+                    if (*c == least) *c = least + 1;
+                }
+            if (mix64(keys[i]) >> (64 - ESTIMATE_SHIFT) == 0 && !map_slot(&p->seen, keys[i], 0)) return NULL;
+        }
     }
     Py_RETURN_NONE;
 }
@@ -442,11 +458,14 @@ static PyObject *Prefixes_unit(Prefixes *p, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KOL", &root, &ids_obj, &most)) return NULL;
     Py_ssize_t n = read_ids(ids_obj, &p->ids, &p->cap);
     if (n < 0) return NULL;
-    uint64_t key = 0, k = root;
+    uint64_t key = 0, k = root, keys[CHUNK];
     Py_ssize_t depth = 0;
-    for (; depth < n; depth++) {
-        key = k = chain(k, p->ids[depth]);
-        if ((long long)estimate(p, k) <= most) break;
+    for (Py_ssize_t start = 0; start < n && depth == start; start += CHUNK) {
+        Py_ssize_t m = chunk_keys(p, &k, start, n, keys);
+        for (Py_ssize_t i = 0; i < m; i++, depth++) {
+            key = keys[i];
+            if ((long long)estimate(p, key) <= most) break;
+        }
     }
     if (depth == n && n) depth--;
     return Py_BuildValue("Kn", (unsigned long long)key, depth);
