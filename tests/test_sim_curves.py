@@ -194,13 +194,44 @@ def _workload(requests: int) -> list[Request]:
 
 
 @pytest.mark.slow
-def test_sampled_error_on_a_generated_workload() -> None:
+@pytest.mark.parametrize("policy", ["s3fifo", "sieve"])
+def test_sampled_error_on_a_generated_workload(policy: str) -> None:
     """A 20,000-request workload (5 M block lookups) at a rate of 0.6: 3 M lookups kept,
-    fewer than the default sample (``DEFAULT_SAMPLE``) keeps."""
+    fewer than the default sample (``DEFAULT_SAMPLE``) keeps. SIEVE: the policy whose
+    miniatures err most (docs/simulator.md)."""
     requests = _workload(20_000)
     assert 0.6 * sum(len(r.hash_ids or ()) for r in requests) < DEFAULT_SAMPLE
-    error, got = _max_error(requests, "s3fifo", "namespace", rate=0.6)
+    error, got = _max_error(requests, policy, "namespace", rate=0.6)
     assert got.sampling_rate == 0.6 and error <= ERROR_BOUND
+
+
+@pytest.mark.parametrize("policy", ["lru", "sieve", "gittins"])
+def test_the_unlimited_point_is_exact_at_any_rate(policy: str) -> None:
+    """Below the heads the kept requests' hits are scaled by what an unlimited cache hits
+    there over all requests against over the kept ones (``miniatures.Tally``); at
+    unlimited capacity a miniature hits below the head exactly that, and in the head
+    what the cache does, so the point is exact whatever the draw."""
+    requests = _workload(600)
+    cfg = _cfg(policy, "namespace")
+    caps = [2_000.0 * 16, math.inf]
+    ref = curve(lambda: iter(requests), cfg, caps, method="replay")
+    for seed in (0, 1):
+        got = curve(lambda: iter(requests), cfg, caps, method="sampled", rate=0.3, seed=seed)
+        assert got.token_hit_rates[-1] == pytest.approx(ref.token_hit_rates[-1], abs=1e-12)
+
+
+def test_a_tally_counts_heads_over_all_requests_and_scales_what_lies_below() -> None:
+    from prefixcache.sim.miniatures import Tally
+
+    tally = Tally(2, 4, True)
+    tally.kept([3, 1], 2, 16)  # 2 head blocks, then 2 more: hits of 3 and 1 blocks
+    tally.seen(4, 2, 16, kept=True)  # an unlimited cache: 2 blocks below the head
+    tally.dropped([3, 2], 2, 12)  # the head and unit only: 2 head blocks at most
+    tally.seen(3, 2, 12, kept=False)  # 1 below
+    assert (tally.head, tally.below) == ([16, 12], [4, 0])
+    assert (tally.seen_all, tally.seen_kept) == (12, 8)
+    assert tally.rates(28) == pytest.approx([(16 + 4 * 12 / 8) / 28, 12 / 28])
+    assert Tally(1, 4, True).rates(0) == [0.0]
 
 
 def test_auto_draws_every_policy_by_its_miniatures(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,10 +59,10 @@ else:
     _CURVES_MISSING = ""
 
 METHODS = ("auto", "stack", "sampled", "replay")
-DEFAULT_SAMPLE = 5_000_000
+DEFAULT_SAMPLE = 10_000_000
 """Block lookups the sampled method keeps when no rate is given: the rate is
-``min(1, DEFAULT_SAMPLE / lookups)``. A miniature's error shrinks with the number of
-units it keeps, not with the rate."""
+``min(1, DEFAULT_SAMPLE / lookups)``. The sampling noise shrinks with the number of
+units kept; the miniatures' own bias (SIEVE's most) with the rate (docs/simulator.md)."""
 ERROR_BOUND = 0.01
 """The absolute error in token hit rate the tests hold the default curves of the traces
 in the repository to (they keep fewer than ``DEFAULT_SAMPLE`` lookups: rate 1, exact).

@@ -10,6 +10,14 @@ its head: in the cache the dropped chain hangs there and keeps the head interior
 in a miniature than in the cache, and the miniatures missed (docs/simulator.md).
 A miniature that would hold fewer than ``MIN_INSERTS`` requests' new blocks is
 replayed whole (below).
+
+The estimate is split at the head (``Tally``). Every request's head is looked up in
+every miniature, so its hits are counted over all requests, not sampled. Below the
+head, only the kept requests' hits are known; they are scaled by what all requests
+could hit there at all: the blocks an unlimited cache (one more tree, fed every
+request) would hit. A request that continues a conversation and one that starts a
+new document then weigh as often as they occur in the trace, whichever units the
+hash kept, which leaves the miniatures' own error and less of the draw's.
 """
 
 from __future__ import annotations
@@ -28,11 +36,13 @@ from prefixcache.sim.traces import Request
 
 RESOLUTION = 1024
 """At a rate below 1, the least cost of a miniature's block, in integer units."""
-MIN_INSERTS = 30
+MIN_INSERTS = 80
 """A miniature must hold this many requests' new blocks (on average): a kept request's
 new blocks come whole, not sampled, so in a smaller one each flushes a large share of
 it (of S3-FIFO's small queue, a tenth of the capacity, all of it), and the miniature
-misses more than the cache. Such a capacity is replayed at rate 1."""
+misses more than the cache. Such a capacity is replayed at rate 1. NOTE: the smallest
+miniatures still erred by twice the bound at 30 (SIEVE) and by more than it at 60
+(LFUDA), on 20 M lookups (docs/simulator.md)."""
 
 Out = tuple[int, int, list[float], list[float]]
 """Counted requests, their lookup tokens, the capacities, the hit rate at each."""
@@ -71,10 +81,14 @@ class Minis:
     of capacity C holds C x R, a sampled block costs its size, and a block of a shared
     head (unsampled: every request touches it) costs R times its size."""
 
-    def __init__(self, cfg: ReplayConfig, summary: TraceSummary, capacities: list[int], rate: float = 1.0) -> None:
+    def __init__(
+        self, cfg: ReplayConfig, summary: TraceSummary, capacities: list[int], rate: float = 1.0, seen: bool = False
+    ) -> None:
         from prefixcache.sim import _kernel
 
-        self.trees, self.roots = [], [dict[int, int]() for _ in capacities]
+        self.trees: list[Any] = []
+        self.roots: dict[int, list[int]] = {}
+        self._access_all = _kernel.access_all
         for capacity in capacities:
             config = engine_config(replace(cfg, cache=replace(cfg.cache, capacity_tokens=capacity)), summary)
             ttl = config.ttl_seconds
@@ -86,17 +100,18 @@ class Minis:
                 size = size if capacity == UNLIMITED else round(size * k * rate)
                 unit *= k
             self.trees.append(_kernel.Tree(config.policy, size, unit, False, ttl, head_unit))
+        if seen:  # NOTE: last, unlimited, FIFO (whose touch is free): what any capacity could hit
+            config = engine_config(cfg, summary)
+            ttl = config.ttl_seconds
+            self.trees.append(_kernel.Tree("fifo", UNLIMITED, 1, False, ttl if ttl and math.isfinite(ttl) else None))
 
-    def access(self, root_key: int, ids: Sequence[int], now: float, head: int = 0) -> list[int]:
-        """Each tree's cached prefix of ``ids`` (the first ``head`` of them a shared
-        head), in blocks."""
-        out = []
-        for tree, roots in zip(self.trees, self.roots, strict=True):
-            root = roots.get(root_key)
-            if root is None:
-                root = roots[root_key] = tree.root(root_key)
-            out.append(tree.access(root, 0, ids, -1, now, head))
-        return out
+    def access(self, root_key: int, ids: Sequence[int], now: float, head: int = 0, limit: int = -1) -> list[int]:
+        """Each tree's cached prefix of ``ids[:limit]`` (the first ``head`` of them a
+        shared head), in blocks; with ``seen``, last, the unlimited tree's."""
+        roots = self.roots.get(root_key)
+        if roots is None:
+            roots = self.roots[root_key] = [tree.root(root_key) for tree in self.trees]
+        return self._access_all(self.trees, roots, ids, now, head, limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +132,41 @@ class Sample:
         return self.rate * capacity / block_size < MIN_INSERTS * self.inserts
 
 
+class Tally:
+    """Hit tokens of the miniatures, split at each request's head: its hits in the head
+    over all requests, below it over the kept ones, and what an unlimited cache would
+    hit below it, over all and over the kept."""
+
+    def __init__(self, n: int, block_size: int, hashed: bool) -> None:
+        self.bs, self.hashed = block_size, hashed
+        self.head, self.below = [0] * n, [0] * n
+        self.seen_all = self.seen_kept = 0
+
+    def tokens(self, blocks: int, length: int) -> int:
+        return min(blocks * self.bs, length) if self.hashed else blocks * self.bs
+
+    def dropped(self, cached: list[int], depth: int, length: int) -> None:
+        head = self.head
+        for j, blocks in enumerate(cached):
+            head[j] += self.tokens(min(blocks, depth), length)
+
+    def kept(self, cached: list[int], depth: int, length: int) -> None:
+        head, below = self.head, self.below
+        for j, blocks in enumerate(cached):
+            top = self.tokens(min(blocks, depth), length)
+            head[j] += top
+            below[j] += self.tokens(blocks, length) - top
+
+    def seen(self, blocks: int, depth: int, length: int, kept: bool) -> None:
+        more = self.tokens(blocks, length) - self.tokens(min(blocks, depth), length)
+        self.seen_all += more
+        self.seen_kept += more if kept else 0
+
+    def rates(self, lookup: int) -> list[float]:
+        scale = self.seen_all / self.seen_kept if self.seen_kept else 0.0
+        return [(h + b * scale) / lookup if lookup else 0.0 for h, b in zip(self.head, self.below, strict=True)]
+
+
 def sampled(
     source: TraceSource,
     cfg: ReplayConfig,
@@ -127,43 +177,44 @@ def sampled(
     sample: Sample,
 ) -> Out:
     """Miniature caches: the kept requests on the kernel, the dropped ones' shared heads
-    and units touched; the capacities too small for a miniature replayed whole."""
+    and units touched; the capacities too small for a miniature replayed whole (with,
+    below rate 1, the unlimited tree that ``Tally`` scales by)."""
     bs, rate = cfg.block_size, sample.rate
     small = [c for c in caps if sample.exact(c, bs)]
     large = caps[len(small) :]
-    exact = Minis(cfg, summary, [tokens(c) for c in small])
+    exact = Minis(cfg, summary, [tokens(c) for c in small], seen=rate < 1.0)
     minis = Minis(cfg, summary, [tokens(c) for c in large], rate)
     chains = Chains(cfg, summary.native_block_size is not None)
     threshold = int(rate * 2**64)
-    hits, exact_hits = [0] * len(large), [0] * len(small)
-    requests, lookup, kept_lookup = 0, 0, 0
-
-    def count(into: list[int], cached: list[int], length: int) -> None:
-        for j, blocks in enumerate(cached):
-            into[j] += min(blocks * bs, length) if chains.hashed else blocks * bs
-
+    tally, exact_hits = Tally(len(large), bs, chains.hashed), [0] * len(small)
+    requests, lookup = 0, 0
     for i, req in enumerate(source()):
-        counted = i >= skip
+        counted, length = i >= skip, req.input_length
         if counted:
             requests += 1
-            lookup += req.input_length
+            lookup += length
         root, ids = chains.root(req), chains.ids(req)
-        if small:
-            cached = exact.access(root, ids, req.timestamp)
-            if counted:
-                count(exact_hits, cached, req.input_length)
-        depth = 0
+        cached = exact.access(root, ids, req.timestamp) if exact.trees else []
+        if counted:
+            for j in range(len(small)):
+                exact_hits[j] += tally.tokens(cached[j], length)
+        depth = len(ids)
+        kept = True
         if rate < 1.0:
             unit, depth = prefixes.unit(root, ids, sample.most)
-            if xxhash.xxh3_64_intdigest(unit.to_bytes(8, "little"), seed=sample.seed) >= threshold:
-                # NOTE: the unit too, as a child that keeps the head interior, as the
-                # dropped chain below it keeps it in the cache
-                minis.access(root, ids[: depth + 1], req.timestamp, depth + 1)
-                continue
-        cached = minis.access(root, ids, req.timestamp, depth)
+            kept = xxhash.xxh3_64_intdigest(unit.to_bytes(8, "little"), seed=sample.seed) < threshold
+            if counted:
+                tally.seen(cached[-1], depth, length, kept)
+        if not kept:
+            # NOTE: the unit too, as a child that keeps the head interior, as the
+            # dropped chain below it keeps it in the cache
+            cached = minis.access(root, ids, req.timestamp, depth + 1, depth + 1)
+            if counted:
+                tally.dropped(cached, depth, length)
+            continue
+        cached = minis.access(root, ids, req.timestamp, depth if rate < 1.0 else 0)
         if counted:
-            kept_lookup += req.input_length
-            count(hits, cached, req.input_length)
+            tally.kept(cached, depth, length)
     rates = [h / lookup if lookup else 0.0 for h in exact_hits]
-    rates += [h / kept_lookup if kept_lookup else 0.0 for h in hits]
+    rates += tally.rates(lookup)
     return requests, lookup, caps, rates
