@@ -1185,6 +1185,9 @@ static Py_ssize_t tree_access(Tree *t, int32_t root, int tenant, const uint64_t 
             stored += node->cost;
         }
         Pool *p = &t->pools[pool];
+        const Map *ghost = t->policy == P_S3FIFO ? &p->ghost.where : t->policy == P_GITTINS ? &p->g->gwhere : NULL;
+        for (Py_ssize_t i = first; ghost && i < depth; i++) /* each insert asks the ghost: its misses together */
+            __builtin_prefetch(&ghost->keys[(size_t)t->nodes[path[i]].key & ghost->mask]);
         p->used += stored;
         p->blocks += depth - first;
         t->used += stored;

@@ -366,6 +366,8 @@ static GGhost *gittins_ghost_pop(Gittins *g, uint64_t key) {
 /* The end of GittinsPolicy._evict: the oldest ghosts leave while their trial is over or
  * there are more than ``ghost_cap``. */
 static void gittins_ghost_trim(Gittins *g) {
+    if (g->gstart + 4 < g->gend) /* a later trim's map slot, fetched ahead */
+        __builtin_prefetch(&g->gwhere.keys[(size_t)g->ghost[g->gstart + 4].key & g->gwhere.mask]);
     while (g->glive) {
         GGhost *e = &g->ghost[g->gstart];
         if (e->live) {
@@ -505,6 +507,7 @@ static int32_t gittins_victim(Gittins *g, Node *nodes) {
     }
     if (best == NONE) best = gittins_scan(g, nodes);
     if (best == NONE) return NONE;
+    __builtin_prefetch(&g->gwhere.keys[(size_t)nodes[best].key & g->gwhere.mask]); /* for ghost_add */
     gittins_unlink(g, nodes, best);
     nodes[best].interior = 0;
     int64_t start = nodes[best].rank;
