@@ -21,7 +21,8 @@ with the same block. The blocks above the units (system prompts, tool lists, pop
 documents: what many units share) cannot be sampled; a miniature would see them
 referenced only R times as often. So every request, kept or not, touches its shared
 head (and its unit) in every miniature, where a head block weighs R times a sampled
-one (miniatures.py says how and why). Only the kept requests are counted.
+one (miniatures.py says how and why). The heads' hits are counted over all requests,
+those below over the kept ones, scaled by what an unlimited cache hits there.
 
 NOTE (LRU, stack versus cache): the cache touches a request's cached prefix before it
 links the missing blocks, so the deepest cached block ends up older than its new
