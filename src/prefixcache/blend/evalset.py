@@ -6,6 +6,7 @@ The file is JSON (``tests/data/blend/eval.json``)::
     {"version": 1,
      "chunks": {"<name>": ["<line>", ...], ...},      text cached alone, line by line
      "items": [{"id": "...", "kind": "reordered_rag",
+                "system": "...",                        optional: a chat, see below
                 "cached": ["<name>", ...],              chunks prefilled alone first
                 "prompt": [{"text": "..."},             fresh: prefilled in the prompt
                            {"chunk": "<name>"},         all of a cached chunk
@@ -15,6 +16,11 @@ A chunk's tokens are its lines encoded one by one and laid end to end, so a slic
 lines is a slice of the chunk's tokens and of its cached KV (``original_start`` is the
 slice's first token). The full prefill the gate compares against runs the very same
 tokens: any difference comes from the blend, never from tokenization.
+
+An item with a ``system`` message is a chat: its prompt parts are the user's message,
+framed by the model's own chat template (the system turn, the user turn's opening, and
+after the message the close and the assistant's opening, as a server would send it).
+The frame's two texts are fresh parts; a model with no chat template cannot run them.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ KINDS = ("reordered_rag", "edited_document", "edited_query", "shifted_system")
 VERSION = 1
 
 Encode = Callable[[str], Sequence[int]]
+Frame = Callable[[str], tuple[str, str]]  # system message -> chat text before, after the user's
 
 
 class EvalSetError(ValueError):
@@ -56,6 +63,7 @@ class EvalItem:
     kind: str
     cached: tuple[str, ...]
     prompt: tuple[Part, ...]
+    system: str | None = None  # a chat: the prompt is the user's message after this system turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,10 +124,21 @@ def parse_eval_set(doc: Any, digest: str = "", where: str = "eval set") -> EvalS
     return EvalSet(chunks, items, digest or hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16])
 
 
-def assemble(item: EvalItem, chunks: Mapping[str, Sequence[Sequence[int]]], encode: Encode) -> list[Piece]:
-    """The prompt of ``item`` as pieces; ``chunks`` holds each chunk's lines, encoded."""
+def assemble(
+    item: EvalItem, chunks: Mapping[str, Sequence[Sequence[int]]], encode: Encode, frame: Frame | None = None
+) -> list[Piece]:
+    """The prompt of ``item`` as pieces; ``chunks`` holds each chunk's lines, encoded.
+    A chat item needs ``frame``, the model's chat template around a user message."""
+    parts: tuple[Part, ...] = item.prompt
+    if item.system is not None:
+        if frame is None:
+            raise EvalSetError(f"item {item.id} is a chat: assembling it needs the model's chat template")
+        before, after = frame(item.system)
+        parts = (TextPart(before), *parts, TextPart(after))
     pieces: list[Piece] = []
-    for part in item.prompt:
+    for part in parts:
+        if isinstance(part, TextPart) and not part.text:
+            continue
         if isinstance(part, TextPart):
             pieces.append(Piece(tuple(encode(part.text))))
             continue
@@ -146,9 +165,11 @@ def _item(raw: Any, chunks: Mapping[str, tuple[str, ...]], where: str) -> EvalIt
     item_id = raw.get("id")
     _expect(isinstance(item_id, str) and bool(item_id), where, "needs a non-empty string id")
     where = f"{where} ({item_id})"
-    extra = sorted(set(raw) - {"id", "kind", "cached", "prompt"})
+    extra = sorted(set(raw) - {"id", "kind", "system", "cached", "prompt"})
     _expect(not extra, where, f"unknown keys {extra}")
     _expect(raw.get("kind") in KINDS, where, f"kind must be one of {list(KINDS)}, got {raw.get('kind')!r}")
+    system = raw.get("system")
+    _expect(system is None or (isinstance(system, str) and bool(system)), where, "system must be a non-empty string")
     cached = raw.get("cached")
     _expect(isinstance(cached, list) and all(isinstance(c, str) for c in cached), where, "cached must list names")
     unknown = sorted(set(cached) - set(chunks))
@@ -157,7 +178,7 @@ def _item(raw: Any, chunks: Mapping[str, tuple[str, ...]], where: str) -> EvalIt
     _expect(isinstance(prompt, list) and bool(prompt), where, "prompt must be a non-empty list of parts")
     parts = tuple(_part(p, chunks, set(cached), f"{where}: prompt[{i}]") for i, p in enumerate(prompt))
     _expect(any(isinstance(p, ChunkPart) for p in parts), where, "the prompt reuses no cached chunk")
-    return EvalItem(item_id, raw["kind"], tuple(cached), parts)
+    return EvalItem(item_id, raw["kind"], tuple(cached), parts, system)
 
 
 def _part(raw: Any, chunks: Mapping[str, tuple[str, ...]], cached: set[str], where: str) -> Part:

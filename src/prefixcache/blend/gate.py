@@ -27,6 +27,7 @@ import torch
 from prefixcache.blend.evalset import EvalSet, assemble
 from prefixcache.blend.plan import Epic, EpicBlend, Fresh, RecomputePlan, Reused, Segment
 from prefixcache.blend.prefill import BlendResult, blend_prefill, greedy_continue, prefill_chunk
+from prefixcache.engine.chat import chat_frame
 from prefixcache.engine.model import LoadedModel
 from prefixcache.engine.runner import Sequence as FullPrefill
 
@@ -203,8 +204,8 @@ def full_prefill(loaded: LoadedModel, tokens: Sequence[int]) -> tuple[torch.Tens
 
 
 def prepare(loaded: LoadedModel, eval_set: EvalSet, steps: int = GREEDY_STEPS) -> Prepared:
-    """Prefill every cached chunk alone once, assemble each item, and compute its
-    full-prefill reference."""
+    """Prefill every cached chunk alone once, assemble each item (a chat in the model's
+    own template), and compute its full-prefill reference."""
     encode = _encoder(loaded)
     used = sorted({name for item in eval_set.items for name in item.cached})
     lines = {name: [encode(line) for line in eval_set.chunks[name]] for name in used}
@@ -212,7 +213,7 @@ def prepare(loaded: LoadedModel, eval_set: EvalSet, steps: int = GREEDY_STEPS) -
     items = []
     for item in eval_set.items:
         segments: list[Segment] = []
-        for piece in assemble(item, lines, encode):
+        for piece in assemble(item, lines, encode, lambda system: chat_frame(loaded.tokenizer, system)):
             if piece.chunk is None:
                 segments.append(Fresh(piece.tokens))
             else:

@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-__all__ = ["chat_tokens"]
+__all__ = ["chat_frame", "chat_tokens"]
 
 _MARK = re.compile("\ue000(\\d+)\ue001")  # private-use characters: no template or text has them
 
@@ -44,3 +44,19 @@ def chat_tokens(
         elif part:
             tokens += _encode(tokenizer, part, as_text=False)
     return tokens
+
+
+def chat_frame(tokenizer: PreTrainedTokenizerBase, system: str | None = None) -> tuple[str, str]:
+    """The chat template around one user message: the text before it (the system turn,
+    the template's default one when ``system`` is None, and the user turn's opening) and
+    after it (the turn's close and the assistant's opening)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model's tokenizer has no chat template")
+    mark = "\ue000message\ue001"
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": mark})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not isinstance(text, str) or text.count(mark) != 1:
+        raise ValueError("the chat template does not render the user's message once, as given")
+    before, after = text.split(mark)
+    return before, after
