@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from engine_support import model
 from prefixcache.blend import CacheBlend, Epic, Reused
-from prefixcache.blend.evalset import KINDS, EvalSetError, assemble, load_eval_set, parse_eval_set
+from prefixcache.blend.evalset import KINDS, EvalSetError, Piece, assemble, load_eval_set, parse_eval_set
 from prefixcache.blend.gate import (
     GateFigures,
     GateReport,
@@ -49,18 +49,30 @@ def figures(
 
 def test_eval_file_validates_and_assembles() -> None:
     eval_set = load_eval_set(EVAL)
-    assert 12 <= len(eval_set.items) <= 24
+    assert 20 <= len(eval_set.items) <= 40
     assert {item.kind for item in eval_set.items} == set(KINDS)
     encode = lambda text: tuple(ord(c) for c in text)  # noqa: E731 - one token per character
+    frame = lambda system: (f"<sys>{system}</sys><user>", "</user><bot>")  # noqa: E731 - a toy chat template
     lines = {name: [encode(line) for line in text] for name, text in eval_set.chunks.items()}
     for item in eval_set.items:
-        pieces = assemble(item, lines, encode)
+        pieces = assemble(item, lines, encode, frame)
         assert any(p.chunk is not None for p in pieces)
+        if item.system is not None:  # a chat: the template's two texts frame the user's message
+            before, after = frame(item.system)
+            assert pieces[0] == Piece(encode(before)) and pieces[-1] == Piece(encode(after))
         for p in pieces:
             if p.chunk is not None:  # a reused piece is the chunk's own tokens at its own offset
                 whole = [t for line in lines[p.chunk] for t in line]
                 assert tuple(whole[p.start : p.start + len(p.tokens)]) == p.tokens
-    assert len(eval_set.of_kind("reordered_rag").items) >= 6
+    rag = eval_set.of_kind("reordered_rag").items
+    assert len(rag) >= 16 and all(item.system is not None for item in rag)
+
+
+def test_a_chat_item_needs_the_model_chat_template() -> None:
+    item = load_eval_set(EVAL).items[0]
+    assert item.system is not None
+    with pytest.raises(EvalSetError, match=r"reorder-01 is a chat: assembling it needs the model's chat template"):
+        assemble(item, {}, lambda text: ())
 
 
 def mutate(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
@@ -84,7 +96,8 @@ def mutate(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
         ("items/0/kind", "poem", r"items\[0\] \(reorder-01\): kind must be one of"),
         ("items/0/cached", ["nowhere"], r"cached names \['nowhere'\] are not in chunks"),
         ("items/0/prompt/1", {"chunk": "tram"}, r"prompt\[1\]: chunk 'tram' is not in this item's cached list"),
-        ("items/8/prompt/1/lines", [3, 2], r"items\[8\] \(edit-01\): prompt\[1\]: lines must be \[a, b\]"),
+        ("items/16/prompt/1/lines", [3, 2], r"items\[16\] \(edit-01\): prompt\[1\]: lines must be \[a, b\]"),
+        ("items/0/system", "", r"items\[0\] \(reorder-01\): system must be a non-empty string"),
         ("items/0/prompt/0", {"text": "x", "chunk": "owl"}, r"needs either text or chunk"),
         ("items/0/extra", 1, r"unknown keys \['extra'\]"),
         ("chunks/owl", [], r"chunks.owl: must be a non-empty list"),
