@@ -6,7 +6,8 @@ them in a new order after a fresh header and before a fresh question. For each p
 against a full prefill of the same tokens in the same process: the prefill time saved
 (1 - blended / full, summed over prompts, best of a few rounds that each run the full
 prefill and then every plan), the share of (token, layer) work done (noise-free),
-top-1 next-token agreement, greedy-32 exact match and the mean KL of the next token.
+top-1 next-token agreement, greedy-32 exact match (the greedy answer of up to 32 tokens,
+to the end of turn, identical) and the mean KL of the next token.
 The curve is printed whatever it shows, then whether the target (>= 50 % of prefill
 time saved at top-1 >= 98 % and greedy-32 EM >= 90 %) is met, and at which plan. The
 full prefill's top-1 margin per prompt is printed too: where it is near zero, any

@@ -20,11 +20,13 @@ from prefixcache.blend import (
     Reused,
     blend_prefill,
     check_llama,
+    greedy_continue,
     prefill_chunk,
     rerotate,
     rotary_of,
 )
 from prefixcache.engine import LoadedModel
+from prefixcache.engine.chat import chat_frame
 from prefixcache.engine.kv import cut_cache
 from prefixcache.engine.runner import Sequence
 
@@ -230,3 +232,12 @@ def test_bad_inputs_are_refused(lm: LoadedModel) -> None:
         Epic(-1)
     with pytest.raises(ValueError, match="check_layer"):
         blend_prefill(lm, [Reused(chunk, kv), Fresh((1,))], CacheBlend(10.0, check_layer=lm.kv.layers))
+
+
+def test_greedy_continuation_stops_at_the_end_of_turn(lm: LoadedModel) -> None:
+    before, after = chat_frame(lm.tokenizer, "Answer in a few words.")
+    seq = Sequence(lm)
+    logits = seq.prefill(list(encode(lm, before + "What is the capital of France?" + after)))[0]
+    out = greedy_continue(lm, seq.cache, logits, 64)
+    assert out[-1] in lm.eos_ids and not set(out[:-1]) & lm.eos_ids  # the answer a server sends, no more
+    assert len(out) < 64
