@@ -258,8 +258,10 @@ def evaluate(loaded: LoadedModel, prepared: Prepared, plan: RecomputePlan) -> tu
 
 def gate_key(model: str, eval_digest: str, steps: int, plan: RecomputePlan) -> str:
     """The store's key of a plan's figures: what they depend on, and nothing else (a
-    server reads its gate with it without preparing the set)."""
-    return f"{model}|eval={eval_digest}|steps={steps}|{plan_name(plan)}"
+    server reads its gate with it without preparing the set). ``eos`` names the greedy
+    answers' rule (they end at the end of turn): figures measured under another rule are
+    never read as these."""
+    return f"{model}|eval={eval_digest}|steps={steps},eos|{plan_name(plan)}"
 
 
 class GateStore:
