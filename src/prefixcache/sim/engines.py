@@ -150,6 +150,12 @@ else:
 ENGINES = ("auto", "native", "python")
 
 
+def kernel_ttl(config: CacheConfig) -> float | None:
+    """The kernel tree's TTL: the cache's, with an infinite one (never) as None."""
+    ttl = config.ttl_seconds
+    return ttl if ttl is not None and math.isfinite(ttl) else None
+
+
 def native_unsupported(cfg: ReplayConfig, metrics: bool = False) -> str:
     """Why the compiled kernel cannot replay ``cfg`` ("" when it can)."""
     if _KERNEL_MISSING:
@@ -191,8 +197,7 @@ class KernelStepper:
         assert _kernel is not None
         config = engine_config(cfg, summary)  # the same validation and units as the cache
         partitioned = config.isolation == "partitioned"
-        ttl = config.ttl_seconds if config.ttl_seconds is not None and math.isfinite(config.ttl_seconds) else None
-        self._tree = _kernel.Tree(config.policy, config.capacity, config.block_size, partitioned, ttl)  # inf: never
+        self._tree = _kernel.Tree(config.policy, config.capacity, config.block_size, partitioned, kernel_ttl(config))
         self._unit = config.block_size
         self._shared = config.isolation == "shared"
         self._output = include_output and summary.native_block_size is None

@@ -29,7 +29,7 @@ from typing import Any
 
 import xxhash
 
-from prefixcache.sim.engines import _block_digests, engine_config
+from prefixcache.sim.engines import _block_digests, engine_config, kernel_ttl
 from prefixcache.sim.results import UNLIMITED, ReplayConfig
 from prefixcache.sim.summary import TraceSource, TraceSummary
 from prefixcache.sim.traces import Request
@@ -91,19 +91,15 @@ class Minis:
         self._access_all = _kernel.access_all
         for capacity in capacities:
             config = engine_config(replace(cfg, cache=replace(cfg.cache, capacity_tokens=capacity)), summary)
-            ttl = config.ttl_seconds
-            ttl = ttl if ttl is not None and math.isfinite(ttl) else None
             unit, size, head_unit = config.block_size, config.capacity, 0
             if rate < 1.0:  # NOTE: integer costs: scale all by k so that a head block's is exact enough
                 k = math.ceil(RESOLUTION / (unit * rate))
                 head_unit = max(1, round(unit * k * rate))
                 size = size if capacity == UNLIMITED else round(size * k * rate)
                 unit *= k
-            self.trees.append(_kernel.Tree(config.policy, size, unit, False, ttl, head_unit))
+            self.trees.append(_kernel.Tree(config.policy, size, unit, False, kernel_ttl(config), head_unit))
         if seen:  # NOTE: last, unlimited, FIFO (whose touch is free): what any capacity could hit
-            config = engine_config(cfg, summary)
-            ttl = config.ttl_seconds
-            self.trees.append(_kernel.Tree("fifo", UNLIMITED, 1, False, ttl if ttl and math.isfinite(ttl) else None))
+            self.trees.append(_kernel.Tree("fifo", UNLIMITED, 1, False, kernel_ttl(engine_config(cfg, summary))))
 
     def access(self, root_key: int, ids: Sequence[int], now: float, head: int = 0, limit: int = -1) -> list[int]:
         """Each tree's cached prefix of ``ids[:limit]`` (the first ``head`` of them a
