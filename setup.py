@@ -17,7 +17,7 @@ setup(
         Extension(
             "prefixcache.sim._kernel",
             ["src/prefixcache/sim/_kernel.c"],
-            depends=["src/prefixcache/sim/_kernel_gittins.h"],
+            depends=["src/prefixcache/sim/_kernel_gittins.h", "src/prefixcache/sim/_simmap.h"],
             extra_compile_args=[
                 "-O2",
                 "-std=c11",
@@ -31,12 +31,14 @@ setup(
         Extension(
             "prefixcache.sim._optimum",
             ["src/prefixcache/sim/_optimum.c"],
+            depends=["src/prefixcache/sim/_simmap.h"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         ),
         Extension(
             "prefixcache.sim._curves",
             ["src/prefixcache/sim/_curves.c"],
+            depends=["src/prefixcache/sim/_simmap.h"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         ),

@@ -32,21 +32,7 @@
 #define SKETCH_ROWS 4
 #define SKETCH_BITS 21 /* 2M counters a row: 32 MB */
 
-/* ------------------------------------------------------------------ hashing */
-
-static inline uint64_t mix64(uint64_t x) { /* splitmix64's finalizer */
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    return x;
-}
-
-static inline uint64_t chain(uint64_t parent_key, uint64_t id) {
-    uint64_t k = mix64(parent_key ^ mix64(id + 0x9e3779b97f4a7c15ULL));
-    return k ? k : 1; /* 0 marks an empty map slot */
-}
+#include "_simmap.h" /* mix64, chain, Map */
 
 /* A block id as 64 bits: itself when it fits, else its Python hash mixed (an alias of
  * two ids then needs a 64-bit collision). */
@@ -65,78 +51,6 @@ static int block_id(PyObject *obj, uint64_t *out) {
     }
     *out = v;
     return 1;
-}
-
-/* ------------------------------------------------------------------ map: u64 -> i64 */
-
-typedef struct {
-    uint64_t *keys; /* 0: empty */
-    int64_t *vals;
-    size_t mask, count;
-} Map;
-
-static int map_init(Map *m, size_t cap) {
-    m->keys = PyMem_Calloc(cap, sizeof(uint64_t));
-    m->vals = PyMem_Malloc(cap * sizeof(int64_t));
-    m->mask = cap - 1;
-    m->count = 0;
-    if (!m->keys || !m->vals) {
-        PyMem_Free(m->keys);
-        PyMem_Free(m->vals);
-        m->keys = NULL;
-        m->vals = NULL;
-        PyErr_NoMemory();
-        return -1;
-    }
-    return 0;
-}
-
-static void map_free(Map *m) {
-    PyMem_Free(m->keys);
-    PyMem_Free(m->vals);
-    m->keys = NULL;
-    m->vals = NULL;
-}
-
-static inline int64_t *map_find(const Map *m, uint64_t k) {
-    size_t i = (size_t)k & m->mask;
-    for (;;) {
-        uint64_t s = m->keys[i];
-        if (s == k) return &m->vals[i];
-        if (s == 0) return NULL;
-        i = (i + 1) & m->mask;
-    }
-}
-
-static int map_grow(Map *m);
-
-/* The value slot of ``k``, made (set to ``fresh``) when absent; NULL on error. */
-static int64_t *map_slot(Map *m, uint64_t k, int64_t fresh) {
-    if ((m->count + 1) * 2 > m->mask + 1 && map_grow(m) < 0) return NULL;
-    size_t i = (size_t)k & m->mask;
-    for (;;) {
-        uint64_t s = m->keys[i];
-        if (s == k) return &m->vals[i];
-        if (s == 0) {
-            m->keys[i] = k;
-            m->vals[i] = fresh;
-            m->count++;
-            return &m->vals[i];
-        }
-        i = (i + 1) & m->mask;
-    }
-}
-
-static int map_grow(Map *m) {
-    Map old = *m;
-    if (map_init(m, (old.mask + 1) * 2) < 0) {
-        *m = old;
-        return -1;
-    }
-    for (size_t i = 0; i <= old.mask; i++)
-        if (old.keys[i]) *map_slot(m, old.keys[i], 0) = old.vals[i];
-    map_free(&old);
-    return 0;
 }
 
 /* The ids of a request as 64-bit ints in ``*out`` (grown as needed); -1 on error. */

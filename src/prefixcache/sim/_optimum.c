@@ -45,6 +45,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "_simmap.h" /* mix64 */
+
 #define CHUNK ((size_t)1 << 18) /* the default chunk: accesses (and request records, and
                                   segments of pass 3) per buffer, read or write */
 #define AHEAD 16 /* ids whose map slots are being fetched at once */
@@ -64,14 +66,6 @@
 
 static PyObject *SIXTY_FOUR; /* the int 64, for shifts */
 
-static inline uint64_t mix64(uint64_t x) { /* splitmix64's finalizer */
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    return x;
-}
 
 /* A block access's position in the sequence: its next use, a heap's key. */
 typedef uint32_t pos_t;
