@@ -8,9 +8,11 @@ method, in one process.
 2. A generated workload of about 20 M block lookups, held in memory (generating it is
    not timed): a whole curve (20 capacities) for textbook LRU by stack distances and,
    for each policy of ``--policies``, by miniature caches at the default sample;
-   ``--full`` also replays it in full for their errors (minutes a policy).
+   ``--full`` also replays it in full for their errors (minutes a policy). The
+   miniatures run in one process per CPU (``--jobs`` sets how many; the curve is the
+   same for any number, only the time changes).
 
-    .venv/bin/python benchmarks/bench_curves.py [--full] [--requests N] [--policies lru,s3fifo]
+    .venv/bin/python benchmarks/bench_curves.py [--full] [--requests N] [--policies lru,s3fifo] [--jobs N]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from prefixcache.config import CacheConfig
 from prefixcache.sim.curves import DEFAULT_SAMPLE, ERROR_BOUND, Curve, curve
+from prefixcache.sim.forks import cpus
 from prefixcache.sim.results import ReplayConfig
 from prefixcache.sim.traces import Request, read_trace
 from prefixcache.sim.workload_spec import WorkloadSpec
@@ -75,7 +78,7 @@ def compare(name: str, requests: list[Request], isolation: str, rates: Iterable[
             )
 
 
-def big(requests: int, full: bool, policies: list[str]) -> None:
+def big(requests: int, full: bool, policies: list[str], jobs: int | None) -> None:
     start = time.perf_counter()
     trace = workload(requests)
     lookups = sum(len(r.hash_ids or ()) for r in trace)
@@ -87,7 +90,7 @@ def big(requests: int, full: bool, policies: list[str]) -> None:
         cfg = _cfg(policy, "namespace")
         ref: Curve | None = None
         for method in methods:
-            got = curve(lambda: iter(trace), cfg, caps, method=method)
+            got = curve(lambda: iter(trace), cfg, caps, method=method, jobs=jobs)
             caps = got.capacities
             rate = "" if got.sampling_rate is None else f" R={got.sampling_rate:.3g}"
             verdict = "met" if got.seconds < 60 else "MISSED"
@@ -112,15 +115,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=77_000, help="requests of the big workload (~20 M lookups)")
     parser.add_argument("--policies", default="lru,s3fifo", help="the big workload's policies (comma-separated)")
     parser.add_argument("--big-only", action="store_true", help="only the big workload")
+    parser.add_argument("--jobs", type=int, help=f"processes for the big workload's miniatures (default {cpus()})")
     args = parser.parse_args()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"{os.cpu_count()} CPUs, load average {load}; default sample {DEFAULT_SAMPLE:,} lookups")
+    jobs = cpus() if args.jobs is None else args.jobs
+    print(f"{os.cpu_count()} CPUs, load average {load}; default sample {DEFAULT_SAMPLE:,} lookups; {jobs} jobs")
     if not args.big_only:
         for name in ("conversation", "synthetic"):
             trace = list(read_trace(TRACES / f"mooncake_{name}_trace.jsonl"))
             compare(f"mooncake_{name}_trace.jsonl", trace, "shared", (None, 0.5, 0.25))
         compare("generated (20,000 requests)", workload(20_000), "namespace", (None, 0.25, 0.1))
-    big(args.requests, args.full, args.policies.split(","))
+    big(args.requests, args.full, args.policies.split(","), jobs)
 
 
 if __name__ == "__main__":

@@ -309,3 +309,47 @@ def test_capacities_too_small_for_a_miniature_are_replayed_whole() -> None:
     assert got.token_hit_rates[:3] == pytest.approx(ref.token_hit_rates[:3], abs=1e-12)
     assert got.token_hit_rates[3] != ref.token_hit_rates[3]  # sampled: near, not equal
     assert got.sampling_rate == rate and got.error_bound is None
+
+
+@pytest.mark.parametrize("policy", ["lru", "gittins"])
+def test_the_curve_is_the_same_in_any_number_of_processes(policy: str) -> None:
+    """The trees are split into parts, each replayed in its own process (forks.py):
+    the whole capacities, the miniatures and the unlimited tree land in different
+    parts, and the curve does not change by a bit."""
+    from prefixcache.sim.miniatures import MIN_INSERTS, split
+
+    requests = _workload(1_500)
+    new = len({(r.tenant, r.hash_ids[: i + 1]) for r in requests for i in range(len(r.hash_ids or ()))})
+    inserts, bs, rate = new / len(requests), requests[0].block_size or 1, 0.5
+    caps = [c * inserts * bs for c in (1, 10, 0.9 * MIN_INSERTS / rate, 4 * MIN_INSERTS / rate, 8 * MIN_INSERTS / rate)]
+    caps.append(math.inf)
+    parts = split(3, 3, True, rate, 3)
+    assert len(parts) == 3 and sum(len(p.small) + len(p.large) + p.seen for p in parts) == 7
+    got = [
+        curve(lambda: iter(requests), _cfg(policy, "namespace"), caps, method="sampled", rate=rate, jobs=jobs)
+        for jobs in (1, 2, 3, 16)
+    ]
+    assert all(g.token_hit_rates == got[0].token_hit_rates for g in got[1:])
+    assert all((g.requests, g.lookup_tokens) == (got[0].requests, got[0].lookup_tokens) for g in got[1:])
+    with pytest.raises(ValueError, match="jobs must be >= 1"):
+        curve(lambda: iter(requests), _cfg(policy), caps, jobs=0)
+    with pytest.raises(ValueError, match="jobs apply to method 'sampled', not 'replay'"):
+        curve(lambda: iter(requests), _cfg(policy), caps, method="replay", jobs=2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 6), st.integers(0, 25), st.booleans(), st.floats(0.01, 1.0), st.integers(1, 40))
+def test_a_split_holds_every_tree_once_in_at_most_jobs_parts(
+    small: int, large: int, seen: bool, rate: float, jobs: int
+) -> None:
+    from prefixcache.sim.miniatures import split
+
+    parts = split(small, large, seen, rate, jobs)
+    assert 1 <= len(parts) <= max(1, jobs)
+    assert sorted(i for p in parts for i in p.small) == list(range(small))
+    assert sorted(i for p in parts for i in p.large) == list(range(large))
+    assert sum(p.seen for p in parts) == seen
+    trees = small + large + seen
+    assert trees == 0 or all(p.small or p.large or p.seen for p in parts)
+    weights = [len(p.small) + p.seen + rate * len(p.large) for p in parts]
+    assert max(weights) - min(weights) <= 1.0 + 1e-9  # no part waits on another by more than one tree

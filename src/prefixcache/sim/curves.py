@@ -45,6 +45,7 @@ from types import ModuleType
 from typing import Any
 
 from prefixcache.sim.engines import native_unsupported
+from prefixcache.sim.forks import cpus
 from prefixcache.sim.miniatures import Chains, Out, Sample, sampled, tokens
 from prefixcache.sim.replay import replay
 from prefixcache.sim.results import ReplayConfig
@@ -172,6 +173,7 @@ def curve(
     rate: float | None = None,
     summary: TraceSummary | None = None,
     seed: int = 0,
+    jobs: int | None = None,
 ) -> Curve:
     """The token hit rate of ``config`` (its capacity ignored) at each of ``capacities``
     (tokens; ``math.inf`` for unlimited; ``None``: ``DEFAULT_POINTS`` spread up to the
@@ -181,7 +183,9 @@ def curve(
 
     ``method`` ``auto`` is ``sampled`` (the cache's LRU too: ``stack`` is textbook LRU,
     further from it than its miniatures). ``rate`` is the sampled method's (default: enough to keep
-    ``DEFAULT_SAMPLE`` lookups; 1 replays every request), ``seed`` salts its hash.
+    ``DEFAULT_SAMPLE`` lookups; 1 replays every request), ``seed`` salts its hash,
+    ``jobs`` is how many processes share its trees (default: one per CPU this process
+    may use; the curve is the same for any number).
     Prompts only: a replay's ``--include-output`` is not modelled."""
     why = unsupported(config, method)
     if why:
@@ -190,11 +194,17 @@ def curve(
         raise ValueError(f"the sampling rate must be in (0, 1], got {rate}")
     if rate is not None and method not in ("auto", "sampled"):
         raise ValueError(f"a sampling rate applies to method 'sampled', not {method!r}")
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if jobs is not None and method not in ("auto", "sampled"):
+        raise ValueError(f"jobs apply to method 'sampled', not {method!r}")
     caps = None if capacities is None else _check_capacities(capacities)
     start = time.perf_counter()
     prefixes = _curves.Prefixes() if method in ("auto", "sampled") and _curves is not None else None
     lookups = [0]
     summary = summarize(_tapped(source, config, prefixes, lookups)) if summary is None or prefixes else summary
+    if summary.requests == 0:
+        raise ValueError("no requests: the trace is empty or holds only blank lines")
     if method == "auto":
         method = "sampled"
     cfg = effective_configs([config], summary)[0]
@@ -209,7 +219,7 @@ def curve(
         caps = caps or _spread(prefixes.blocks, cfg.block_size)
         most = max(1, int(summary.requests * UNIT_SHARE))
         sample = Sample(rate, seed, most, prefixes.blocks / max(summary.requests, 1))
-        out = sampled(source, cfg, summary, skip, caps, prefixes, sample)
+        out = sampled(source, cfg, summary, skip, caps, prefixes, sample, cpus() if jobs is None else jobs)
     requests, lookup, caps, rates = out
     bound = 0.0 if rate == 1.0 else None
     return Curve(

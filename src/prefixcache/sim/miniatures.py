@@ -30,6 +30,7 @@ from typing import Any
 import xxhash
 
 from prefixcache.sim.engines import _block_digests, engine_config, kernel_ttl
+from prefixcache.sim.forks import fork_map
 from prefixcache.sim.results import UNLIMITED, ReplayConfig
 from prefixcache.sim.summary import TraceSource, TraceSummary
 from prefixcache.sim.traces import Request
@@ -163,6 +164,55 @@ class Tally:
         return [(h + b * scale) / lookup if lookup else 0.0 for h, b in zip(self.head, self.below, strict=True)]
 
 
+@dataclass(frozen=True, slots=True)
+class Part:
+    """The trees one process replays: the indices of its capacities replayed whole
+    (``small``) and of its miniatures (``large``), and whether it feeds the unlimited
+    tree that ``Tally`` scales by."""
+
+    small: tuple[int, ...]
+    large: tuple[int, ...]
+    seen: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PartHits:
+    """What one part counted: the counted requests and their lookup tokens, hit tokens
+    per capacity of ``small``, its miniatures' ``Tally`` halves, and the unlimited
+    tree's (0 without it)."""
+
+    requests: int
+    lookup: int
+    exact: tuple[int, ...]
+    head: tuple[int, ...]
+    below: tuple[int, ...]
+    seen_all: int
+    seen_kept: int
+
+
+def split(small: int, large: int, seen: bool, rate: float, jobs: int) -> list[Part]:
+    """At most ``jobs`` parts of even work: a tree replayed whole is fed every request,
+    a miniature about ``rate`` of the lookups (its heads besides); each tree goes to the
+    part with the least work so far, the heaviest first."""
+    trees = [(1.0, "small", i) for i in range(small)] + [(rate, "large", i) for i in range(large)]
+    if seen:
+        trees.append((1.0, "seen", 0))
+    count = max(1, min(jobs, len(trees)))
+    work, members = [0.0] * count, [list[tuple[str, int]]() for _ in range(count)]
+    for weight, kind, i in sorted(trees, key=lambda t: -t[0]):
+        least = work.index(min(work))
+        work[least] += weight
+        members[least].append((kind, i))
+    return [
+        Part(
+            tuple(sorted(i for kind, i in part if kind == "small")),
+            tuple(sorted(i for kind, i in part if kind == "large")),
+            ("seen", 0) in part,
+        )
+        for part in members
+    ]
+
+
 def sampled(
     source: TraceSource,
     cfg: ReplayConfig,
@@ -171,21 +221,63 @@ def sampled(
     caps: list[float],
     prefixes: Any,
     sample: Sample,
+    jobs: int = 1,
 ) -> Out:
     """Miniature caches: the kept requests on the kernel, the dropped ones' shared heads
     and units touched; the capacities too small for a miniature replayed whole (with,
-    below rate 1, the unlimited tree that ``Tally`` scales by)."""
-    bs, rate = cfg.block_size, sample.rate
-    small = [c for c in caps if sample.exact(c, bs)]
+    below rate 1, the unlimited tree that ``Tally`` scales by). The trees are split into
+    up to ``jobs`` parts, each replayed in its own process over the whole trace
+    (forks.py); the answer does not depend on how."""
+    small = [c for c in caps if sample.exact(c, cfg.block_size)]
     large = caps[len(small) :]
-    exact = Minis(cfg, summary, [tokens(c) for c in small], seen=rate < 1.0)
+    parts = split(len(small), len(large), sample.rate < 1.0, sample.rate, jobs)
+
+    trace = Trace(source, cfg, summary, skip, prefixes, sample)
+
+    def run(part: Part) -> PartHits:
+        return _replay_part(trace, [small[i] for i in part.small], [large[i] for i in part.large], part.seen)
+
+    got = fork_map(run, parts)
+    exact_hits, tally = [0] * len(small), Tally(len(large), cfg.block_size, summary.native_block_size is not None)
+    for part, hits in zip(parts, got, strict=True):
+        for i, h in zip(part.small, hits.exact, strict=True):
+            exact_hits[i] = h
+        for i, h, b in zip(part.large, hits.head, hits.below, strict=True):
+            tally.head[i], tally.below[i] = h, b
+        tally.seen_all += hits.seen_all
+        tally.seen_kept += hits.seen_kept
+    requests, lookup = got[0].requests, got[0].lookup
+    rates = [h / lookup if lookup else 0.0 for h in exact_hits]
+    rates += tally.rates(lookup)
+    return requests, lookup, caps, rates
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """What every part replays: the trace, its configuration and summary, the requests
+    of the warm-up (``skip``), the sketch of sampling units and the draw."""
+
+    source: TraceSource
+    cfg: ReplayConfig
+    summary: TraceSummary
+    skip: int
+    prefixes: Any
+    sample: Sample
+
+
+def _replay_part(trace: Trace, small: list[float], large: list[float], seen: bool) -> PartHits:
+    """One part's trees over the whole trace: ``small`` capacities replayed whole,
+    ``large`` ones by miniatures, and with ``seen`` the unlimited tree."""
+    cfg, summary, sample = trace.cfg, trace.summary, trace.sample
+    bs, rate = cfg.block_size, sample.rate
+    exact = Minis(cfg, summary, [tokens(c) for c in small], seen=seen)
     minis = Minis(cfg, summary, [tokens(c) for c in large], rate)
     chains = Chains(cfg, summary.native_block_size is not None)
     threshold = int(rate * 2**64)
     tally, exact_hits = Tally(len(large), bs, chains.hashed), [0] * len(small)
     requests, lookup = 0, 0
-    for i, req in enumerate(source()):
-        counted, length = i >= skip, req.input_length
+    for i, req in enumerate(trace.source()):
+        counted, length = i >= trace.skip, req.input_length
         if counted:
             requests += 1
             lookup += length
@@ -197,10 +289,12 @@ def sampled(
         depth = len(ids)
         kept = True
         if rate < 1.0:
-            unit, depth = prefixes.unit(root, ids, sample.most)
+            unit, depth = trace.prefixes.unit(root, ids, sample.most)
             kept = xxhash.xxh3_64_intdigest(unit.to_bytes(8, "little"), seed=sample.seed) < threshold
-            if counted:
+            if counted and seen:
                 tally.seen(cached[-1], depth, length, kept)
+        if not minis.trees:
+            continue
         if not kept:
             # NOTE: the unit too, as a child that keeps the head interior, as the
             # dropped chain below it keeps it in the cache
@@ -211,6 +305,6 @@ def sampled(
         cached = minis.access(root, ids, req.timestamp, depth if rate < 1.0 else 0)
         if counted:
             tally.kept(cached, depth, length)
-    rates = [h / lookup if lookup else 0.0 for h in exact_hits]
-    rates += tally.rates(lookup)
-    return requests, lookup, caps, rates
+    return PartHits(
+        requests, lookup, tuple(exact_hits), tuple(tally.head), tuple(tally.below), tally.seen_all, tally.seen_kept
+    )
