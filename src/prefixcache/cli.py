@@ -29,6 +29,7 @@ from prefixcache.ops.audit_cli import add_audit_parser, run_audit_timing
 from prefixcache.ops.diagnose import add_diagnose_parser, run_diagnose
 from prefixcache.policies import POLICIES
 from prefixcache.sim.cli import add_replay_parser, add_workload_parser, run_replay, run_workload
+from prefixcache.sim.curve_cli import add_curve_parser, run_curve
 from prefixcache.sim.plan_cli import add_plan_parser, run_plan
 
 
@@ -101,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_replay_parser(sub)
     add_workload_parser(sub)
     add_plan_parser(sub)
+    add_curve_parser(sub)
     add_diagnose_parser(sub)
     add_audit_parser(sub)
     add_route_parser(sub)
@@ -128,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_workload(args, parser)
     if args.command == "plan":
         return run_plan(args, parser)
+    if args.command == "curve":
+        return run_curve(args, parser)
     if args.command == "diagnose":
         return run_diagnose(args)
     if args.command == "audit-timing":
