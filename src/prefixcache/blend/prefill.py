@@ -144,9 +144,19 @@ def _deviating(
     layout: Layout,
     n: int,
 ) -> torch.Tensor:
-    """Which active rows go on past the check layer: fresh rows, the last position, the
-    first ``k`` tokens of each chunk (``EpicBlend``) and, of the other reused rows, the
-    top ``r`` % by squared K and V deviation from the re-rotated cache."""
+    """Which active rows go on past the check layer: ``_recompute_top`` by squared K and V
+    deviation from the re-rotated cache."""
+    deviation = (k - cached_k[:, :, positions]).float().pow(2).sum(dim=(0, 1, 3))
+    deviation += (v - cached_v[:, :, positions]).float().pow(2).sum(dim=(0, 1, 3))
+    return _recompute_top(plan, deviation, positions, layout, n)
+
+
+def _recompute_top(
+    plan: CacheBlend | EpicBlend, scores: torch.Tensor, positions: torch.Tensor, layout: Layout, n: int
+) -> torch.Tensor:
+    """Which active rows (``positions``, scored by ``scores``) go on past the check layer:
+    fresh rows, the last position, the first ``k`` tokens of each chunk (``EpicBlend``)
+    and, of the other reused rows, the top ``r`` % by score."""
     candidates = layout.reused.to(positions.device)[positions]
     keep = ~candidates | (positions == n - 1)
     if isinstance(plan, EpicBlend):
@@ -155,9 +165,7 @@ def _deviating(
         candidates &= ~first
     count = (plan.deviation if isinstance(plan, EpicBlend) else plan).chosen(int(candidates.sum()))
     if count > 0:
-        deviation = (k - cached_k[:, :, positions]).float().pow(2).sum(dim=(0, 1, 3))
-        deviation += (v - cached_v[:, :, positions]).float().pow(2).sum(dim=(0, 1, 3))
-        scores = torch.where(candidates, deviation, torch.full_like(deviation, -1.0))
+        scores = torch.where(candidates, scores, torch.full_like(scores, -1.0))
         keep[scores.topk(count).indices] = True
     return keep
 
