@@ -62,6 +62,7 @@ PLANS: tuple[RecomputePlan, ...] = (
     CacheBlend(75.0),
     CacheBlend(90.0),
     CacheBlend(100.0),
+    EpicBlend(1, 30.0),
     EpicBlend(8, 15.0),
     EpicBlend(8, 30.0),
 )
@@ -119,18 +120,24 @@ def timed_rounds(lm: LoadedModel, item: PreparedItem, repeats: int) -> tuple[flo
     return full, best, results
 
 
+def reordered_rag(threads: int, items: int) -> tuple[LoadedModel, Prepared]:
+    """The model on ``threads`` CPU threads, and the evaluation set's reordered-RAG
+    prompts (the first ``items``; 0: all) prepared: chunks prefilled, full references."""
+    torch.set_num_threads(threads)
+    lm = load_model(models_dir=MODELS_DIR, device="cpu")
+    eval_set = load_eval_set(EVAL_SET).of_kind("reordered_rag")
+    if items:
+        eval_set = eval_set.subset([item.id for item in eval_set.items[:items]])
+    return lm, prepare(lm, eval_set)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each prefill (the best counts)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--items", type=int, default=0, help="use the first N reordered-RAG prompts (0: all)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    lm = load_model(models_dir=MODELS_DIR, device="cpu")
-    eval_set = load_eval_set(EVAL_SET).of_kind("reordered_rag")
-    if args.items:
-        eval_set = eval_set.subset([item.id for item in eval_set.items[: args.items]])
-    prepared = prepare(lm, eval_set)
+    lm, prepared = reordered_rag(args.threads, args.items)
     lengths = [len(item.tokens) for item in prepared.items]
     print(
         f"model {Path(lm.source).name}, {lm.kv.layers} layers; {len(lengths)} reordered-RAG prompts of {lengths} tokens"
