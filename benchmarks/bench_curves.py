@@ -90,7 +90,8 @@ def big(requests: int, full: bool, policies: list[str], jobs: int | None) -> Non
         cfg = _cfg(policy, "namespace")
         ref: Curve | None = None
         for method in methods:
-            got = curve(lambda: iter(trace), cfg, caps, method=method, jobs=jobs)
+            fork = jobs if method == "sampled" else None
+            got = curve(lambda: iter(trace), cfg, caps, method=method, jobs=fork)
             caps = got.capacities
             rate = "" if got.sampling_rate is None else f" R={got.sampling_rate:.3g}"
             verdict = "met" if got.seconds < 60 else "MISSED"
