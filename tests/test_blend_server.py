@@ -171,6 +171,11 @@ def test_reordered_documents_are_reused_and_reported_apart_from_cached_tokens(
     assert metric(server, "prefixcache_blend_enabled", model=MODEL_ID, plan="epic(k=4)") == 1
     assert metric(server, "prefixcache_blend_gate_passed", model=MODEL_ID, plan="epic(k=4)") == 1
     assert metric(server, "prefixcache_blend_gate_top1_agreement_ratio", model=MODEL_ID) == 1.0
+    # the dashboard's strip shows the kept chunks apart from exact hits and computed tokens
+    recent = httpx.get(server.url + "/dashboard/data", headers={"Authorization": f"Bearer {ADMIN}"}).json()["recent"]
+    cached = second.prompt_tokens_details.cached_tokens
+    assert [n for source, n in recent[-1]["segments"] if source == "blended"] == [reused]
+    assert recent[-1]["segments"][-1] == ["computed", second.prompt_tokens - cached - reused]
 
     # The prefix cache kept only the exact part of the blended prompt: asked again, the
     # same prompt's exact hit stops where the first reused document began.

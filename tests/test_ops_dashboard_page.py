@@ -40,6 +40,10 @@ def traffic() -> tuple[PrefixCache, ServingMetrics, list[dict[str, Any]]]:
         cache.insert(prompt, ctx)
         segments = [["L0", cached], ["computed", 200 - cached]] if cached else [["computed", 200]]
         recent.append({"tenant": tenant, "model": "smollm2", "prompt_tokens": 200, "segments": segments})
+    # a blended request (the blend mode keeps reordered chunks, never counted as hits)
+    recent.append(
+        {"tenant": "acme", "model": "smollm2", "prompt_tokens": 200, "segments": [["blended", 150], ["computed", 50]]}
+    )
     return cache, serving, recent
 
 
@@ -63,7 +67,8 @@ def test_dashboard_data_adds_up() -> None:
     assert data["cache"]["used_tokens"] == cache.stats().used_tokens
     assert set(data["cache"]["evictions"]) == {"capacity", "stale", "purge", "ttl", "replaced", "lost"}
     assert data["tiers"] == []
-    assert [r["tenant"] for r in data["recent"]] == ["acme", "initech", "globex", "acme"]
+    assert [r["tenant"] for r in data["recent"]] == ["initech", "globex", "acme", "acme"]
+    assert data["recent"][-1]["segments"] == [["blended", 150], ["computed", 50]]
     json.dumps(data, allow_nan=False)  # the page gets strict JSON
 
 
@@ -155,8 +160,10 @@ def test_the_page_shows_live_numbers_in_headless_chromium(page_server: str, tmp_
     assert 'id="hit-rate">48.0%<' in dom, dom[-3000:]  # 576 of 1200 tokens
     assert "live · updated" in dom
     assert "<td>acme</td><td>3</td><td>600</td><td>384</td><td>64.0%</td>" in dom
-    assert dom.count('class="request"') == 6
-    assert dom.count('class="segment L0"') == 3 and dom.count('class="segment computed"') == 6
+    assert dom.count('class="request"') == 7
+    assert dom.count('class="segment L0"') == 3 and dom.count('class="segment computed"') == 7
+    assert dom.count('class="segment blended"') == 1 and "0 + 150 blended / 200" in dom
+    assert "blended (cached chunks)" in dom  # the legend
     console = [line for line in result.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
     assert not console, console
     ARTIFACTS.mkdir(parents=True, exist_ok=True)

@@ -252,3 +252,6 @@ def test_strip_sources_name_tiers_by_kind_and_fold_slower_tiers_into_l2(tmp_path
     assert _segments({"L3": 16, "L0": 64, "L2": 32, "L1": 0}, 200, 112) == [["L0", 64], ["L2", 48], ["computed", 88]]
     assert _segments({}, 50, 0) == [["computed", 50]]
     assert _segments({"L0": 50}, 50, 50) == [["L0", 50]]
+    # a blend: after the exact prefix, the chunks kept (reused) and the computed rest
+    assert _segments({"L0": 32}, 200, 32, 100) == [["L0", 32], ["blended", 100], ["computed", 68]]
+    assert _segments({}, 120, 0, 120) == [["blended", 120]]

@@ -23,9 +23,11 @@ computes live rates from the difference of two polls. Shape (version 1)::
     }
 
 Counters are totals since the server started; ``tenants`` uses the same labels as
-/metrics (the top N tenants, the rest as ``other``). ``segments`` runs over the
-prompt in order: where each stretch of its tokens came from (a cache tier, or
-``computed`` by prefill); their lengths sum to ``prompt_tokens``.
+/metrics (the top N tenants, the rest as ``other``). ``segments`` says where the
+prompt's tokens came from: the exact prefix in prompt order, tier by tier; then, for a
+tenant in the blend mode, ``blended`` (kept from cached chunks at another position,
+never an exact hit) and ``computed`` by prefill (the recomputed tokens among them).
+Their lengths sum to ``prompt_tokens``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from prefixcache.events import RemovalReason
 from prefixcache.ops.metrics import ServingMetrics
 
 VERSION = 1
-SOURCES = ("L0", "L1", "L2", "computed")
+SOURCES = ("L0", "L1", "L2", "blended", "computed")
 TIER_FIELDS = ("used_bytes", "capacity_bytes", "blocks", "hits", "misses", "evictions", "demotions")
 
 

@@ -1,6 +1,6 @@
 """What the server counts per finished request: the metrics by tenant x model x
 endpoint (``ops/metrics.py``), its measured prefill speed, and the last requests'
-token-source strips for the dashboard."""
+token-source strips for the dashboard (exact tiers, blended chunks, computed)."""
 
 from __future__ import annotations
 
@@ -45,18 +45,22 @@ class Recorder:
         for name, n in usage.tier_tokens.items():
             level = self.tier_levels.get(name, name)
             levels[level] = levels.get(level, 0) + n
-        if sum(levels.values()) == usage.cached_tokens:  # else the record below logs the mismatch
+        blend = done.blend if isinstance(done, BlendedDone) else None
+        reused = blend.reused if blend is not None else 0
+        # a strip only where the counts add up (the record below logs a tier mismatch)
+        if sum(levels.values()) == usage.cached_tokens and reused <= usage.prompt_tokens - usage.cached_tokens:
             self.recent.append(
                 {
                     "tenant": tenant,
                     "model": self.model_id,
                     "prompt_tokens": usage.prompt_tokens,
-                    "segments": _segments(levels, usage.prompt_tokens, usage.cached_tokens),
+                    "segments": _segments(levels, usage.prompt_tokens, usage.cached_tokens, reused),
                 }
             )
         try:
             computed = usage.prompt_tokens - usage.cached_tokens
-            rate = self.prefill_rate.observe(usage.prefill_s, computed) if usage.cached_tokens == 0 else None
+            whole = usage.cached_tokens == 0 and (blend is None or blend.blended == 0)  # every token prefilled
+            rate = self.prefill_rate.observe(usage.prefill_s, computed) if whole else None
             if rate is not None:
                 self.metrics.set_prefill_seconds_per_token(rate)
             record = RequestRecord(
@@ -72,9 +76,9 @@ class Recorder:
                 prefill_seconds=usage.prefill_s,
             )
             label = self.metrics.record_request(record)
-            if isinstance(done, BlendedDone):
-                fresh = usage.prompt_tokens - usage.cached_tokens - done.blend.blended
-                self.blend.record_request(label, self.model_id, done.blend, fresh)
+            if blend is not None:
+                fresh = usage.prompt_tokens - usage.cached_tokens - blend.blended
+                self.blend.record_request(label, self.model_id, blend, fresh)
         except ValueError:  # metrics must never fail a request
             log.exception("recording metrics failed")
 
@@ -85,8 +89,12 @@ def tier_levels(cache: PrefixCache | None) -> dict[str, str]:
     return {tier.label: tier.level for tier in tiers}
 
 
-def _segments(levels: Mapping[str, int], prompt_tokens: int, cached_tokens: int) -> list[list[Any]]:
-    """Where a prompt's tokens came from, in prompt order: ``[["L0", 96], ["L1", 32], ["computed", 70]]``.
+def _segments(levels: Mapping[str, int], prompt_tokens: int, cached_tokens: int, blended: int = 0) -> list[list[Any]]:
+    """Where a prompt's tokens came from: ``[["L0", 96], ["L1", 32], ["blended", 50], ["computed", 20]]``.
+
+    The exact prefix comes first, in prompt order; then the tokens a blend kept from
+    cached chunks (``blended``: reused, never the recomputed ones, which are computed)
+    and the computed rest, as totals, since chunks and fresh text alternate after it.
 
     NOTE: tiers are prefix-closed (design invariant 4): a block's ancestors sit in its
     tier or a faster one, so along a loaded prefix the tiers only get slower and the
@@ -96,8 +104,10 @@ def _segments(levels: Mapping[str, int], prompt_tokens: int, cached_tokens: int)
         source = level if level in STRIP_LEVELS else STRIP_LEVELS[-1]
         folded[source] = folded.get(source, 0) + n
     segments: list[list[Any]] = [[source, n] for source, n in folded.items() if n]
-    if prompt_tokens > cached_tokens:
-        segments.append(["computed", prompt_tokens - cached_tokens])
+    if blended:
+        segments.append(["blended", blended])
+    if prompt_tokens > cached_tokens + blended:
+        segments.append(["computed", prompt_tokens - cached_tokens - blended])
     return segments
 
 
