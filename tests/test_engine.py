@@ -3,6 +3,7 @@ stops, cancels, times out and refuses what it cannot do."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -30,6 +31,7 @@ from prefixcache.engine import (
 )
 from prefixcache.engine.kv import cut_cache, fill_cache, to_numpy
 from prefixcache.engine.model import load_model
+from prefixcache.engine.modes import ExactTurn, Turn
 from prefixcache.engine.runner import Sequence, full_logits
 from prefixcache.hashing import CacheContext
 from redis_server import RedisServer
@@ -382,3 +384,58 @@ def test_retry_after_is_when_a_place_in_the_queue_frees(lm: LoadedModel) -> None
             handle.result(120)
     finally:
         eng.close()
+
+
+class KeepSome:
+    """A serving mode that lets the prefix cache keep only ``keep`` tokens of each request
+    and records what the engine asked of its turns."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.calls: list[tuple[str, Any]] = []
+
+    def open(self, request: Request, ctx: CacheContext) -> Turn:
+        self.calls.append(("open", ctx.tenant))
+        return _KeepTurn(self)
+
+
+class _KeepTurn(ExactTurn):
+    def __init__(self, mode: KeepSome) -> None:
+        self.mode = mode
+
+    def prefill(self, seq: Sequence, tokens: list[int], prefix_kv: np.ndarray[Any, Any] | None) -> torch.Tensor:
+        self.mode.calls.append(("prefill", 0 if prefix_kv is None else prefix_kv.shape[3]))
+        return super().prefill(seq, tokens, prefix_kv)
+
+    def storable(self, length: int) -> int:
+        return min(self.mode.keep, length)
+
+    def stored(self, tokens: list[int]) -> None:
+        self.mode.calls.append(("stored", len(tokens)))
+
+    def done(self, event: DoneEvent) -> DoneEvent:
+        self.mode.calls.append(("done", event.finish_reason))
+        return dataclasses.replace(event, text=event.text.upper())
+
+
+def test_a_serving_mode_decides_the_prefill_what_is_stored_and_the_end(lm: LoadedModel, tmp_path: Path) -> None:
+    """The engine's extension point (engine/modes.py): the mode prefills past the exact
+    prefix, bounds what the prefix cache keeps, stores after it and shapes the end."""
+    prompt = chat(lm, "Can I return a rake?")
+    plain = greedy(lm, prompt, None)
+    cache = tiered_cache(lm, tmp_path)
+    mode = KeepSome(48)
+    eng = engine(lm, cache, mode=mode)
+    try:
+        first = eng.generate(Request(prompt, "acme", GREEDY)).result(timeout=120)
+        again = eng.generate(Request(prompt, "acme", GREEDY)).result(timeout=120)
+    finally:
+        eng.close()
+        cache.close()
+    assert first.text == plain.text.upper() and first.tokens == plain.tokens  # the mode's end, the same answer
+    assert (first.usage.cached_tokens, again.usage.cached_tokens) == (0, 48)  # only what the mode let it keep
+    assert again.tokens == plain.tokens
+    assert mode.calls == [
+        *[("open", "acme"), ("prefill", 0), ("done", first.finish_reason), ("stored", len(prompt))],
+        *[("open", "acme"), ("prefill", 48), ("done", again.finish_reason), ("stored", len(prompt))],
+    ]

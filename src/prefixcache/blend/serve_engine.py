@@ -14,13 +14,12 @@ Every other tenant's requests, and every request while the model has not passed 
 quality gate (``blender`` is None), take the plain engine's path; an opted-in tenant's
 then end with ``Outcome.GATE_OFF``.
 
-NOTE: the per-request state lives in ``_turn``, set and read by the worker thread only
-(the engine serves one request at a time).
+The blend mode is the engine's ``ServeMode`` (``engine/modes.py``): a ``_BlendTurn``
+per opted-in request holds what the blend did, on the worker thread only.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,26 +31,56 @@ from prefixcache.blend.serve import Blender, Lookup, account
 from prefixcache.blend.serve_gate import GateStatus
 from prefixcache.blend.serve_types import BlendConfig, BlendedDone, BlendUsage, Outcome
 from prefixcache.cache import PrefixCache
-from prefixcache.engine.kv import SequenceKV, to_torch
+from prefixcache.engine.kv import to_torch
 from prefixcache.engine.model import LoadedModel, dtype_of
-from prefixcache.engine.requests import DoneEvent, Event, Handle, Request
+from prefixcache.engine.modes import EXACT, Turn
+from prefixcache.engine.requests import DoneEvent, Request
 from prefixcache.engine.runner import Sequence
 from prefixcache.engine.worker import Engine
 from prefixcache.hashing import CacheContext
 
-__all__ = ["BlendEngine"]
-
-log = logging.getLogger(__name__)
+__all__ = ["BlendEngine", "BlendMode"]
 
 
 @dataclass(eq=False)
-class _Turn:
-    """What the blend did for the request being served."""
+class _BlendTurn:
+    """One opted-in request: what the blend did for it (a ``Turn``)."""
 
+    mode: BlendMode
+    ctx: CacheContext
     gate_off: bool
     lookup: Lookup | None = None
     usage: BlendUsage | None = None
     exact: int | None = None  # blended: prompt tokens the prefix cache may store
+
+    def prefill(self, seq: Sequence, tokens: list[int], prefix_kv: np.ndarray[Any, Any] | None) -> torch.Tensor:
+        blender, mode = self.mode.blender, self.mode
+        if blender is None:
+            return seq.prefill(tokens, prefix_kv)[-1]
+        prefix = 0 if prefix_kv is None else int(prefix_kv.shape[3])
+        lookup = self.lookup = blender.lookup(self.ctx, tokens, prefix)
+        if not lookup.found:
+            return seq.prefill(tokens, prefix_kv)[-1]
+        kv = None if prefix_kv is None else to_torch(prefix_kv, dtype_of(mode.loaded.kv.dtype))
+        segments = blender.segments(tokens, prefix, kv, lookup.found)
+        result = blend_prefill(mode.loaded, segments, mode.config.plan)
+        seq.cache, seq.length = result.cache, len(tokens)
+        self.usage = account(mode.config, result, prefix, lookup.found, lookup)
+        self.exact = lookup.found[0].start
+        return result.logits
+
+    def storable(self, length: int) -> int:
+        # NOTE: blended, only the exact part: a later request must never be told that KV
+        # computed from blended (approximate) KV is an exact cache hit
+        return length if self.exact is None else min(self.exact, length)
+
+    def stored(self, tokens: list[int]) -> None:
+        blender = self.mode.blender
+        if self.lookup is not None and self.lookup.store and blender is not None:
+            blender.remember(self.ctx, tokens, self.lookup.store)
+
+    def done(self, event: DoneEvent) -> DoneEvent:
+        return BlendedDone(event.finish_reason, event.text, event.tokens, event.usage, self.account())
 
     def account(self) -> BlendUsage:
         if self.gate_off:
@@ -65,15 +94,34 @@ class _Turn:
             Outcome.NO_REUSE, lookups_exact=found.exact, lookups_similar=found.similar, lookups_missed=found.missed
         )
 
-    def tag(self, event: Event) -> Event:
-        if not isinstance(event, DoneEvent):
-            return event
-        return BlendedDone(event.finish_reason, event.text, event.tokens, event.usage, self.account())
+
+@dataclass(frozen=True, eq=False)
+class BlendMode:
+    """The blend mode (a ``ServeMode``): opted-in tenants get a ``_BlendTurn``, every
+    other tenant exact prefix caching. ``blender`` is None while the model has not
+    passed its gate (``gate`` says why)."""
+
+    loaded: LoadedModel
+    config: BlendConfig
+    blender: Blender | None
+    gate: GateStatus
+
+    def __post_init__(self) -> None:
+        if self.blender is not None:
+            check_llama(self.loaded.model)
+            if not self.gate.passed:
+                raise ValueError(f"the blend mode cannot run past a gate that did not pass: {self.gate.reason}")
+
+    def open(self, request: Request, ctx: CacheContext) -> Turn:
+        if not self.config.serves(request.tenant):
+            return EXACT.open(request, ctx)
+        return _BlendTurn(self, ctx, gate_off=self.blender is None)
 
 
 class BlendEngine(Engine):
-    """An ``Engine`` whose opted-in tenants reuse cached chunks beyond the exact prefix;
-    ``blender`` is None while the model has not passed its gate (``gate`` says why)."""
+    """An ``Engine`` in the ``BlendMode``: its opted-in tenants reuse cached chunks
+    beyond the exact prefix; ``blender`` is None while the model has not passed its
+    gate (``gate`` says why)."""
 
     def __init__(
         self,
@@ -85,73 +133,17 @@ class BlendEngine(Engine):
         cache: PrefixCache | None = None,
         **kwargs: Any,
     ) -> None:
-        if blender is not None:
-            check_llama(loaded.model)
-            if not gate.passed:
-                raise ValueError(f"the blend mode cannot run past a gate that did not pass: {gate.reason}")
-        super().__init__(loaded, model_id, cache=cache, **kwargs)
-        self.blend = config
-        self.blender = blender
-        self.gate = gate
-        self._turn: _Turn | None = None
+        self.blend_mode = BlendMode(loaded, config, blender, gate)
+        super().__init__(loaded, model_id, cache=cache, mode=self.blend_mode, **kwargs)
 
-    def _run(self, handle: Handle) -> None:
-        if not self.blend.serves(handle.request.tenant):
-            super()._run(handle)
-            return
-        turn = self._turn = _Turn(gate_off=self.blender is None)
-        sink = handle.sink
-        handle.sink = lambda event: sink(turn.tag(event))
-        try:
-            super()._run(handle)
-        finally:
-            handle.sink = sink
-            self._turn = None
+    @property
+    def blend(self) -> BlendConfig:
+        return self.blend_mode.config
 
-    def _prefill_after(
-        self, seq: Sequence, request: Request, prefix_kv: np.ndarray[Any, Any] | None, tiers: dict[str, int]
-    ) -> tuple[int, dict[str, int], torch.Tensor]:
-        turn = self._turn
-        if turn is None or self.blender is None:
-            return super()._prefill_after(seq, request, prefix_kv, tiers)
-        return self._blend(seq, request.tokens, self.context(request.tenant), turn, prefix_kv, tiers)
+    @property
+    def blender(self) -> Blender | None:
+        return self.blend_mode.blender
 
-    def _blend(
-        self,
-        seq: Sequence,
-        tokens: list[int],
-        ctx: CacheContext,
-        turn: _Turn,
-        prefix_kv: np.ndarray[Any, Any] | None,
-        tiers: dict[str, int],
-    ) -> tuple[int, dict[str, int], torch.Tensor]:
-        assert self.blender is not None
-        prefix = 0 if prefix_kv is None else int(prefix_kv.shape[3])
-        lookup = turn.lookup = self.blender.lookup(ctx, tokens, prefix)
-        if not lookup.found:
-            return prefix, tiers, seq.prefill(tokens, prefix_kv)[-1]
-        kv = None if prefix_kv is None else to_torch(prefix_kv, dtype_of(self.loaded.kv.dtype))
-        segments = self.blender.segments(tokens, prefix, kv, lookup.found)
-        result = blend_prefill(self.loaded, segments, self.blend.plan)
-        seq.cache, seq.length = result.cache, len(tokens)
-        turn.usage = account(self.blend, result, prefix, lookup.found, lookup)
-        turn.exact = lookup.found[0].start
-        return prefix, tiers, result.logits
-
-    def _store(self, request: Request, out: list[int], seq: Sequence) -> None:
-        turn = self._turn
-        if turn is None or turn.exact is None:
-            super()._store(request, out, seq)
-        elif self.cache is not None and turn.exact > 0:
-            # NOTE: only the exact part: a later request must never be told that KV
-            # computed from blended (approximate) KV is an exact cache hit
-            try:
-                kv = SequenceKV(seq.cache)
-                self.cache.insert(request.tokens[: turn.exact], self.context(request.tenant), kv=kv)
-            except Exception:  # the answer is already out; a failed store costs a future hit only
-                log.exception("storing the exact part of a blended prompt failed")
-        if turn is not None and turn.lookup is not None and turn.lookup.store and self.blender is not None:
-            try:
-                self.blender.remember(self.context(request.tenant), request.tokens, turn.lookup.store)
-            except Exception:
-                log.exception("storing the chunks of a prompt failed")
+    @property
+    def gate(self) -> GateStatus:
+        return self.blend_mode.gate

@@ -4,6 +4,10 @@
                                             match -> load -> prefill suffix -> decode ─> events ─> sink
                                             (after the last event) insert prompt + answer with KV
 
+What happens past the exact prefix (how the rest is prefilled, what is stored, what
+the end event says) is the engine's ``ServeMode`` (``modes.py``): exact prefix caching
+by default, the blend mode in ``blend/serve_engine.py``.
+
 A caller gets a ``Handle`` at once and its tokens through a ``sink`` callback, called
 from the worker thread (the server hands them to its event loop). A full queue is a
 ``QueueFull`` with a retry hint; a request waits and runs at most ``timeout_s``;
@@ -30,6 +34,7 @@ from prefixcache.cache import PrefixCache
 from prefixcache.engine.chat import chat_tokens
 from prefixcache.engine.kv import SequenceKV
 from prefixcache.engine.model import LoadedModel
+from prefixcache.engine.modes import EXACT, ServeMode, Turn
 from prefixcache.engine.requests import (
     ContextLengthError,
     DoneEvent,
@@ -60,7 +65,8 @@ class Engine:
 
     ``cache`` is a ``PrefixCache`` whose ``kv_layout`` matches the model (or None:
     every prompt is prefilled in full). ``model_id`` names the model in cache keys,
-    so ``cache.bump_epoch(model_id)`` invalidates its blocks.
+    so ``cache.bump_epoch(model_id)`` invalidates its blocks. ``mode`` serves each
+    request past its exact prefix (default: exact prefix caching).
     """
 
     def __init__(
@@ -73,12 +79,14 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         load_buffer_bytes: int = LOAD_BUFFER_BYTES,
+        mode: ServeMode = EXACT,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.loaded = loaded
         self.model_id = model_id
         self.cache = cache
+        self.mode = mode
         self.timeout_s = timeout_s
         self._clock = clock
         self._rng = rng or random.Random()
@@ -225,15 +233,17 @@ class Engine:
         request, params = handle.request, handle.request.params
         start = self._clock()
         queued = start - (handle.deadline - handle.timeout_s)
+        turn = self.mode.open(request, self.context(request.tenant))
         if handle.cancelled:  # gone while queued: no work, but still an end the caller can wait for
             self.stats.cancelled += 1
             self.stats.cancelled_queued += 1
-            handle.sink(DoneEvent("cancelled", "", (), Usage(len(request.tokens), 0, 0, {}, queued, 0.0)))
+            usage = Usage(len(request.tokens), 0, 0, {}, queued, 0.0)
+            handle.sink(turn.done(DoneEvent("cancelled", "", (), usage)))
             return
         if start > handle.deadline:
             raise RequestTimeout("the request timed out while waiting in the queue")
         seq = Sequence(self.loaded)
-        cached, tiers, logits = self._prefill(seq, request)
+        cached, tiers, logits = self._prefill(seq, request, turn)
         prefill_s = self._clock() - start
         generator = torch.Generator().manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
         stream = TextStream(self.loaded.tokenizer, params.stop)
@@ -245,7 +255,7 @@ class Engine:
                 finish = "cancelled"
                 break
             if self._clock() > handle.deadline:
-                self._store(request, out, seq)
+                self._store(request, out, seq, turn)
                 raise RequestTimeout(f"the request timed out after {len(out)} tokens")
             token = sample(logits, params, generator)
             if token in eos:
@@ -266,34 +276,26 @@ class Engine:
             self.stats.cancelled += 1
         else:
             self.stats.completed += 1
-        handle.sink(DoneEvent(finish, stream.text, tuple(out), usage))
-        self._store(request, out, seq)
+        handle.sink(turn.done(DoneEvent(finish, stream.text, tuple(out), usage)))
+        self._store(request, out, seq, turn)
 
-    def _prefill(self, seq: Sequence, request: Request) -> tuple[int, dict[str, int], torch.Tensor]:
-        """Prefill what the cache does not hold; returns (tokens reused, by tier, last logits)."""
+    def _prefill(self, seq: Sequence, request: Request, turn: Turn) -> tuple[int, dict[str, int], torch.Tensor]:
+        """Prefill what the cache does not hold (``turn`` prefills it); returns (tokens
+        reused, by tier, last logits)."""
         tokens = request.tokens
         if self.cache is None:
-            return self._prefill_after(seq, request, None, {})
+            return 0, {}, turn.prefill(seq, tokens, None)
         with self.cache.match(tokens, self.context(request.tenant)) as match:
             if match.cached_tokens == 0:
-                return self._prefill_after(seq, request, None, {})
+                return 0, {}, turn.prefill(seq, tokens, None)
             loaded = self.cache.load(match, out=self._buffer(match.cached_tokens))
             # NOTE: the last prompt token is always prefilled, since its logits start decoding.
             usable = min(int(loaded.tokens), len(tokens) - 1)
             if usable <= 0:
-                return self._prefill_after(seq, request, None, {})
+                return 0, {}, turn.prefill(seq, tokens, None)
             # NOTE: inside the match: the load may sit in the worker's reused buffer
             tiers = _clip_tiers(dict(loaded.tier_tokens), usable)
-            return self._prefill_after(seq, request, loaded.kv[:, :, :, :usable], tiers)
-
-    def _prefill_after(
-        self, seq: Sequence, request: Request, prefix_kv: np.ndarray[Any, Any] | None, tiers: dict[str, int]
-    ) -> tuple[int, dict[str, int], torch.Tensor]:
-        """Prefill the prompt after its cached prefix ``prefix_kv`` (None: none), whose
-        tokens came from ``tiers``; returns (tokens reused, by tier, last logits). The
-        blend mode (``blend/serve_engine.py``) prefills the rest its own way here."""
-        prefix = 0 if prefix_kv is None else int(prefix_kv.shape[3])
-        return prefix, tiers, seq.prefill(request.tokens, prefix_kv)[-1]
+            return usable, tiers, turn.prefill(seq, tokens, loaded.kv[:, :, :, :usable])
 
     def _buffer(self, tokens: int) -> np.ndarray[Any, Any] | None:
         """A reusable destination for a load of ``tokens`` (None: let the load allocate).
@@ -310,17 +312,22 @@ class Engine:
             self._load_buffer = np.empty(min(-(-need // grain) * grain, self._load_cap), dtype=np.uint8)
         return self._load_buffer
 
-    def _store(self, request: Request, out: list[int], seq: Sequence) -> None:
-        """Insert prompt + answer with their KV, so the next turn hits on the whole history.
-        The last sampled token was never fed to the model, so it has no KV yet. The cache
-        reads from the sequence's KV only the range it stores (the new blocks)."""
-        if self.cache is None or seq.length == 0:
-            return
-        tokens = (request.tokens + out)[: seq.length]
+    def _store(self, request: Request, out: list[int], seq: Sequence, turn: Turn) -> None:
+        """Insert prompt + answer with their KV, so the next turn hits on the whole history
+        (as much of it as ``turn`` calls exact), then let ``turn`` store its own. The last
+        sampled token was never fed to the model, so it has no KV yet. The cache reads
+        from the sequence's KV only the range it stores (the new blocks)."""
+        length = turn.storable(seq.length)
+        if self.cache is not None and length > 0:
+            tokens = (request.tokens + out)[:length]
+            try:
+                self.cache.insert(tokens, self.context(request.tenant), kv=SequenceKV(seq.cache))
+            except Exception:  # the answer is already out; a failed store costs a future hit only
+                log.exception("storing the KV of request tokens failed")
         try:
-            self.cache.insert(tokens, self.context(request.tenant), kv=SequenceKV(seq.cache))
-        except Exception:  # the answer is already out; a failed store costs a future hit only
-            log.exception("storing the KV of request tokens failed")
+            turn.stored(request.tokens)
+        except Exception:  # the same: the answer is out
+            log.exception("the serving mode's store after a request failed")
 
 
 def _clip_tiers(tiers: dict[str, int], total: int) -> dict[str, int]:
