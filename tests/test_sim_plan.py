@@ -189,6 +189,18 @@ def test_a_curve_source_plugs_in(workload: Path) -> None:
     assert plan.capacity_tokens == exact.capacity_tokens and plan.hit_rate == exact.hit_rate
 
 
+def test_the_plan_is_the_same_in_any_number_of_processes(workload: Path) -> None:
+    """Each round's capacities are replayed split across processes (sim/forks.py): the
+    plan, every point of its curve included, does not change."""
+    base = inputs(0.5, tiers=(parse_tier("memory:2G:20GB/s"), parse_tier("disk:1T:2GB/s")))
+    one = make_plan(source_of(workload), base, jobs=1)
+    assert len(one.curve) > 3
+    for jobs in (2, 3):
+        assert make_plan(source_of(workload), base, jobs=jobs) == one
+    with pytest.raises(ValueError, match="jobs must be >= 1"):
+        make_plan(source_of(workload), base, jobs=0)
+
+
 # ---------------------------------------------------------------------------- the command
 
 
@@ -221,6 +233,7 @@ def test_cli_text_json_and_html(workload: Path, tmp_path: Path) -> None:
         (["--target-hit-rate", "0.5", "--tier", "m:1G:1GB/s", "--tier", "m:2G:1GB/s"], "given twice: m"),
         (["--target-hit-rate", "0.5", "--tier", "memory:0G:1GB/s"], "must be > 0"),
         (["--target-hit-rate", "0.5", "--price-per-gpu-hour", "-1"], "price per GPU-hour must be >= 0"),
+        (["--target-hit-rate", "0.5", "--jobs", "0"], "--jobs must be >= 1, got 0"),
         (["--target-hit-rate", "0.5", "--model", "x:params=7e9,layers=32,hidden=4096,context=32768"], "--kv-layout"),
     ],
 )

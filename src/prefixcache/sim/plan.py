@@ -22,7 +22,8 @@ isolation, block size) on the trace:
    model, on the counted requests), as GPU-hours and money per hour of trace time.
 
 The curve comes from a ``CurveSource``. ``ExactCurve``, the default, replays the trace
-at each capacity asked for (the compiled kernel where it models the configuration);
+at each capacity asked for (the compiled kernel where it models the configuration;
+the capacities of one round split across one process per CPU, ``sim/forks.py``);
 a faster source (stack distances, sampled miniature caches) can replace it in
 ``make_plan``'s ``curve`` argument. Whatever the source, the plan's own capacity and the
 ceiling are always measured by exact replays, so the figures it reports are exact.
@@ -38,6 +39,7 @@ from typing import Protocol
 
 from prefixcache.config import CacheConfig, KVLayout
 from prefixcache.sim.costmodel import CostModel
+from prefixcache.sim.forks import cpus, fork_map
 from prefixcache.sim.plan_inputs import Tier, check_tiers
 from prefixcache.sim.replay import replay
 from prefixcache.sim.results import UNLIMITED, ReplayConfig, ReplayResult
@@ -113,10 +115,15 @@ def _number(x: object) -> bool:
 
 class ExactCurve:
     """The default ``CurveSource``: exact replays, every capacity of one call in one pass
-    over the trace, each capacity replayed once (results are kept)."""
+    over the trace in each of up to ``jobs`` processes (default: one per CPU), each
+    capacity replayed once (results are kept). The results do not depend on ``jobs``."""
 
-    def __init__(self, source: TraceSource, inputs: PlanInputs, summary: TraceSummary, engine: str = "auto") -> None:
-        self.source, self.inputs, self.summary, self.engine = source, inputs, summary, engine
+    def __init__(
+        self, source: TraceSource, inputs: PlanInputs, summary: TraceSummary, engine: str = "auto", jobs: int = 1
+    ) -> None:
+        if jobs < 1:
+            raise ValueError(f"jobs must be >= 1, got {jobs}")
+        self.source, self.inputs, self.summary, self.engine, self.jobs = source, inputs, summary, engine, jobs
         self.results: dict[float, ReplayResult] = {}
 
     @property
@@ -126,19 +133,21 @@ class ExactCurve:
 
     def measure(self, capacities: Sequence[float]) -> list[ReplayResult]:
         todo = sorted({c for c in capacities if c not in self.results})
-        if todo:
-            configs = [self.inputs.config(c) for c in todo]
-            results = replay(
-                self.source,
-                configs,
-                warmup=self.inputs.warmup,
-                optimal=False,
-                cost=self.inputs.cost,
-                summary=self.summary,
-                engine=self.engine,
-            )
-            self.results.update(zip(todo, results, strict=True))
+        parts = [todo[i :: self.jobs] for i in range(min(self.jobs, len(todo)))]  # NOTE: strided: even sizes
+        for part, results in zip(parts, fork_map(self._replay, parts), strict=True):
+            self.results.update(zip(part, results, strict=True))
         return [self.results[c] for c in capacities]
+
+    def _replay(self, capacities: list[float]) -> list[ReplayResult]:
+        return replay(
+            self.source,
+            [self.inputs.config(c) for c in capacities],
+            warmup=self.inputs.warmup,
+            optimal=False,
+            cost=self.inputs.cost,
+            summary=self.summary,
+            engine=self.engine,
+        )
 
     def hit_rates(self, capacities: Sequence[float]) -> list[CurvePoint]:
         return [CurvePoint(c, r.token_hit_rate) for c, r in zip(capacities, self.measure(capacities), strict=True)]
@@ -261,18 +270,20 @@ def make_plan(
     trace_name: str = "trace",
     curve: CurveSource | None = None,
     engine: str = "auto",
+    jobs: int | None = None,
 ) -> Plan:
     """Plan the cache for ``inputs.target`` on the trace ``source()`` streams.
 
     ``curve`` supplies the hit rates the search and the tier split read (default: exact
-    replays); the ceiling and the plan's own capacity are replayed exactly."""
+    replays); the ceiling and the plan's own capacity are replayed exactly, in up to
+    ``jobs`` processes (default: one per CPU; the plan is the same for any number)."""
     summary = summarize(source)
     if summary.requests == 0:
         raise ValueError(f"{trace_name}: the trace has no requests")
     skip = warmup_requests(summary, inputs.warmup)
     if skip >= summary.requests:
         raise ValueError(f"{trace_name}: the warm-up leaves no request to count")
-    exact = ExactCurve(source, inputs, summary, engine)
+    exact = ExactCurve(source, inputs, summary, engine, cpus() if jobs is None else jobs)
     curve = exact if curve is None else curve
     granule = summary.native_block_size or inputs.block_size
     facts = trace_facts(source, summary, inputs, skip)

@@ -17,6 +17,7 @@ from prefixcache.config import ISOLATION_MODES, CacheConfig
 from prefixcache.policies import POLICIES
 from prefixcache.sim.costmodel import GPUS, MODELS, CostModel, get_gpu, get_model
 from prefixcache.sim.engines import ENGINES
+from prefixcache.sim.forks import cpus
 from prefixcache.sim.plan import DEFAULT_PRECISION, DEFAULT_PRICE_PER_GPU_HOUR, PlanInputs, make_plan
 from prefixcache.sim.plan_inputs import TIER_EXAMPLE, Tier, kv_layout, load_tiers_toml, parse_tier
 from prefixcache.sim.tracefile import HASHED_BLOCKS
@@ -112,6 +113,7 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--format", choices=("auto", *FORMATS), default="auto", help="trace format (default: auto)")
     p.add_argument("--hashed-blocks", choices=HASHED_BLOCKS, default="auto", help="as for replay (default auto)")
     p.add_argument("--engine", choices=ENGINES, default="auto", help="tree mode's engine, as for replay")
+    p.add_argument("--jobs", type=int, default=None, help=f"processes for the replays (default {cpus()})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--html", type=Path, help="also write an HTML report with the hit-rate curve to this file")
 
@@ -143,6 +145,8 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
 def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.trace.exists():
         parser.error(f"no such trace file: {args.trace}")
+    if args.jobs is not None and args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     try:
         inputs = plan_inputs(args)
     except ValueError as exc:
@@ -159,7 +163,7 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from prefixcache.sim import plan_report
 
     try:
-        plan = make_plan(source, inputs, trace_name=args.trace.name, engine=args.engine)
+        plan = make_plan(source, inputs, trace_name=args.trace.name, engine=args.engine, jobs=args.jobs)
     except ValueError as exc:  # an empty trace, a malformed line (named), an engine that lacks a feature
         print(f"prefixcache plan: {exc}", file=sys.stderr)
         return 2
