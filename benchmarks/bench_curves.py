@@ -25,7 +25,7 @@ from pathlib import Path
 
 from prefixcache.config import CacheConfig
 from prefixcache.sim.curves import DEFAULT_SAMPLE, ERROR_BOUND, Curve, curve
-from prefixcache.sim.forks import cpus
+from prefixcache.sim.forks import cpus, processes
 from prefixcache.sim.results import ReplayConfig
 from prefixcache.sim.traces import Request, read_trace
 from prefixcache.sim.workload_spec import WorkloadSpec
@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, help=f"processes for the big workload's miniatures (default {cpus()})")
     args = parser.parse_args()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    jobs = cpus() if args.jobs is None else args.jobs
+    jobs = processes(args.jobs)
     print(f"{os.cpu_count()} CPUs, load average {load}; default sample {DEFAULT_SAMPLE:,} lookups; {jobs} jobs")
     if not args.big_only:
         for name in ("conversation", "synthetic"):

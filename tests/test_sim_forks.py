@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from prefixcache.sim.forks import cpus, fork_map
+from prefixcache.sim.forks import cpus, fork_map, processes
 
 
 def _pid_and_square(x: int) -> tuple[int, int]:
@@ -65,3 +65,11 @@ def test_one_part_runs_here() -> None:
     assert fork_map(_pid_and_square, [5]) == [(os.getpid(), 25)]
     assert fork_map(_pid_and_square, []) == []
     assert cpus() >= 1
+
+
+def test_processes_is_one_per_cpu_or_the_number_asked() -> None:
+    assert processes(None) == cpus() >= 1
+    assert processes(3) == 3
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=f"jobs must be >= 1, got {bad}"):
+            processes(bad)

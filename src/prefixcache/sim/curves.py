@@ -45,7 +45,7 @@ from types import ModuleType
 from typing import Any
 
 from prefixcache.sim.engines import native_unsupported
-from prefixcache.sim.forks import cpus
+from prefixcache.sim.forks import processes
 from prefixcache.sim.miniatures import Chains, Out, Sample, sampled, tokens
 from prefixcache.sim.replay import replay
 from prefixcache.sim.results import ReplayConfig
@@ -194,8 +194,7 @@ def curve(
         raise ValueError(f"the sampling rate must be in (0, 1], got {rate}")
     if rate is not None and method not in ("auto", "sampled"):
         raise ValueError(f"a sampling rate applies to method 'sampled', not {method!r}")
-    if jobs is not None and jobs < 1:
-        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    workers = processes(jobs)
     if jobs is not None and method not in ("auto", "sampled"):
         raise ValueError(f"jobs apply to method 'sampled', not {method!r}")
     caps = None if capacities is None else _check_capacities(capacities)
@@ -219,7 +218,7 @@ def curve(
         caps = caps or _spread(prefixes.blocks, cfg.block_size)
         most = max(1, int(summary.requests * UNIT_SHARE))
         sample = Sample(rate, seed, most, prefixes.blocks / max(summary.requests, 1))
-        out = sampled(source, cfg, summary, skip, caps, prefixes, sample, cpus() if jobs is None else jobs)
+        out = sampled(source, cfg, summary, skip, caps, prefixes, sample, workers)
     requests, lookup, caps, rates = out
     bound = 0.0 if rate == 1.0 else None
     return Curve(

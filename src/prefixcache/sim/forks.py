@@ -30,6 +30,15 @@ def cpus() -> int:
         return os.cpu_count() or 1
 
 
+def processes(jobs: int | None) -> int:
+    """How many processes to run: ``jobs`` (at least 1), or one per CPU for None."""
+    if jobs is None:
+        return cpus()
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    return jobs
+
+
 def fork_map(fn: Callable[[T], R], parts: Sequence[T]) -> list[R]:
     """``[fn(part) for part in parts]``, the first part in this process and each other in
     a forked child at the same time. A child's exception is raised here (as a

@@ -39,7 +39,7 @@ from typing import Protocol
 
 from prefixcache.config import CacheConfig, KVLayout
 from prefixcache.sim.costmodel import CostModel
-from prefixcache.sim.forks import cpus, fork_map
+from prefixcache.sim.forks import fork_map, processes
 from prefixcache.sim.plan_inputs import Tier, check_tiers
 from prefixcache.sim.replay import replay
 from prefixcache.sim.results import UNLIMITED, ReplayConfig, ReplayResult
@@ -115,15 +115,14 @@ def _number(x: object) -> bool:
 
 class ExactCurve:
     """The default ``CurveSource``: exact replays, every capacity of one call in one pass
-    over the trace in each of up to ``jobs`` processes (default: one per CPU), each
+    over the trace in each of up to ``jobs`` processes (``make_plan``: one per CPU), each
     capacity replayed once (results are kept). The results do not depend on ``jobs``."""
 
     def __init__(
         self, source: TraceSource, inputs: PlanInputs, summary: TraceSummary, engine: str = "auto", jobs: int = 1
     ) -> None:
-        if jobs < 1:
-            raise ValueError(f"jobs must be >= 1, got {jobs}")
-        self.source, self.inputs, self.summary, self.engine, self.jobs = source, inputs, summary, engine, jobs
+        self.source, self.inputs, self.summary, self.engine = source, inputs, summary, engine
+        self.jobs = processes(jobs)
         self.results: dict[float, ReplayResult] = {}
 
     @property
@@ -277,13 +276,14 @@ def make_plan(
     ``curve`` supplies the hit rates the search and the tier split read (default: exact
     replays); the ceiling and the plan's own capacity are replayed exactly, in up to
     ``jobs`` processes (default: one per CPU; the plan is the same for any number)."""
+    workers = processes(jobs)
     summary = summarize(source)
     if summary.requests == 0:
         raise ValueError(f"{trace_name}: the trace has no requests")
     skip = warmup_requests(summary, inputs.warmup)
     if skip >= summary.requests:
         raise ValueError(f"{trace_name}: the warm-up leaves no request to count")
-    exact = ExactCurve(source, inputs, summary, engine, cpus() if jobs is None else jobs)
+    exact = ExactCurve(source, inputs, summary, engine, workers)
     curve = exact if curve is None else curve
     granule = summary.native_block_size or inputs.block_size
     facts = trace_facts(source, summary, inputs, skip)
