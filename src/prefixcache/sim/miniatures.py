@@ -288,7 +288,7 @@ def _replay_part(trace: Trace, small: list[float], large: list[float], seen: boo
                 exact_hits[j] += tally.tokens(cached[j], length)
         depth = len(ids)
         kept = True
-        if rate < 1.0:
+        if rate < 1.0 and (seen or minis.trees):  # NOTE: a part of whole trees only needs no draw
             unit, depth = trace.prefixes.unit(root, ids, sample.most)
             kept = xxhash.xxh3_64_intdigest(unit.to_bytes(8, "little"), seed=sample.seed) < threshold
             if counted and seen:
