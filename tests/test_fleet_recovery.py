@@ -41,7 +41,8 @@ def test_the_router_resynchronizes_after_a_redis_restart(tmp_path: Path, redis_s
         time.sleep(0.1)  # past the publisher's retry pause
         insert(cache, c)
         pub.publish_pending()
-        wait_for(lambda: held(index, c) == 3 and held(index, b) == 3, 15.0)
+        # a snapshot's blocks reach the index before its seq is taken: wait for both
+        wait_for(lambda: held(index, c) == 3 and held(index, b) == 3 and follower.seq == pub.seq, 15.0)
         assert follower.stats.snapshots >= 2  # the start, and the gap no stream held
         assert follower.seq == pub.seq
         assert held(index, a) == 3 and len(truth(cache)) == 9  # nothing lost, nothing invented

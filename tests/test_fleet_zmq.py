@@ -209,7 +209,7 @@ def test_batches_are_applied_in_order(fake: FakeVllm, followed: tuple[ZmqReader,
     wait_for(lambda: held(index, tokens + more) == 5)
     assert index.matched([chain_keys(root_key("", MODEL), tokens, BS)], ["v"])["v"] == ("device",) * 3
     fake.publish(batch({"type": "BlockRemoved", "block_hashes": [b"doc-4"], "medium": "GPU"}))
-    wait_for(lambda: held(index, tokens + more) == 4)
+    wait_for(lambda: held(index, tokens + more) == 4 and reader.follower.seq == fake.seq)
     assert reader.stats.cleared == 0 and reader.stats.bad == 0 and reader.follower.seq == fake.seq
 
 
@@ -222,7 +222,7 @@ def test_a_lost_batch_is_replayed_from_the_replay_socket(
     reader.lose_next(1)
     fake.publish(batch(lost))
     fake.publish(batch(after))
-    wait_for(lambda: held(index, tokens + more) == 3)
+    wait_for(lambda: held(index, tokens + more) == 3 and reader.follower.stats.replays >= 1)
     assert reader.follower.stats.replays >= 1 and reader.stats.cleared == 0 and reader.stats.orphans == 0
     assert fake.replays >= 1
 
@@ -243,7 +243,7 @@ def test_a_gap_older_than_the_buffer_clears_the_backend_and_recovers_from_later_
         fake.publish(batch(new), send=False)
         later, more = chain("new", 1, parent=b"new-1", start=2)
         fake.publish(batch(later))
-        wait_for(lambda: held(index, tokens + more) == 3)
+        wait_for(lambda: held(index, tokens + more) == 3 and reader.follower.seq == fake.seq)
         assert held(index, old) == 0  # what the backend held before the gap is forgotten
         assert reader.stats.cleared == 1 and reader.stats.orphans == 1
         assert reader.follower.seq == fake.seq
@@ -264,7 +264,7 @@ def test_a_restarted_publisher_starts_a_new_incarnation(
     fake.publish(batch(), send=False)  # its first batch is missed: the replay brings it
     after, tokens = chain("new", 2)
     fake.publish(batch(after))
-    wait_for(lambda: held(index, tokens) == 2)
+    wait_for(lambda: held(index, tokens) == 2 and reader.follower.seq == fake.seq)
     assert held(index, old) == 0 and reader.inc != inc and reader.stats.restarts == 1
     assert reader.follower.inc == reader.inc and reader.follower.seq == 2 and reader.stats.cleared == 0
 
@@ -277,7 +277,7 @@ def test_bad_messages_are_counted_and_the_reader_goes_on(
     fake.publish(b"\xc1 not msgpack")
     good, tokens = chain("good", 2)
     fake.publish(batch(good))
-    wait_for(lambda: held(index, tokens) == 2)
+    wait_for(lambda: held(index, tokens) == 2 and reader.follower.seq == fake.seq)
     assert reader.stats.bad >= 2 and reader.follower.seq == fake.seq and reader._thread.is_alive()
 
 
@@ -396,5 +396,5 @@ def test_a_store_no_key_can_cover_is_counted_and_the_rest_applied(
     bad, _ = chain("neg", 1)
     good, tokens = chain("pos", 1)
     fake.publish(batch(bad | {"token_ids": [-1] * BS}, good))
-    wait_for(lambda: held(index, tokens) == 1)
+    wait_for(lambda: held(index, tokens) == 1 and reader.follower.seq == fake.seq)
     assert reader.stats.bad == 1 and reader._thread.is_alive() and reader.follower.seq == fake.seq
