@@ -46,6 +46,7 @@ from typing import Any
 
 from prefixcache.sim.engines import native_unsupported
 from prefixcache.sim.forks import processes
+from prefixcache.sim.held import hold
 from prefixcache.sim.miniatures import Chains, Out, Sample, sampled, tokens
 from prefixcache.sim.replay import replay
 from prefixcache.sim.results import ReplayConfig
@@ -174,6 +175,7 @@ def curve(
     summary: TraceSummary | None = None,
     seed: int = 0,
     jobs: int | None = None,
+    hold_bytes: int | None = None,
 ) -> Curve:
     """The token hit rate of ``config`` (its capacity ignored) at each of ``capacities``
     (tokens; ``math.inf`` for unlimited; ``None``: ``DEFAULT_POINTS`` spread up to the
@@ -185,7 +187,8 @@ def curve(
     further from it than its miniatures). ``rate`` is the sampled method's (default: enough to keep
     ``DEFAULT_SAMPLE`` lookups; 1 replays every request), ``seed`` salts its hash,
     ``jobs`` is how many processes share its trees (default: one per CPU this process
-    may use; the curve is the same for any number).
+    may use; the curve is the same for any number). The trace is read once and held
+    in memory up to ``hold_bytes`` (``held.hold``; 0: read on every pass).
     Prompts only: a replay's ``--include-output`` is not modelled."""
     why = unsupported(config, method)
     if why:
@@ -199,6 +202,7 @@ def curve(
         raise ValueError(f"jobs apply to method 'sampled', not {method!r}")
     caps = None if capacities is None else _check_capacities(capacities)
     start = time.perf_counter()
+    source = hold(source, hold_bytes)
     prefixes = _curves.Prefixes() if method in ("auto", "sampled") and _curves is not None else None
     lookups = [0]
     summary = summarize(_tapped(source, config, prefixes, lookups)) if summary is None or prefixes else summary

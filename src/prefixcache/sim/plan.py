@@ -40,6 +40,7 @@ from typing import Protocol
 from prefixcache.config import CacheConfig, KVLayout
 from prefixcache.sim.costmodel import CostModel
 from prefixcache.sim.forks import fork_map, processes
+from prefixcache.sim.held import hold
 from prefixcache.sim.plan_inputs import Tier, check_tiers
 from prefixcache.sim.replay import replay
 from prefixcache.sim.results import UNLIMITED, ReplayConfig, ReplayResult
@@ -270,13 +271,17 @@ def make_plan(
     curve: CurveSource | None = None,
     engine: str = "auto",
     jobs: int | None = None,
+    hold_bytes: int | None = None,
 ) -> Plan:
     """Plan the cache for ``inputs.target`` on the trace ``source()`` streams.
 
     ``curve`` supplies the hit rates the search and the tier split read (default: exact
     replays); the ceiling and the plan's own capacity are replayed exactly, in up to
-    ``jobs`` processes (default: one per CPU; the plan is the same for any number)."""
+    ``jobs`` processes (default: one per CPU; the plan is the same for any number).
+    The trace is read once and held in memory up to ``hold_bytes`` (``held.hold``: the
+    default budget; 0 reads it from ``source`` on every pass; the same plan either way)."""
     workers = processes(jobs)
+    source = hold(source, hold_bytes)
     summary = summarize(source)
     if summary.requests == 0:
         raise ValueError(f"{trace_name}: the trace has no requests")
@@ -304,7 +309,7 @@ def make_plan(
     bpt = inputs.kv.bytes_per_token
     saved_gpu_s = inputs.cost.gpu_seconds(at.prefill_flops_saved or 0.0)
     per_hit = saved_gpu_s / at.hit_tokens if at.hit_tokens else None
-    shares, hold = _tier_split(curve, inputs.tiers, capacity, bpt, per_hit, points)
+    shares, tiers_hold = _tier_split(curve, inputs.tiers, capacity, bpt, per_hit, points)
     curve_points = _dedupe(points)
     rates = [p.token_hit_rate for p in curve_points]
     return Plan(
@@ -319,7 +324,7 @@ def make_plan(
         below=below,
         bytes_per_token=bpt,
         tiers=shares,
-        tiers_hold=hold,
+        tiers_hold=tiers_hold,
         traffic_seconds=facts.traffic_seconds,
         gpu_hours_saved=at.gpu_hours_saved or 0.0,
         prefill_seconds_per_hit_token=per_hit,
