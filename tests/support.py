@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,12 +13,22 @@ from typing import Any
 import numpy as np
 
 from prefixcache.cache.stats import CacheStats, Histogram, TierStats, WriterStats
-from prefixcache.sim.traces import Request
+from prefixcache.sim.summary import TraceSource
+from prefixcache.sim.traces import Request, read_trace
 from prefixcache.storage import codec
 
 TRACES = Path(__file__).parent / "data" / "traces"  # the Mooncake traces, with their README
 SYNTHETIC = TRACES / "mooncake_synthetic_trace.jsonl"
 CONVERSATION = TRACES / "mooncake_conversation_trace.jsonl"
+
+
+def source_of(path: Path) -> TraceSource:
+    """A trace source that reads ``path`` again on every pass."""
+
+    def source() -> Iterable[Request]:
+        return read_trace(path)
+
+    return source
 
 
 def lcp(a: list[int], b: list[int]) -> int:

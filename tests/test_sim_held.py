@@ -25,7 +25,7 @@ from prefixcache.sim.tracefile import TraceError
 from prefixcache.sim.traces import Request, read_trace
 from prefixcache.sim.workload_spec import WorkloadSpec
 from prefixcache.sim.workloads import write_jsonl
-from support import CONVERSATION
+from support import CONVERSATION, source_of
 
 ints = st.none() | st.lists(st.integers(0, 2**64 - 1), max_size=6).map(tuple)
 names = st.sampled_from(["", "acme", "globex", "tenant-03/chat-07", "é"])
@@ -52,13 +52,6 @@ def of(items: list[Request]) -> TraceSource:
     return source
 
 
-def file_source(path: Path) -> TraceSource:
-    def source() -> Iterable[Request]:
-        return read_trace(path)
-
-    return source
-
-
 @settings(max_examples=200, deadline=None)
 @given(st.lists(requests, max_size=8))
 def test_held_requests_are_the_requests_on_every_pass(items: list[Request]) -> None:
@@ -73,14 +66,14 @@ def test_a_trace_file_held_is_the_file(tmp_path: Path, emit: str) -> None:
     path = tmp_path / "w.jsonl"
     write_jsonl(WorkloadSpec(requests=300, tenants=3, seed=5, emit=emit, max_turns=4), path)
     for trace in (path, CONVERSATION):
-        streamed = file_source(trace)
+        streamed = source_of(trace)
         held = hold(streamed)
         assert isinstance(held, HeldTrace)
         assert list(held()) == list(streamed())
 
 
 def test_a_trace_over_the_budget_is_streamed_and_its_file_closed(tmp_path: Path) -> None:
-    streamed = file_source(CONVERSATION)
+    streamed = source_of(CONVERSATION)
     whole = hold(streamed)
     assert isinstance(whole, HeldTrace)
     opened: list[Iterator[Request]] = []
@@ -108,7 +101,7 @@ def test_a_malformed_line_is_named_when_held(tmp_path: Path) -> None:
     good = {"timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [1]}
     path.write_text(json.dumps(good) + "\n" + json.dumps(good | {"hash_ids": [-1]}) + "\n")
     with pytest.raises(TraceError, match=r"bad\.jsonl:2.*hash_ids"):
-        hold(file_source(path))
+        hold(source_of(path))
 
 
 def test_the_plan_and_the_curve_are_the_same_held_or_streamed(tmp_path: Path) -> None:
@@ -116,10 +109,10 @@ def test_the_plan_and_the_curve_are_the_same_held_or_streamed(tmp_path: Path) ->
     write_jsonl(WorkloadSpec(requests=800, tenants=4, seed=2, duration_s=900.0), path)
     model = get_model("llama-3-8b")
     inputs = PlanInputs(0.4, CostModel(model, get_gpu("h100")), kv_layout(model))
-    held = make_plan(file_source(path), inputs, jobs=2)
+    held = make_plan(source_of(path), inputs, jobs=2)
     assert len(held.curve) > 3
-    assert make_plan(file_source(path), inputs, jobs=2, hold_bytes=0) == held
+    assert make_plan(source_of(path), inputs, jobs=2, hold_bytes=0) == held
     config = ReplayConfig(CacheConfig(policy="sieve", capacity_tokens=1 << 20))
-    got = curve(file_source(path), config, warmup=0.5, rate=0.5, jobs=2)
-    streamed = curve(file_source(path), config, warmup=0.5, rate=0.5, jobs=2, hold_bytes=0)
+    got = curve(source_of(path), config, warmup=0.5, rate=0.5, jobs=2)
+    streamed = curve(source_of(path), config, warmup=0.5, rate=0.5, jobs=2, hold_bytes=0)
     assert replace(streamed, seconds=0.0) == replace(got, seconds=0.0)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import json
 import math
-from collections.abc import Iterable
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,10 @@ from prefixcache.sim.plan import CurvePoint, ExactCurve, Plan, PlanInputs, make_
 from prefixcache.sim.plan_inputs import kv_layout, load_tiers_toml, parse_bandwidth, parse_bytes, parse_tier
 from prefixcache.sim.replay import replay
 from prefixcache.sim.results import UNLIMITED, ReplayConfig
-from prefixcache.sim.traces import Request, read_trace
+from prefixcache.sim.traces import read_trace
 from prefixcache.sim.workload_spec import WorkloadSpec
 from prefixcache.sim.workloads import write_jsonl
-from support import CONVERSATION, SYNTHETIC
+from support import CONVERSATION, SYNTHETIC, source_of
 
 slow = pytest.mark.slow
 LLAMA_8B_BYTES = 32 * 2 * 8 * 128 * 2  # layers x (K, V) x KV heads x head dim x bfloat16
@@ -51,13 +50,6 @@ def workload(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def inputs(target: float, **kw: Any) -> PlanInputs:
     model = get_model("llama-3-8b")
     return PlanInputs(target, CostModel(model, get_gpu("h100")), kv_layout(model), **kw)
-
-
-def source_of(path: Path) -> Any:
-    def source() -> Iterable[Request]:
-        return read_trace(path)
-
-    return source
 
 
 def replayed(path: Path, plan: Plan, capacity: float) -> float:
