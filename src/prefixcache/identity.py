@@ -1,0 +1,113 @@
+"""The tenant a gateway vouches for, in a form a backend verifies (design invariant 11).
+
+``prefixcache route`` authenticates the client, then rewrites what it forwards to a
+vLLM backend so that the client cannot name a tenant::
+
+    client body ──> strip CLIENT_FIELDS ──> cache_salt         = tenant_salt(secret, tenant)
+                                            kv_transfer_params = {PARAMS_KEY: tenant}
+
+- ``cache_salt`` is vLLM's own isolation: its prefix cache keys a prompt's first block
+  on it, so vLLM's cache is per tenant too. It is a keyed hash (HMAC-SHA256) of the
+  tenant: it tells neither the tenant's name nor the secret to whoever reads it.
+- The connector (``integrations/vllm``) files the request under the tenant named in
+  ``kv_transfer_params`` only when the request's ``cache_salt`` is that tenant's salt
+  under the secret both read from their settings (``verify``): a request that did not
+  come through the gateway cannot claim a tenant without the secret.
+
+Without a secret (vLLM used alone, no gateway) the connector trusts what vLLM trusts:
+the ``cache_salt`` is the tenant, as knowing a salt is what gives access to vLLM's own
+prefix cache; the ``kv_transfer_params`` claim is then ignored, never believed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+__all__ = [
+    "CLIENT_FIELDS",
+    "PARAMS_KEY",
+    "SECRET_ENV",
+    "Identity",
+    "Unverified",
+    "Verdict",
+    "stamp",
+    "tenant_salt",
+    "verify",
+]
+
+SECRET_ENV = "PREFIXCACHE_TENANT_SECRET"  # where the router and the connector read the secret by default
+PARAMS_KEY = "prefixcache_tenant"  # kv_transfer_params[PARAMS_KEY]: the tenant the gateway vouches for
+# Every body field a client could use to name, derive or share a tenant's cache on vLLM:
+# the salt (vLLM's namespace) and kv_transfer_params (what a connector reads).
+CLIENT_FIELDS = frozenset({"cache_salt", "kv_transfer_params"})
+_SALT_TAG = b"prefixcache/tenant-salt/v1\x00"
+_SALT_PREFIX = "pc1-"
+MIN_SECRET_BYTES = 16
+
+
+def _check_secret(secret: bytes) -> None:
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"the tenant secret must be at least {MIN_SECRET_BYTES} bytes long")
+
+
+def tenant_salt(secret: bytes, tenant: str) -> str:
+    """The ``cache_salt`` of ``tenant``: an HMAC of its name under ``secret``."""
+    _check_secret(secret)
+    if not isinstance(tenant, str) or not tenant:
+        raise ValueError("a tenant is a non-empty string")
+    digest = hmac.new(secret, _SALT_TAG + tenant.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+    return _SALT_PREFIX + digest[:32]
+
+
+def stamp(body: Mapping[str, Any], tenant: str, secret: bytes) -> dict[str, Any]:
+    """``body`` as the gateway forwards it to vLLM: the client's own ``CLIENT_FIELDS``
+    removed, the authenticated tenant's salt and claim set."""
+    out = {k: v for k, v in body.items() if k not in CLIENT_FIELDS}
+    out["cache_salt"] = tenant_salt(secret, tenant)
+    out["kv_transfer_params"] = {PARAMS_KEY: tenant}
+    return out
+
+
+class Unverified(Enum):
+    """What the connector does with a request whose tenant it cannot verify."""
+
+    BYPASS = "bypass"  # no lookup, no save: the request is served without the cache (the safe default)
+    DEFAULT = "default"  # filed under the configured default tenant
+
+
+class Verdict(Enum):
+    VERIFIED = "verified"  # the gateway's claim, proven by the salt
+    SALT = "salt"  # no secret configured: the salt is the tenant (vLLM's own trust)
+    DEFAULT = "default"  # nothing names a tenant and no secret: the default tenant
+    REFUSED = "refused"  # a secret is configured and the claim does not verify
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    verdict: Verdict
+    tenant: str | None  # None: the request bypasses the cache
+
+
+def _claim(params: object) -> str | None:
+    value = params.get(PARAMS_KEY) if isinstance(params, Mapping) else None
+    return value if isinstance(value, str) and value else None
+
+
+def verify(
+    params: object, salt: object, secret: bytes | None, default: str, unverified: Unverified = Unverified.BYPASS
+) -> Identity:
+    """The tenant of a request with these ``kv_transfer_params`` and ``cache_salt``."""
+    salt = salt if isinstance(salt, str) and salt else None
+    if secret is None:
+        if salt is not None:
+            return Identity(Verdict.SALT, salt)
+        return Identity(Verdict.DEFAULT, default)
+    claim = _claim(params)
+    if claim is not None and salt is not None and hmac.compare_digest(tenant_salt(secret, claim), salt):
+        return Identity(Verdict.VERIFIED, claim)
+    return Identity(Verdict.REFUSED, default if unverified is Unverified.DEFAULT else None)
