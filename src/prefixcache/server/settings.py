@@ -47,6 +47,7 @@ from pydantic_settings import (
 from prefixcache.blend.serve_types import TierSplit, split_tiers
 from prefixcache.config import CacheConfig, KVLayout, TierConfig, valid_names
 from prefixcache.engine.model import DEFAULT_MODEL
+from prefixcache.identity import MIN_SECRET_BYTES, SECRET_ENV
 from prefixcache.server.settings_blend import BlendSettings
 
 __all__ = [
@@ -64,6 +65,8 @@ __all__ = [
 ENV_PREFIX = "PREFIXCACHE_"
 CONFIG_VAR = f"{ENV_PREFIX}CONFIG"
 COMMAND_VARS = f"{ENV_PREFIX}AUDIT_"  # read by `prefixcache audit-timing` (its keys), not settings
+# Secret fields: an error about one never shows the value given (``_explain``)
+SECRETS = frozenset({("auth", "admin_key"), ("auth", "tenant_secret"), ("auth", "api_keys")})
 
 GiB = 1 << 30
 SERVER_CACHE = CacheConfig(
@@ -124,14 +127,23 @@ def _check_keys(value: dict[str, str]) -> dict[str, str]:
     return value
 
 
+def _check_secret(value: str) -> str:
+    if value and len(value.encode()) < MIN_SECRET_BYTES:  # the message never repeats the value
+        raise ValueError(f"must be at least {MIN_SECRET_BYTES} bytes long when set")
+    return value
+
+
 class AuthSettings(BaseModel):
     model_config = _FROZEN
 
     api_keys: Annotated[dict[str, str], NoDecode, BeforeValidator(_key_pairs), AfterValidator(_check_keys)] = Field(
-        default_factory=dict
+        default_factory=dict, repr=False
     )  # key -> tenant
-    admin_key: str = ""
+    admin_key: str = Field(default="", repr=False)
     tenant_header: str = ""  # a header set by a trusted gateway that names the tenant; off when empty
+    # The secret ``prefixcache route`` salts each tenant's vLLM requests with and the vLLM
+    # connector verifies them by (``identity.py``); needed with --vllm-backend.
+    tenant_secret: Annotated[str, AfterValidator(_check_secret)] = Field(default="", repr=False)
     # isolation = "shared" with several tenants lets each see (by cached_tokens and by
     # time) what the others sent: refused unless the operator says so here
     allow_cross_tenant_reuse: bool = False
@@ -182,7 +194,8 @@ class _Env(EnvSettingsSource):
     def _load_env_vars(self) -> Mapping[str, str | None]:
         environ = self._environ
         loaded = super()._load_env_vars() if environ is None else {k.lower(): v for k, v in environ.items()}
-        return {k: v for k, v in loaded.items() if k != CONFIG_VAR.lower() and not k.startswith(COMMAND_VARS.lower())}
+        outside = (CONFIG_VAR.lower(), SECRET_ENV.lower())  # the secret's own variable, shared with the connector
+        return {k: v for k, v in loaded.items() if k not in outside and not k.startswith(COMMAND_VARS.lower())}
 
     def __call__(self) -> dict[str, Any]:
         sections = tuple(self.settings_cls.model_fields)
@@ -355,7 +368,8 @@ def _explain(exc: ValidationError) -> str:
         return f"unknown setting {where} (in the file, or as {env}); valid: {', '.join(valid)}"
     message = str(error["msg"]).removeprefix("Value error, ")
     given = error.get("input")
-    shown = "" if isinstance(given, dict | list | tuple) else f" (got {given!r})"
+    secret = tuple(loc[:2]) in SECRETS
+    shown = "" if secret or isinstance(given, dict | list | tuple) else f" (got {given!r})"
     return f"invalid setting {where}: {message}{shown}"
 
 
@@ -369,6 +383,7 @@ def describe(settings: Settings) -> dict[str, Any]:
             "tenants": sorted(set(settings.auth.api_keys.values())),
             "admin_key": "***" if settings.auth.admin_key else "",
             "tenant_header": settings.auth.tenant_header,
+            "tenant_secret": "***" if settings.auth.tenant_secret else "",
             "allow_cross_tenant_reuse": settings.auth.allow_cross_tenant_reuse,
         },
         "fleet": settings.fleet.model_dump() | {"redis_url": _without_password(settings.fleet.redis_url)},
