@@ -28,12 +28,14 @@ from prefixcache.fleet.keys import chain_keys, root_key
 from prefixcache.fleet.router import RouteConfig, Router, create_router
 from prefixcache.fleet.wire import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from prefixcache.fleet.zmq import PRIVATE, VllmSource, ZmqReader, decode_vllm
-from prefixcache.server.settings import Settings
+from prefixcache.identity import tenant_salt
+from prefixcache.server.settings import AuthSettings, Settings
 from support import wait_for
 
 BS = 4
 MODEL = "m"
 TOPIC = "kv-events"
+SECRET = b"a-tenant-secret-of-32-characters"
 
 
 class FakeVllm:
@@ -165,14 +167,14 @@ def test_both_of_vllms_encodings_decode_with_its_media_as_our_tiers() -> None:
     events = [event, removed, {"type": "AllBlocksCleared"}, off_disk]
     as_map = msgspec.msgpack.encode({"ts": 1.0, "events": events})
     legacy = encode_batch(KVEventBatch(1.0, [BlockStored([7, 8], None, tokens, BS, None, None)]))
-    got, skipped = decode_vllm(as_map)
+    got, skipped = decode_vllm(as_map, MODEL)
     assert skipped == 0 and got.ts == 1.0 and len(got.events) == 4
     first, second, last = got.events[0], got.events[1], got.events[3]
     assert isinstance(last, BlockRemoved) and last.medium == "disk"
     assert isinstance(first, BlockStored) and first.medium == "device" and first.token_ids == tokens
-    assert first.block_hashes == [b"a-0", b"a-1"] and first.extra_keys is None  # public: vLLM's cache is shared
+    assert first.block_hashes == [b"a-0", b"a-1"] and first.extra_keys is None  # public: no gateway salts requests
     assert isinstance(second, BlockRemoved) and second.medium == "memory"
-    old, _ = decode_vllm(legacy)
+    old, _ = decode_vllm(legacy, MODEL)
     assert isinstance(old.events[0], BlockStored) and old.events[0].block_hashes == [7, 8]
     assert old.events[0].medium == "device"  # no medium: vLLM's GPU cache
 
@@ -184,7 +186,7 @@ def test_salted_adapter_and_other_group_stores_never_count_as_public() -> None:
     lora["lora_name"] = "adapter"
     other, _ = chain("o", 1)
     other["group_idx"] = 1
-    got, skipped = decode_vllm(batch(salted, lora, other))
+    got, skipped = decode_vllm(batch(salted, lora, other), MODEL)
     assert skipped == 1 and len(got.events) == 2
     assert all(isinstance(e, BlockStored) and e.extra_keys == [(PRIVATE, "")] for e in got.events)
 
@@ -194,7 +196,7 @@ def test_payloads_that_are_not_vllms_raise_wire_errors(payload: bytes) -> None:
     from prefixcache.fleet.wire import WireError
 
     with pytest.raises(WireError):
-        decode_vllm(payload)
+        decode_vllm(payload, MODEL)
 
 
 # ---------------------------------------------------------------------- the reader
@@ -347,7 +349,9 @@ class FakeVllmServer:
         self.live = LiveServer(app).start()
 
 
-def test_the_router_sends_a_request_to_the_vllm_backend_holding_its_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_router_sends_a_request_to_the_vllm_backend_holding_its_tenants_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(router_module, "HEALTH_EVERY_S", 3600.0)
     servers = [FakeVllmServer(f"v{i}") for i in range(3)]
     vllm = tuple(s.events.source(s.live.url) for s in servers)
@@ -356,21 +360,24 @@ def test_the_router_sends_a_request_to_the_vllm_backend_holding_its_prefix(monke
     def tokenize(path: str, body: dict[str, Any]) -> list[int]:
         return [ord(c) for c in body["messages"][-1]["content"]]
 
-    router = Router(RouteConfig((), "redis://127.0.0.1:1/0", vllm=vllm), Settings(), tokenize, CollectorRegistry())
+    settings = Settings(auth=AuthSettings(tenant_secret=SECRET.decode()))  # local mode: one tenant, "local"
+    router = Router(RouteConfig((), "redis://127.0.0.1:1/0", vllm=vllm), settings, tokenize, CollectorRegistry())
     app = create_router(router)
     live = LiveServer(app, config=uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")).start()
     try:
         wait_for(lambda: all(b.up for b in router.backends))
         tokens = [ord(c) for c in text][: len(text) // BS * BS]
-        store = stored([i for i in range(len(tokens) // BS)], None, tokens)
-        target = servers[1]
-        reader = router.backends[1].reader
-        assert isinstance(reader, ZmqReader)
-        wait_for(lambda: warm(target.events, reader))
-        target.events.publish(batch(store))
-        wait_for(lambda: router.index.held(target.live.url) == len(tokens) // BS)
+        n = len(tokens) // BS
+        salted = stored(list(range(n)), None, tokens, extra_keys=[[tenant_salt(SECRET, "local")]] + [None] * (n - 1))
+        target, unsalted = servers[1], servers[2]
+        for server, store in ((target, salted), (unsalted, stored(list(range(n)), None, tokens))):
+            reader = router.backends[servers.index(server)].reader
+            assert isinstance(reader, ZmqReader)
+            wait_for(lambda: warm(server.events, reader))  # noqa: B023 (called here, in the loop)
+            server.events.publish(batch(store))
+            wait_for(lambda: router.index.held(server.live.url) == n)  # noqa: B023
         body = {"model": MODEL, "messages": [{"role": "user", "content": text + "and?"}], "stream": True}
-        for _ in range(3):
+        for _ in range(3):  # the unsalted chain is no routed request's: only the salted one attracts
             reply = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=10)
             assert reply.status_code == 200 and reply.headers["x-prefixcache-backend"] == target.live.url
             assert '"backend": "v1"' in reply.text

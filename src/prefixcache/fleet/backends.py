@@ -9,7 +9,8 @@ and when it comes back it is followed again from a snapshot.
 
 A vLLM backend (``source``) has none of that: its info is synthesized from the
 router's flags (``VllmSource.info``), its health is vLLM's ``/health``, and its
-events come from vLLM's own ZMQ publisher (``zmq.ZmqReader``).
+events come from vLLM's own ZMQ publisher (``zmq.ZmqReader``), salted chains credited
+to their tenants by the router's table of salts (``stamping.Stamper.salts``).
 
 Load is the router's own count of what it sent (``Scorer.load``): the prompt blocks
 each request had left to prefill, until its first byte comes back, and one
@@ -19,6 +20,7 @@ each request had left to prefill, until its first byte comes back, and one
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -94,6 +96,7 @@ class Backend:
     follower: Follower | None = None
     reader: StreamReader | ZmqReader | None = None
     source: VllmSource | None = None  # a vLLM backend's publisher; None: a prefixcache server
+    salts: Mapping[str, str] | None = field(default=None, repr=False)  # a vLLM backend's: cache_salt -> tenant
 
     @property
     def name(self) -> str:
@@ -109,7 +112,7 @@ class Backend:
         if self.reader is None:
             self.follower = Follower(info.name, index, info.model)
             if self.source is not None:
-                self.reader = ZmqReader(self.follower, self.source).start()
+                self.reader = ZmqReader(self.follower, self.source, salts=self.salts).start()
                 return
             url, key = self.url, self.admin_key
             self.reader = StreamReader(self.follower, client, info.stream, lambda: fetch_snapshot(url, key)).start()

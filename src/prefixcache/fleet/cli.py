@@ -54,6 +54,7 @@ def run_route(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from prefixcache.fleet.prompts import Tokenizer
     from prefixcache.fleet.router import RouteConfig, Router, create_router
     from prefixcache.fleet.scoring import Routing, Scorer
+    from prefixcache.fleet.stamping import NO_SECRET, route_secret
     from prefixcache.fleet.zmq import VllmSource
     from prefixcache.server.settings import load_settings
     from prefixcache.server.transport import uvicorn_config
@@ -71,13 +72,16 @@ def run_route(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         block_size = settings.cache.block_size if args.block_size is None else args.block_size
         model = args.model_id or settings.model.served_id
         vllm = tuple(VllmSource.parse(spec, block_size, model) for spec in args.vllm_backend)
+        secret = route_secret(settings)  # messages never repeat a secret
     except ValueError as exc:
         parser.error(str(exc))
+    if vllm and secret is None:
+        parser.error(NO_SECRET)
     urls = [*(b.rstrip("/") for b in args.backend), *(v.url for v in vllm)]
     if len(set(urls)) != len(urls):
         parser.error("each backend URL may be given once")
     redis_url = args.redis or "redis://127.0.0.1:6379/0"  # never connected to without a --backend
-    config = RouteConfig(tuple(args.backend), redis_url, Routing(args.routing), scorer, vllm)
+    config = RouteConfig(tuple(args.backend), redis_url, Routing(args.routing), scorer, vllm, secret)
     router = Router(config, settings, Tokenizer(settings.model), CollectorRegistry())
     app = create_router(router)
     uvicorn.Server(uvicorn_config(app, settings, host=args.host, port=args.port)).run()

@@ -3,13 +3,16 @@ prefill is cheapest.
 
     client ──> BodyLimit ──> auth (the servers' API keys -> tenant) ──> tokenize (the model's chat
     template) ──> keys (fleet.keys) ──> index.matched (own + public namespace only)
-    ──> Scorer.choose ──> forward, streaming ──> backend
+    ──> Scorer.choose ──> stamp (stamping) ──> forward, streaming ──> backend
 
-The request is forwarded unchanged (the client's key included: the backend checks it
-again). A backend that cannot be reached, or answers 502/503/504, before anything was
-streamed is marked down and the request goes to the next best one; once bytes have
-gone to the client a failure ends the stream, as it would without a router. Which
-backend served is in the ``x-prefixcache-backend`` response header.
+The tenant is the router's own (``auth.tenant``), and what it forwards names no other
+(``stamping``): a vLLM backend gets the tenant's ``cache_salt`` and the connector's
+claim in place of the client's; a prefixcache server gets the body without them and
+the client's key, which it checks again. A backend that cannot be reached, or answers
+502/503/504, before anything was streamed is marked down and the request goes to the
+next best one; once bytes have gone to the client a failure ends the stream, as it
+would without a router. Which backend served is in the ``x-prefixcache-backend``
+response header.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from prefixcache.fleet.index import GlobalIndex
 from prefixcache.fleet.keys import chain_keys, root_key
 from prefixcache.fleet.route_metrics import RouteCollector
 from prefixcache.fleet.scoring import BackendView, Routing, Scorer
+from prefixcache.fleet.stamping import HOP_HEADERS, NO_SECRET, Stamper
 from prefixcache.fleet.zmq import VllmSource
 from prefixcache.server.auth import Auth
 from prefixcache.server.errors import APIError, BodyLimit, install_error_handlers
@@ -47,7 +51,6 @@ log = logging.getLogger("prefixcache.route")
 RETRY_STATUS = frozenset({502, 503, 504})
 HEALTH_EVERY_S = 1.0
 FORWARD_TIMEOUT = httpx.Timeout(connect=2.0, read=300.0, write=30.0, pool=30.0)
-HOP_HEADERS = frozenset({"host", "content-length", "connection", "transfer-encoding", "keep-alive"})
 
 Tokenize = Callable[[str, dict[str, Any]], list[int]]  # (path, body) -> prompt tokens
 
@@ -59,6 +62,7 @@ class RouteConfig:
     routing: Routing = Routing.COST
     scorer: Scorer = field(default_factory=Scorer)
     vllm: tuple[VllmSource, ...] = ()  # vLLM backends, followed on their own publishers
+    tenant_secret: bytes | None = field(default=None, repr=False)  # default: settings' auth.tenant_secret
 
 
 class Router:
@@ -68,13 +72,17 @@ class Router:
         if not config.backends and not config.vllm:
             raise ValueError("route needs at least one --backend URL or --vllm-backend")
         self.config, self.settings, self.tokenize = config, settings, tokenize
+        secret = config.tenant_secret or settings.auth.tenant_secret.encode() or None
+        if config.vllm and secret is None:
+            raise ValueError(NO_SECRET)
+        self.stamper = Stamper.of(settings, secret)
         self.auth = Auth(settings.auth, Sessions(settings.auth.dashboard_session_s))
         self.shared_mode = settings.cache.isolation == "shared"
         self.index = GlobalIndex(rank=config.scorer.credit)
         self.redis = redis.Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         key = settings.auth.admin_key
         self.backends = [Backend(url.rstrip("/"), key) for url in config.backends]
-        self.backends += [Backend(v.url, source=v) for v in config.vllm]
+        self.backends += [Backend(v.url, source=v, salts=self.stamper.salts) for v in config.vllm]
         self.turn = 0
         self.registry = registry
         self.client: httpx.AsyncClient | None = None
@@ -128,18 +136,24 @@ class Router:
 
     # ------------------------------------------------------------------ choice
 
+    def namespace(self, tenant: str, vllm: bool = False) -> str:
+        """Where ``tenant``'s own blocks are keyed: its cache namespace, and on vLLM, whose
+        own cache the gateway salts per tenant in every isolation mode, always its name
+        (``vllm_events`` credits a salted chain there)."""
+        return tenant if vllm or not self.shared_mode else PUBLIC
+
     def chains(self, tenant: str, tokens: Sequence[int], model: str, block_size: int) -> list[list[bytes]]:
-        """The key chains ``tenant`` may reuse: its namespace's, then the public one."""
-        ns = PUBLIC if self.shared_mode else tenant
-        names = [ns] if ns == PUBLIC else [ns, PUBLIC]
+        """The key chains ``tenant`` may reuse: its namespace's, the public one, and with
+        vLLM backends in shared isolation its salted vLLM chains."""
+        names = dict.fromkeys([self.namespace(tenant), PUBLIC, *([tenant] if self.config.vllm else [])])
         return [chain_keys(root_key(n, model), tokens, block_size) for n in names]
 
     def expect(self, backend: Backend, tenant: str, tokens: Sequence[int]) -> None:
         """Count the prompt's blocks on ``backend`` until its events arrive (``GlobalIndex.expect``)."""
         info = backend.info
         if info is not None and tokens:
-            own = self.chains(tenant, tokens, info.model, info.block_size)[0]
-            self.index.expect(backend.name, own)
+            ns = self.namespace(tenant, vllm=backend.source is not None)
+            self.index.expect(backend.name, chain_keys(root_key(ns, info.model), tokens, info.block_size))
 
     def rank(self, tenant: str, tokens: Sequence[int], exclude: set[str]) -> list[tuple[Backend, int, int]]:
         """Backends up and not excluded, best first by the configured routing, each with
@@ -195,7 +209,7 @@ def create_router(router: Router) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return await forward(request, "/v1/models", b"", [])
+        return await forward(request, "GET", "/v1/models", b"", None, [])
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -208,25 +222,30 @@ def create_router(router: Router) -> FastAPI:
     async def route(request: Request, path: str) -> Response:
         tenant = router.auth.tenant(request)
         raw = await request.body()
+        body: object = None
+        tokens: list[int] = []
         try:
             body = json.loads(raw)
             tokens = router.tokenize(path, body) if isinstance(body, dict) else []
-        except (ValueError, TypeError, KeyError):  # the backend answers bad bodies in its own words
-            tokens = []
-        return await forward(request, path, raw, tokens, tenant)
+        except (ValueError, TypeError, KeyError):  # a prefixcache server answers bad bodies in its own words
+            pass
+        return await forward(request, "POST", path, raw, body, tokens, tenant)
 
-    async def forward(request: Request, path: str, raw: bytes, tokens: list[int], tenant: str = "") -> Response:
+    async def forward(
+        request: Request, method: str, path: str, raw: bytes, body: object, tokens: list[int], tenant: str = ""
+    ) -> Response:
         assert router.client is not None
         tried: set[str] = set()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        headers = router.stamper.headers(request.headers.items())
         while True:
             order = router.rank(tenant, tokens, tried)
             if not order:
                 raise APIError(503, "no backend is available", code="no_backend")
             backend, overlap, left = order[0]
             tried.add(backend.url)
-            method = "POST" if raw else "GET"
-            outgoing = router.client.build_request(method, backend.url + path, content=raw, headers=headers)
+            vllm = backend.source is not None
+            content, added = (raw, {}) if method == "GET" else router.stamper.body(raw, body, tenant, vllm)
+            outgoing = router.client.build_request(method, backend.url + path, content=content, headers=headers | added)
             backend.pending += left
             try:
                 reply = await router.client.send(outgoing, stream=True)

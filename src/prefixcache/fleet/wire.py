@@ -4,7 +4,7 @@ The event types are vLLM's (``vllm.distributed.kv_events``), struct for struct, 
 for field: ``BlockStored``, ``BlockRemoved`` and ``AllBlocksCleared`` inside a
 ``KVEventBatch``, msgpack-encoded by msgspec (array-like structs tagged by class name,
 as vLLM's connector events are). vLLM 0.32's own ZMQ publisher writes its events as
-tagged maps with more fields; ``zmq.decode_vllm`` reads those into these structs.
+tagged maps with more fields; ``vllm_events.decode_vllm`` reads those into these structs.
 What our publishers put in vLLM's fields:
 
 * ``block_hashes``: the backend's own block keys. Opaque to a router, which uses them

@@ -11,17 +11,9 @@ vLLM's ``ZmqEventPublisher`` (``vllm/distributed/kv_events.py``, enabled by
   (``buffer_steps`` batches) with ``seq >= start``, then ``[b"", b"", -1, b""]``
   (vLLM 0.32; older versions leave the topic frame out: both are read).
 
-Older vLLM encodes events as positional arrays, newer as maps tagged by ``type``, with
-fields added over time (``medium``, ``lora_name``, ``extra_keys``, ``group_idx``):
-``decode_vllm`` reads both into ``wire``'s structs. What it changes on the way:
-
-* ``medium``: vLLM's ``GPU``/``CPU``/``STORAGE`` (none: ``GPU``) become our tier kinds
-  ``device``/``memory``/``disk``, so the scorer credits them like our servers' tiers;
-* scope: vLLM's events carry no tenant namespace (its ``extra_keys`` are its own: a
-  ``cache_salt``, LoRA or multimodal keys). A chain whose first block has none is
-  public, as vLLM's cache is shared; one with a salt, an adapter or extra keys goes to
-  ``PRIVATE``, a namespace no request computes, so it never shapes anyone's routing;
-* only KV cache group 0 is followed (hybrid models publish one store per group).
+Its payloads are read by ``vllm_events.decode_vllm``, which also credits each chain
+to the namespace it serves (a tenant's, by the ``cache_salt`` the gateway set, or
+``PRIVATE``): see that module.
 
 vLLM has no incarnation on the wire and no snapshot. The reader numbers vLLM's batch
 ``s`` as ``s + 1`` within an incarnation of its own, and starts a new incarnation when
@@ -41,96 +33,28 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 
 from prefixcache.fleet.follow import Follower, Verdict
 from prefixcache.fleet.index import IndexGap
+from prefixcache.fleet.vllm_events import PRIVATE, decode_vllm
 from prefixcache.fleet.wire import BackendInfo, BlockStored, Entry, KVEventBatch, Snapshot, WireError
 
 __all__ = ["PRIVATE", "VllmSource", "ZmqReader", "ZmqStats", "decode_vllm"]
 
 log = logging.getLogger("prefixcache.route")
 
-PRIVATE = "\0vllm-private"  # the namespace of salted, adapter and extra-keyed chains
 POLL_MS = 200  # how long one wait for a live batch lasts: also how fast a stop is noticed
 REPLAY_WAIT_MS = 2_000  # per replayed message; a silent replay socket counts as no replay
 RCVHWM = 100_000  # live batches queued before ZMQ drops (a gap the replay closes)
 BACKOFF_S = (0.05, 0.2, 1.0, 2.0)
 LOG_EVERY_S = 30.0  # at most one warning per kind of trouble in this many seconds
 
-_MEDIA = {"gpu": "device", "cpu": "memory", "storage": "disk"}
-# vLLM's field order, which the positional form and ``wire``'s structs share
-_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
-_FIELDS = {
-    "BlockStored": (*_STORED, "extra_keys", "group_idx"),
-    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
-    "AllBlocksCleared": (),
-}
-_WIRE_LEN = {"BlockStored": 8, "BlockRemoved": 2, "AllBlocksCleared": 0}  # fields ``wire`` keeps
 _END = -1
-
-
-# ---------------------------------------------------------------------- decoding
-
-
-def decode_vllm(data: bytes) -> tuple[KVEventBatch, int]:
-    """A vLLM payload as ``wire`` structs, and the number of events of other KV cache
-    groups left out; raises ``WireError``."""
-    try:
-        raw: Any = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError as exc:
-        raise WireError(f"not msgpack: {exc}") from None
-    if isinstance(raw, dict):
-        raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")]
-    if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
-        raise WireError("not a KV event batch")
-    events: list[list[Any]] = []
-    for ev in raw[1]:
-        tag, fields = _fields(ev)
-        if fields.get("group_idx") not in (None, 0):
-            continue
-        if tag != "AllBlocksCleared":
-            medium = fields.get("medium")
-            name = medium.lower() if isinstance(medium, str) else "gpu"
-            fields["medium"] = _MEDIA.get(name, name)
-        if tag == "BlockStored":
-            fields["extra_keys"] = _scope(fields)
-        events.append([tag, *(fields.get(f) for f in _FIELDS[tag][: _WIRE_LEN[tag]])])
-    rank = raw[2] if len(raw) > 2 else None
-    try:
-        batch = msgspec.convert([raw[0], events, rank], KVEventBatch)
-    except msgspec.ValidationError as exc:
-        raise WireError(f"not a KV event batch: {exc}") from None
-    return batch, len(raw[1]) - len(events)
-
-
-def _fields(ev: Any) -> tuple[str, dict[str, Any]]:
-    if isinstance(ev, dict):
-        tag, fields = ev.get("type"), dict(ev)
-    elif isinstance(ev, list) and ev:
-        tag = ev[0]
-        fields = dict(zip(_FIELDS.get(tag, ()) if isinstance(tag, str) else (), ev[1:], strict=False))
-    else:
-        raise WireError("an event is neither an array nor a map")
-    if not isinstance(tag, str) or tag not in _FIELDS:
-        raise WireError(f"unknown event type {tag!r}")
-    return tag, fields
-
-
-def _scope(fields: dict[str, Any]) -> list[tuple[str, str]] | None:
-    """``wire``'s ``extra_keys`` for a vLLM store (see the module doc): only a chain's
-    first store is scoped (the index takes later ones' scope from their parents)."""
-    if fields.get("parent_block_hash") is not None:
-        return None
-    extra = fields.get("extra_keys")
-    keyed = isinstance(extra, list) and bool(extra) and extra[0] is not None
-    if keyed or fields.get("lora_id") is not None or fields.get("lora_name") is not None:
-        return [(PRIVATE, "")]
-    return None
 
 
 # ---------------------------------------------------------------------- a backend
@@ -192,12 +116,20 @@ class ZmqStats:
 
 
 class ZmqReader:
-    """Follows a vLLM publisher for ``follower`` (``StreamReader``'s counterpart)."""
+    """Follows a vLLM publisher for ``follower`` (``StreamReader``'s counterpart);
+    ``salts``: the tenants' cache salts, by which their chains are credited to them
+    (``decode_vllm``; read on each batch, so a table the gateway grows is followed)."""
 
     _incarnations = itertools.count(1)
 
-    def __init__(self, follower: Follower, source: VllmSource, context: zmq.Context[Any] | None = None) -> None:
-        self.follower, self.source = follower, source
+    def __init__(
+        self,
+        follower: Follower,
+        source: VllmSource,
+        context: zmq.Context[Any] | None = None,
+        salts: Mapping[str, str] | None = None,
+    ) -> None:
+        self.follower, self.source, self.salts = follower, source, salts
         self.ctx = context if context is not None else zmq.Context.instance()
         self.inc = self._new_inc()
         self.last_live: int | None = None  # vLLM's seq of the last live batch
@@ -354,7 +286,7 @@ class ZmqReader:
 
     def _decode(self, payload: bytes) -> KVEventBatch | None:
         try:
-            batch, skipped = decode_vllm(payload)
+            batch, skipped = decode_vllm(payload, self.source.model, self.salts)
         except WireError as exc:
             self._bad(str(exc))
             return None

@@ -1,0 +1,101 @@
+"""What the router forwards: the authenticated tenant, never the client's word for it
+(design invariant 11).
+
+    client body ──> vLLM backend:        identity.stamp: CLIENT_FIELDS replaced by
+                                          cache_salt = tenant_salt(secret, tenant),
+                                          kv_transfer_params = {PARAMS_KEY: tenant}
+                ──> prefixcache server:  CLIENT_FIELDS removed (it authenticates the
+                                          forwarded API key again)
+    client headers ──> every backend:    hop-by-hop headers, the tenant header and
+                                          every x-prefixcache-* header removed
+
+A body that is not a JSON object goes to a prefixcache server as it came (the server
+answers it in its own words), but never to vLLM unstamped: the router answers it 400.
+
+The salt of each tenant the router stamps is also its key into ``salts`` (salt ->
+tenant), by which the vLLM event decoding credits a salted chain to its tenant
+(``vllm_events``): the configured tenants from the start, and a tenant named by a
+trusted gateway's header (``auth.tenant_header``) once it is first stamped, before vLLM
+can have stored anything under its salt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prefixcache.identity import CLIENT_FIELDS, MIN_SECRET_BYTES, SECRET_ENV, stamp, tenant_salt
+from prefixcache.server.errors import APIError
+from prefixcache.server.settings import LOCAL_TENANT, Settings
+
+__all__ = ["HOP_HEADERS", "NO_SECRET", "Stamper", "route_secret"]
+
+HOP_HEADERS = frozenset({"host", "content-length", "connection", "transfer-encoding", "keep-alive"})
+OWN_HEADERS = "x-prefixcache-"  # the router's and servers' own headers: never a client's to set
+MAX_SALTS = 100_000  # tenants named by a gateway's header beyond this are not followed on vLLM
+NO_SECRET = (
+    "--vllm-backend needs the tenant secret the vLLM connector verifies tenants with: set auth.tenant_secret "
+    f"([auth] tenant_secret, or PREFIXCACHE_AUTH_TENANT_SECRET; else ${SECRET_ENV}), at least {MIN_SECRET_BYTES} "
+    "bytes, the same for every router and vLLM connector"
+)
+
+
+def route_secret(settings: Settings, environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The tenant secret: ``auth.tenant_secret``, else ``$PREFIXCACHE_TENANT_SECRET`` (the
+    connector's default variable); None when neither is set. Raises ``ValueError`` for a
+    short one, without ever repeating it."""
+    if settings.auth.tenant_secret:
+        return settings.auth.tenant_secret.encode()
+    value = (os.environ if environ is None else environ).get(SECRET_ENV, "")
+    if value and len(value.encode()) < MIN_SECRET_BYTES:
+        raise ValueError(f"${SECRET_ENV} must be at least {MIN_SECRET_BYTES} bytes long")
+    return value.encode() if value else None
+
+
+class Stamper:
+    """The router's rewriting of a request, per backend kind (see the module doc)."""
+
+    def __init__(self, secret: bytes | None, tenants: Iterable[str], tenant_header: str = "") -> None:
+        self._secret = secret
+        self._drop = HOP_HEADERS | ({tenant_header.lower()} if tenant_header else frozenset())
+        self.salts: dict[str, str] = {}  # read by the ZMQ readers' threads: only ever added to
+        if secret is not None:
+            for tenant in tenants:
+                self.salts[tenant_salt(secret, tenant)] = tenant
+
+    @classmethod
+    def of(cls, settings: Settings, secret: bytes | None) -> Stamper:
+        auth = settings.auth
+        tenants = set(auth.api_keys.values()) if not auth.local_mode else {LOCAL_TENANT}
+        return cls(secret, sorted(tenants), auth.tenant_header)
+
+    @property
+    def stamps(self) -> bool:
+        return self._secret is not None
+
+    def headers(self, incoming: Iterable[tuple[str, str]]) -> dict[str, str]:
+        return {k: v for k, v in incoming if k.lower() not in self._drop and not k.lower().startswith(OWN_HEADERS)}
+
+    def body(self, raw: bytes, body: object, tenant: str, vllm: bool) -> tuple[bytes, dict[str, str]]:
+        """The body to forward and the headers it adds; ``body`` is ``raw`` parsed (a
+        dict when it is a JSON object). Raises ``APIError`` 400 for a vLLM backend when
+        ``body`` is not an object, ``ValueError`` when no secret is configured."""
+        if not vllm:
+            if not isinstance(body, dict) or not CLIENT_FIELDS & body.keys():
+                return raw, {}
+            return _json({k: v for k, v in body.items() if k not in CLIENT_FIELDS})
+        if self._secret is None:
+            raise ValueError(NO_SECRET)
+        if not isinstance(body, dict):
+            raise APIError(400, "The request body must be a JSON object.", code="invalid_body")
+        stamped = stamp(body, tenant, self._secret)
+        if len(self.salts) < MAX_SALTS:
+            self.salts.setdefault(stamped["cache_salt"], tenant)
+        return _json(stamped)
+
+
+def _json(body: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+    # NOTE: ASCII escapes keep any lone surrogate a client's JSON held encodable
+    return json.dumps(body, separators=(",", ":")).encode(), {"content-type": "application/json"}
