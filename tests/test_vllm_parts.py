@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,10 +19,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixcache.cache.facade import PrefixCache
 from prefixcache.config import CacheConfig, TierConfig
+from prefixcache.hashing import KeyChain, Segments, get_hash, root_encoding, root_hasher, token_bytes
+from prefixcache.identity import PARAMS_KEY, Unverified, stamp, tenant_salt
 from prefixcache.integrations.vllm.lookup import LookupClient, LookupServer, socket_path
 from prefixcache.integrations.vllm.paged import Layout, PagedKV, PagedSource
-from prefixcache.integrations.vllm.scheduler import SchedulerState, tenant_of
+from prefixcache.integrations.vllm.scheduler import SchedulerState, StepPlan
+from prefixcache.integrations.vllm.scope import Bypass, Fingerprints, Media, Scope, scope_of
 from prefixcache.integrations.vllm.settings import model_key, parse_settings
 from prefixcache.integrations.vllm.worker import ConnectorWorker, LoadSpec, SaveSpec, Tally
 
@@ -92,34 +97,36 @@ def test_a_paged_source_reads_any_range_of_its_blocks() -> None:
 
 
 def test_lookups_travel_over_the_socket_and_a_dead_worker_is_a_miss(tmp_path: Path) -> None:
-    asked: list[tuple[list[int], str]] = []
+    asked: list[tuple[list[int], Scope]] = []
 
-    def lookup(tokens: np.ndarray, tenant: str) -> int:
-        asked.append((tokens.tolist(), tenant))
+    def lookup(tokens: np.ndarray, scope: Scope) -> int:
+        asked.append((tokens.tolist(), scope))
         return len(tokens) // 2
 
     path = socket_path("engine-1", str(tmp_path))
     server = LookupServer(path, lookup)
     client = LookupClient(path, timeout=2.0)
-    assert client.lookup([1, 2, 3, 4_000_000_000], "acmé") == 2
-    assert asked == [([1, 2, 3, 4_000_000_000], "acmé")]
+    scope = Scope("acmé", "a@f00", (Media(3, 2, "img-1"),))
+    assert client.lookup([1, 2, 3, 4_000_000_000], scope) == 2
+    assert asked == [([1, 2, 3, 4_000_000_000], scope)]
     with pytest.raises(ValueError, match="32 bits"):
-        client.lookup([-1], "a")
+        client.lookup([-1], Scope("a"))
     server.close()
-    assert client.lookup([1, 2], "a") == 0 and client.failures == 1
-    assert LookupClient(str(tmp_path / "none.sock")).lookup([1], "a") == 0
+    assert client.lookup([1, 2], Scope("a")) == 0 and client.failures == 1
+    assert LookupClient(str(tmp_path / "none.sock")).lookup([1], Scope("a")) == 0
 
 
 def test_a_malformed_lookup_closes_that_connection_only(tmp_path: Path) -> None:
     path = socket_path("e", str(tmp_path))
-    server = LookupServer(path, lambda tokens, tenant: 7)
+    server = LookupServer(path, lambda tokens, scope: 7)
     try:
-        with socket.socket(socket.AF_UNIX) as raw:
-            raw.connect(path)
-            raw.sendall(b"XXXX" + b"\0" * 8)
-            raw.settimeout(2)
-            assert raw.recv(4) == b""  # closed, no answer
-        assert LookupClient(path).lookup([1], "t") == 7
+        for bad in (b"XXXX" + b"\0" * 8, b"PCL2" + (3).to_bytes(4, "little") + b"\0" * 4 + b"\xc1\xc1\xc1"):
+            with socket.socket(socket.AF_UNIX) as raw:
+                raw.connect(path)
+                raw.sendall(bad)
+                raw.settimeout(2)
+                assert raw.recv(4) == b""  # closed, no answer
+        assert LookupClient(path).lookup([1], Scope("t")) == 7
     finally:
         server.close()
 
@@ -127,15 +134,18 @@ def test_a_malformed_lookup_closes_that_connection_only(tmp_path: Path) -> None:
 def test_a_slow_worker_costs_the_scheduler_its_timeout_only(tmp_path: Path) -> None:
     release = threading.Event()
     path = socket_path("slow", str(tmp_path))
-    server = LookupServer(path, lambda tokens, tenant: 5 if release.wait(5) else 0)
+    server = LookupServer(path, lambda tokens, scope: 5 if release.wait(5) else 0)
     try:
-        assert LookupClient(path, timeout=0.2).lookup([1], "t") == 0
+        assert LookupClient(path, timeout=0.2).lookup([1], Scope("t")) == 0
     finally:
         release.set()
         server.close()
 
 
 # ---------------------------------------------------------------------------- worker
+
+
+ALICE, T = Scope("alice"), Scope("t")
 
 
 def worker(tmp_path: Path, caches: dict[str, torch.Tensor], model: str = "m@1") -> ConnectorWorker:
@@ -153,15 +163,15 @@ def test_a_saved_prefix_loads_bit_exact_into_other_blocks_for_its_tenant_only(tm
     source = cpu_caches(3)
     tokens = tuple(range(100, 100 + 3 * N))
     w = worker(tmp_path, source)
-    assert w.save(SaveSpec("r1", "alice", tokens, (4, 0, 9))) == 3 * N
-    assert w.lookup(list(tokens), "alice") == 3 * N and w.lookup(list(tokens), "bob") == 0
-    assert w.lookup([*tokens[:N], 7, 7, 7, 7], "alice") == N
+    assert w.save(SaveSpec("r1", ALICE, tokens, (4, 0, 9))) == 3 * N
+    assert w.lookup(list(tokens), ALICE) == 3 * N and w.lookup(list(tokens), Scope("bob")) == 0
+    assert w.lookup([*tokens[:N], 7, 7, 7, 7], ALICE) == N
 
     target = cpu_caches(4)
     w2 = ConnectorWorker(w.cache.config, paged(target), "m@1")  # a second process on the same disk
     w.close(5)
-    assert w2.lookup(list(tokens), "alice") == 3 * N
-    failed = w2.load(LoadSpec("r2", "alice", tokens, 1, (6, 2)))  # block 0 is vLLM's own hit
+    assert w2.lookup(list(tokens), ALICE) == 3 * N
+    failed = w2.load(LoadSpec("r2", ALICE, tokens, 1, (6, 2)))  # block 0 is vLLM's own hit
     assert failed == []
     assert np.array_equal(paged(target).gather([6, 2]), paged(source).gather([0, 9]))
     tally = w2.take_tally()
@@ -171,11 +181,26 @@ def test_a_saved_prefix_loads_bit_exact_into_other_blocks_for_its_tenant_only(tm
     w2.close(5)
 
 
+def test_a_load_beyond_vllms_hit_reads_only_the_blocks_vllm_lacks(tmp_path: Path) -> None:
+    """A prompt half held by vLLM's own cache reads half the bytes from the tiers."""
+    tokens = tuple(range(8 * N))
+    w = worker(tmp_path, cpu_caches(8))
+    w.save(SaveSpec("r", T, tokens, tuple(range(8))))
+    w.close(5)
+    reads = []
+    for first in (0, 4):
+        w2 = worker(tmp_path, cpu_caches(9))  # after a restart: the disk holds them
+        assert w2.load(LoadSpec("r", T, tokens, first, tuple(range(first, 8)))) == []
+        reads.append(sum(t.bytes_read for t in w2.cache.stats().tiers))
+        w2.close(5)
+    assert reads[0] > 0 and reads[1] * 2 == reads[0]
+
+
 def test_a_corrupt_block_loads_the_blocks_before_it_and_reports_the_rest(tmp_path: Path) -> None:
     tokens = tuple(range(3 * N))
     w = worker(tmp_path, cpu_caches(5))
-    w.save(SaveSpec("r", "t", tokens, (1, 2, 3)))
-    with w.cache.match(tokens, w.context("t")) as m:
+    w.save(SaveSpec("r", T, tokens, (1, 2, 3)))
+    with w.cache.match(tokens, w.context(T)) as m:
         keys = m.block_keys
     w.close(5)
     second = tmp_path / "disk" / "blocks" / keys[1].hex()[:2] / f"{keys[1].hex()}.blk"  # the chain's second block
@@ -185,7 +210,7 @@ def test_a_corrupt_block_loads_the_blocks_before_it_and_reports_the_rest(tmp_pat
     target = cpu_caches(6)
     before = paged(target).gather([7, 8])
     w2 = worker(tmp_path, target)
-    assert w2.load(LoadSpec("r", "t", tokens, 0, (5, 7, 8))) == [7, 8]
+    assert w2.load(LoadSpec("r", T, tokens, 0, (5, 7, 8))) == [7, 8]
     assert np.array_equal(paged(target).gather([7, 8]), before)  # nothing wrong was written
     assert w2.tally.lost_tokens["t"] == 2 * N
     w2.close(5)
@@ -219,20 +244,132 @@ def output(new: list[Any] = (), cached: Any = None, scheduled: dict[str, int] | 
     )
 
 
-def test_the_tenant_is_the_transfer_params_then_the_salt_then_the_default() -> None:
-    assert tenant_of(request("r", [1], "s", {"tenant": "t"}), "d") == "t"
-    assert tenant_of(request("r", [1], "s", {"other": 1}), "d") == "s"
-    assert tenant_of(request("r", [1]), "d") == "d"
+def scoper(secret: bytes | None = None, unverified: Unverified = Unverified.BYPASS) -> Any:
+    fingerprints = Fingerprints()
+    return lambda r: scope_of(r, secret=secret, default_tenant="d", unverified=unverified, fingerprints=fingerprints)
+
+
+def test_without_a_secret_the_tenant_is_the_salt_never_the_transfer_params() -> None:
+    scope = scoper()
+    assert scope(request("r", [1], "s", {"tenant": "t", PARAMS_KEY: "t"})) == Scope("s")
+    assert scope(request("r", [1], None, {PARAMS_KEY: "victim"})) == Scope("d")
+    assert scope(request("r", [1])) == Scope("d")
+
+
+def test_with_a_secret_only_the_gateways_claim_names_a_tenant() -> None:
+    secret = b"0123456789abcdef-secret"
+    scope = scoper(secret)
+    stamped = stamp({"prompt": "x", "cache_salt": "victim"}, "acme", secret)
+    assert scope(request("r", [1], stamped["cache_salt"], stamped["kv_transfer_params"])) == Scope("acme")
+    forged = [
+        request("r", [1], "victim", {PARAMS_KEY: "victim"}),  # a salt of the client's choosing
+        request("r", [1], tenant_salt(secret, "attacker"), {PARAMS_KEY: "victim"}),  # another tenant's claim
+        request("r", [1], tenant_salt(b"another-secret-16b", "victim"), {PARAMS_KEY: "victim"}),
+        request("r", [1], tenant_salt(secret, "victim"), None),  # a salt with no claim
+        request("r", [1], None, {PARAMS_KEY: "victim"}),
+        request("r", [1]),
+    ]
+    for r in forged:
+        assert scope(r) == Bypass("unverified_tenant")
+        assert scoper(secret, Unverified.DEFAULT)(r) == Scope("d")
+
+
+def adapter(folder: Path, weights: bytes) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text('{"r": 8}')
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return folder
+
+
+def test_an_adapter_is_keyed_by_name_and_the_contents_of_its_files(tmp_path: Path) -> None:
+    a = adapter(tmp_path / "a", b"a" * 64)
+    b = adapter(tmp_path / "b", b"b" * 64)
+    scope = scoper()
+
+    def with_lora(name: str, path: Path | str) -> Any:
+        r = request("r", [1], "s")
+        r.lora_request = SimpleNamespace(lora_name=name, lora_int_id=1, lora_path=str(path))
+        return r
+
+    first = scope(with_lora("x", a))
+    assert isinstance(first, Scope) and first.adapter is not None and first.adapter.startswith("x@")
+    assert scope(with_lora("x", a)) == first
+    assert scope(with_lora("x", b)).adapter != first.adapter  # same name, other weights
+    assert scope(with_lora("y", a)).adapter != first.adapter
+    adapter(a, b"c" * 64)  # rewritten in place, same size
+    assert scope(with_lora("x", a)).adapter not in (first.adapter, None)
+    assert scope(with_lora("x", tmp_path / "missing")) == Bypass("adapter_unreadable")
+
+
+def test_media_items_and_prompt_embeds_are_in_the_scope_or_bypass_it() -> None:
+    r = request("r", list(range(20)), "s")
+    r.mm_features = [
+        SimpleNamespace(identifier="img-b", mm_position=SimpleNamespace(offset=9, length=4)),
+        SimpleNamespace(identifier="img-a", mm_position=SimpleNamespace(offset=2, length=4)),
+    ]
+    got = scoper()(r)
+    assert isinstance(got, Scope) and got.media == (Media(2, 4, "img-a"), Media(9, 4, "img-b"))
+    assert [seg.start for seg in got.segments(8)] == [2]  # a prefix keys the items that start in it
+    r.prompt_embeds = torch.zeros(3, 4)
+    assert scoper()(r) == Bypass("prompt_embeds")
+
+
+def _scopes_that_differ() -> Any:
+    media = st.builds(
+        Media, st.integers(0, 3 * N - 1), st.integers(1, 8), st.sampled_from(["img-1", "img-2", "a" * 64])
+    )
+    return st.builds(
+        Scope,
+        st.sampled_from(["acme", "globex", "acme2"]),
+        st.sampled_from([None, "x@1", "x@2", "y@1"]),
+        st.lists(media, max_size=2, unique=True).map(
+            lambda m: tuple(sorted(m, key=lambda x: (x.offset, x.length, x.key)))
+        ),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    a=_scopes_that_differ(), b=_scopes_that_differ(), tokens=st.lists(st.integers(0, 50), min_size=N, max_size=3 * N)
+)
+def test_two_scopes_that_differ_never_share_a_block(a: Scope, b: Scope, tokens: list[int]) -> None:
+    """Same tokens, another tenant, adapter or image (or an image elsewhere): no shared KV,
+    except that an image after the blocks in common does not change them."""
+    cache = PrefixCache(CacheConfig(block_size=N))
+    cache.insert(tokens, a.context("m"), a.segments(len(tokens)))
+    seen = cache.peek(tokens, b.context("m"), b.segments(len(tokens))).num_blocks
+    if (a.tenant, a.adapter) != (b.tenant, b.adapter):
+        assert seen == 0
+    else:
+        first_difference = min(
+            [m.offset for m in set(a.media) ^ set(b.media) if m.offset < len(tokens)], default=len(tokens)
+        )
+        assert seen == min(first_difference // N, len(tokens) // N)
+
+
+def test_a_collision_search_over_media_keys_finds_none() -> None:
+    """200,000 media items (content hash, offset, length) in the first block of one
+    prompt, keyed as the connector keys them: every block key differs."""
+    ctx = Scope("t").context("m")
+    enc = root_encoding("seed", ctx, "t", 0, 0)
+    data = token_bytes([7] * N)
+    seen: set[bytes] = set()
+    rng = np.random.default_rng(0)
+    for i in range(200_000):
+        media = Media(int(rng.integers(0, N)), int(rng.integers(1, 4)), f"{int(rng.integers(0, 1 << 16)):04x}{i}")
+        segments = Segments.of(Scope("t", None, (media,)).segments(N), N)
+        seen.add(KeyChain(root_hasher(get_hash("xxh3_128"), enc), data, segments).at(N))
+    assert len(seen) == 200_000
 
 
 def test_the_scheduler_offers_whole_blocks_beyond_vllms_hit_never_the_last_token() -> None:
     asked: list[tuple[int, str]] = []
 
-    def lookup(tokens: list[int], tenant: str) -> int:
-        asked.append((len(tokens), tenant))
+    def lookup(tokens: list[int], scope: Scope) -> int:
+        asked.append((len(tokens), scope.tenant))
         return 100
 
-    state = SchedulerState(N, lookup, "default")
+    state = SchedulerState(N, lookup, scoper())
     r = request("r", list(range(13)), "acme")  # 12 = 3 blocks may be offered, never token 13
     state.seen(r)
     assert state.matched(r, 4) == 8 and asked == [(12, "acme")]
@@ -242,24 +379,24 @@ def test_the_scheduler_offers_whole_blocks_beyond_vllms_hit_never_the_last_token
         req_id="r", prompt_token_ids=list(range(13)), block_ids=([10, 11, 12, 13],), num_computed_tokens=4
     )
     plan = state.step(output([new], scheduled={"r": 1}))
-    assert plan.loads == [LoadSpec("r", "acme", tuple(range(12)), 1, (11, 12))]
+    assert plan.loads == [LoadSpec("r", Scope("acme"), tuple(range(12)), 1, (11, 12))]
     assert plan.saves == []  # what it loads or had is in the cache already
     cached = SimpleNamespace(req_ids=["r"], new_block_ids=[([14],)], num_computed_tokens=[13], resumed_req_ids=set())
     assert state.step(output(cached=cached, scheduled={"r": 1})).saves == []  # decode: no new prompt block
 
 
 def test_the_scheduler_saves_each_prompt_block_once_as_chunks_complete() -> None:
-    state = SchedulerState(N, lambda tokens, tenant: 0, "d")
+    state = SchedulerState(N, lambda tokens, scope: 0, scoper())
     r = request("r", list(range(11)))
     state.seen(r)
     assert state.matched(r, 0) == 0
     state.allocated(r, 0)
     new = SimpleNamespace(req_id="r", prompt_token_ids=list(range(11)), block_ids=([3, 4],), num_computed_tokens=0)
     first = state.step(output([new], scheduled={"r": 6}))  # a chunk of 6: one full block
-    assert first.saves == [SaveSpec("r", "d", tuple(range(4)), (3,))]
+    assert first.saves == [SaveSpec("r", Scope("d"), tuple(range(4)), (3,))]
     cached = SimpleNamespace(req_ids=["r"], new_block_ids=[([9],)], num_computed_tokens=[6], resumed_req_ids=set())
     second = state.step(output(cached=cached, scheduled={"r": 5}))
-    assert second.saves == [SaveSpec("r", "d", tuple(range(8)), (3, 4))]
+    assert second.saves == [SaveSpec("r", Scope("d"), tuple(range(8)), (3, 4))]
 
 
 # ---------------------------------------------------------------------------- settings
@@ -283,12 +420,17 @@ def test_the_model_key_changes_when_the_weights_or_dtype_change(tmp_path: Path) 
     first = model_key("smol", str(tmp_path), "float32")
     assert first == model_key("smol", str(tmp_path), "float32") and first.startswith("smol@")
     assert model_key("smol", str(tmp_path), "bfloat16") != first
-    (tmp_path / "model.safetensors").write_bytes(b"x" * 11)
+    (tmp_path / "model.safetensors").write_bytes(b"y" * 10)  # the same size, other contents
     assert model_key("smol", str(tmp_path), "float32") != first
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    assert model_key("smol", str(tmp_path), "float32") == first
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    assert model_key("smol", str(tmp_path), "float32") != first
+    assert model_key("org/smol", "org/smol", "float32", "abc") != model_key("org/smol", "org/smol", "float32", "abd")
 
 
 def test_a_preempted_request_matched_again_loads_into_its_new_blocks() -> None:
-    state = SchedulerState(N, lambda tokens, tenant: 8, "d")
+    state = SchedulerState(N, lambda tokens, scope: 8, scoper())
     r = request("r", list(range(13)), "s")
     state.seen(r)
     state.allocated(r, 0)
@@ -302,19 +444,71 @@ def test_a_preempted_request_matched_again_loads_into_its_new_blocks() -> None:
         req_ids=["r"], new_block_ids=[([7, 6, 5, 9],)], num_computed_tokens=[8], resumed_req_ids={"r"}
     )
     plan = state.step(output(cached=cached, scheduled={"r": 5}))
-    assert plan.loads == [LoadSpec("r", "s", tuple(range(8)), 0, (7, 6))]
-    assert plan.saves == [SaveSpec("r", "s", tuple(range(12)), (7, 6, 5))]
+    assert plan.loads == [LoadSpec("r", Scope("s"), tuple(range(8)), 0, (7, 6))]
+    assert plan.saves == [SaveSpec("r", Scope("s"), tuple(range(12)), (7, 6, 5))]
 
 
 def test_a_copy_into_vllm_that_fails_reports_every_block_to_recompute(tmp_path: Path) -> None:
     tokens = tuple(range(2 * N))
     w = worker(tmp_path, cpu_caches(7))
-    w.save(SaveSpec("r", "t", tokens, (1, 2)))
+    w.save(SaveSpec("r", T, tokens, (1, 2)))
 
     def broken(kv: np.ndarray, block_ids: Any) -> None:
         raise RuntimeError("device lost")
 
     w.paged.scatter = broken  # type: ignore[method-assign]
-    assert w.load(LoadSpec("r", "t", tokens, 0, (5, 6))) == [5, 6]
+    assert w.load(LoadSpec("r", T, tokens, 0, (5, 6))) == [5, 6]
     assert w.tally.errors["load"] == 1 and not w.tally.hit_tokens
     w.close(5)
+
+
+@dataclass
+class PrefillStats:
+    """vLLM's ``PrefillStats`` as the scheduler's half uses it (``set`` recomputes the total)."""
+
+    num_prompt_tokens: int = 0
+    num_local_cached_tokens: int = 0
+    num_external_cached_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def set(self, num_prompt_tokens: int, num_local_cached_tokens: int, num_external_cached_tokens: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_local_cached_tokens = num_local_cached_tokens
+        self.num_external_cached_tokens = num_external_cached_tokens
+        self.num_cached_tokens = num_local_cached_tokens + num_external_cached_tokens
+
+
+def test_after_a_failed_load_the_cached_count_is_what_loaded_and_the_rest_is_saved_again() -> None:
+    state = SchedulerState(N, lambda tokens, scope: 12, scoper())
+    r = request("r", list(range(14)), "s")
+    r.prefill_stats = PrefillStats()
+    state.seen(r)
+    assert state.matched(r, 0) == 12
+    state.allocated(r, 12)
+    r.prefill_stats.set(14, 0, 12)  # what vLLM records when it schedules the request
+    new = SimpleNamespace(
+        req_id="r", prompt_token_ids=list(range(14)), block_ids=([1, 2, 3, 4],), num_computed_tokens=0
+    )
+    plan = state.step(output([new], scheduled={"r": 2}))
+    assert plan.loads == [LoadSpec("r", Scope("s"), tuple(range(12)), 0, (1, 2, 3))] and plan.saves == []
+    state.load_failed({2, 3, 99})  # the worker filled block 1 only; vLLM recomputes from block 2
+    assert r.prefill_stats.num_cached_tokens == N
+    cached = SimpleNamespace(req_ids=["r"], new_block_ids=[None], num_computed_tokens=[N], resumed_req_ids=set())
+    again = state.step(output(cached=cached, scheduled={"r": 14 - N}))
+    assert again.saves == [SaveSpec("r", Scope("s"), tuple(range(12)), (1, 2, 3))]
+    state.load_failed({77})  # another request's block: this one's count stands
+    assert r.prefill_stats.num_cached_tokens == N
+
+
+def test_a_request_that_bypasses_the_cache_is_neither_looked_up_nor_saved() -> None:
+    asked: list[int] = []
+    state = SchedulerState(N, lambda tokens, scope: asked.append(1) or 8, scoper(b"0123456789abcdef-secret"))
+    r = request("r", list(range(13)), "victim", {PARAMS_KEY: "victim"})
+    state.seen(r)
+    assert state.matched(r, 0) == 0 and asked == []
+    state.allocated(r, 0)
+    new = SimpleNamespace(
+        req_id="r", prompt_token_ids=list(range(13)), block_ids=([1, 2, 3, 4],), num_computed_tokens=0
+    )
+    assert state.step(output([new], scheduled={"r": 13})) == StepPlan()
+    assert state.bypassed == {"unverified_tenant": 1}

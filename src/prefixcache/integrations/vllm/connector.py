@@ -36,7 +36,8 @@ from prefixcache.integrations.vllm.lookup import LookupClient, LookupServer, soc
 from prefixcache.integrations.vllm.metrics import PrefixCachePromMetrics, PrefixCacheStats
 from prefixcache.integrations.vllm.paged import PagedKV
 from prefixcache.integrations.vllm.scheduler import SchedulerState
-from prefixcache.integrations.vllm.settings import model_key, parse_settings
+from prefixcache.integrations.vllm.scope import Fingerprints, scope_of
+from prefixcache.integrations.vllm.settings import model_key, parse_settings, read_secret
 from prefixcache.integrations.vllm.worker import ConnectorWorker, LoadSpec, SaveSpec
 
 if TYPE_CHECKING:
@@ -103,7 +104,25 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                 )
                 transfer.kv_load_failure_policy = "recompute"
             self._client = LookupClient(self.socket, self.settings.lookup_timeout_s)
-            self._state = SchedulerState(self.block_size, self._client.lookup, self.settings.default_tenant)
+            settings, secret, fingerprints = self.settings, read_secret(self.settings), Fingerprints()
+            log.info(
+                "prefixcache: tenants %s",
+                f"verified with the gateway's secret (${settings.tenant_secret_env}); unverified: "
+                f"{settings.unverified.value}"
+                if secret is not None
+                else "by cache_salt (no gateway secret)",
+            )
+
+            def scoper(request: Request) -> Any:
+                return scope_of(
+                    request,
+                    secret=secret,
+                    default_tenant=settings.default_tenant,
+                    unverified=settings.unverified,
+                    fingerprints=fingerprints,
+                )
+
+            self._state = SchedulerState(self.block_size, self._client.lookup, scoper)
 
     # ================================================================ worker side
 
@@ -117,9 +136,8 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             block_size=self.block_size,
         )
         # the model's key: only the worker matches (reading the model's files once, here)
-        self.model = self.settings.model_id or model_key(
-            str(model.served_model_name or model.model), model.model, str(model.dtype)
-        )
+        name = self.settings.model_id or str(model.served_model_name or model.model)
+        self.model = model_key(name, model.model, str(model.dtype), model.revision)
         self._worker = ConnectorWorker(self.settings.cache, paged, self.model)
         self._server = LookupServer(self.socket, self._worker.lookup)
         atexit.register(self.shutdown)  # vLLM may end a worker without calling shutdown: flush anyway
@@ -201,6 +219,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         return False, None  # saves copy out of vLLM's blocks during the step: they may be freed now
 
     def update_connector_output(self, connector_output: Any) -> None:
+        self._state.load_failed(getattr(connector_output, "invalid_block_ids", None) or set())
         events = getattr(connector_output, "kv_cache_events", None)
         if isinstance(events, PrefixCacheEvents):
             self._events.extend(events.get_all_events())

@@ -5,11 +5,14 @@ the cache (its ledger and its bytes) lives in the worker, beside the KV it fills
 scheduler's ``get_num_new_matched_tokens`` asks it over a Unix socket: one request,
 one answer, a fixed binary format (no pickle)::
 
-    request:  magic "PCL1", u32 tenant bytes, u32 tokens, tenant (UTF-8), tokens (u32 LE)
+    request:  magic "PCL2", u32 scope bytes, u32 tokens, scope (msgpack), tokens (u32 LE)
     answer:   u32 cached tokens
 
-A lookup is side-effect free (nothing stays pinned): the worker matches again when it
-loads, and reports the blocks it could not load, which vLLM then recomputes. A worker
+The scope (``scope.py``) is the request's tenant, adapter and media items: what keys
+its KV besides the tokens. A lookup is side-effect free (``PrefixCache.peek``: no
+pin, no policy touch, no counter; vLLM's scheduler may ask again for a request that
+stays waiting): the worker matches when it loads, and reports the blocks it could not
+load, which vLLM then recomputes. A worker
 that does not answer within the timeout counts as a miss: the scheduler never waits
 on a slow cache longer than that.
 """
@@ -27,17 +30,19 @@ from pathlib import Path
 
 import numpy as np
 
+from prefixcache.integrations.vllm.scope import Scope, decode_scope, encode_scope
+
 __all__ = ["LookupClient", "LookupServer", "socket_path"]
 
 log = logging.getLogger("prefixcache.vllm")
 
-MAGIC = b"PCL1"
+MAGIC = b"PCL2"
 _HEAD = struct.Struct("<4sII")
 _ANSWER = struct.Struct("<I")
 MAX_TOKENS = 1 << 24
-MAX_TENANT = 1 << 12
+MAX_SCOPE = 1 << 20  # bytes of a scope: a tenant, an adapter and the media items
 
-Lookup = Callable[[np.ndarray, str], int]  # (tokens, tenant) -> cached tokens
+Lookup = Callable[[np.ndarray, Scope], int]  # (tokens, scope) -> cached tokens
 
 
 def socket_path(engine_id: str, directory: str | None = None) -> str:
@@ -59,7 +64,7 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 
 class LookupServer:
-    """The worker's side: a thread that answers lookups with ``lookup(tokens, tenant)``."""
+    """The worker's side: a thread that answers lookups with ``lookup(tokens, scope)``."""
 
     def __init__(self, path: str, lookup: Lookup) -> None:
         self.path = path
@@ -91,16 +96,19 @@ class LookupServer:
     def _answer(self, conn: socket.socket) -> None:
         while True:
             try:
-                magic, n_tenant, n_tokens = _HEAD.unpack(_recv_exact(conn, _HEAD.size))
-                if magic != MAGIC or n_tenant > MAX_TENANT or n_tokens > MAX_TOKENS:
+                magic, n_scope, n_tokens = _HEAD.unpack(_recv_exact(conn, _HEAD.size))
+                if magic != MAGIC or n_scope > MAX_SCOPE or n_tokens > MAX_TOKENS:
                     log.warning("prefixcache lookup: malformed request, closing the connection")
                     return
-                tenant = _recv_exact(conn, n_tenant).decode()
+                scope = decode_scope(_recv_exact(conn, n_scope))
                 tokens = np.frombuffer(_recv_exact(conn, 4 * n_tokens), dtype="<u4")
-            except (ConnectionError, OSError, UnicodeDecodeError):
+            except ValueError:
+                log.warning("prefixcache lookup: malformed scope, closing the connection")
+                return
+            except (ConnectionError, OSError):
                 return
             try:
-                cached = self._lookup(tokens, tenant)
+                cached = self._lookup(tokens, scope)
             except Exception:  # a lookup that fails is a miss, never a dead scheduler
                 log.exception("prefixcache lookup failed")
                 cached = 0
@@ -130,12 +138,12 @@ class LookupClient:
         self._lock = threading.Lock()
         self.failures = 0
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray, tenant: str) -> int:
+    def lookup(self, tokens: Sequence[int] | np.ndarray, scope: Scope) -> int:
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= 1 << 32):
             raise ValueError("token ids must fit in 32 bits")
-        body = tenant.encode()
-        if len(body) > MAX_TENANT or ids.size > MAX_TOKENS:
+        body = encode_scope(scope)
+        if len(body) > MAX_SCOPE or ids.size > MAX_TOKENS:
             raise ValueError("lookup too large")
         message = _HEAD.pack(MAGIC, len(body), ids.size) + body + ids.astype("<u4").tobytes()
         with self._lock:

@@ -3,42 +3,43 @@ of vLLM's ``Request`` and ``SchedulerOutput`` by name).
 
 Per step it decides, and the worker moves bytes:
 
+- ``seen``: a new request's ``Scope`` (tenant, adapter, media: ``scope.py``), or the
+  reason it bypasses the cache;
 - ``matched``: how many tokens beyond vLLM's own prefix-cache hit prefixcache holds
-  (asked of the worker through ``lookup.py``), whole blocks, never the last prompt
-  token (vLLM must compute at least one);
-- ``allocated``: vLLM gave blocks for them: a ``LoadSpec`` goes into this step's metadata;
+  (asked of the worker through ``lookup.py``, without side effects: vLLM may ask again
+  for a request that stays waiting), whole blocks, never the last prompt token (vLLM
+  must compute at least one);
+- ``allocated``: vLLM gave blocks for them: a ``LoadSpec`` goes into this step's
+  metadata, for the blocks beyond vLLM's own hit only;
 - ``step``: for every scheduled request, the full prompt blocks computed once this step
-  has run become a ``SaveSpec`` (only the blocks not sent before).
-
-The tenant of a request is ``kv_transfer_params["tenant"]``, else its ``cache_salt``
-(what a gateway sets from the authenticated key), else the configured default.
+  has run become a ``SaveSpec`` (only the blocks not sent before);
+- ``load_failed``: blocks the worker could not load, which vLLM recomputes: they are
+  saved again once recomputed, and the request's reported cached tokens are cut to
+  what was really loaded (design invariant 6).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixcache.integrations.vllm.scope import Bypass, Scope
 from prefixcache.integrations.vllm.worker import LoadSpec, SaveSpec
 
-__all__ = ["SchedulerState", "StepPlan", "tenant_of"]
+__all__ = ["SchedulerState", "StepPlan"]
 
-Lookup = Callable[[Sequence[int], str], int]
+log = logging.getLogger("prefixcache.vllm")
 
-
-def tenant_of(request: Any, default: str) -> str:
-    params = getattr(request, "kv_transfer_params", None) or {}
-    tenant = params.get("tenant") if isinstance(params, dict) else None
-    if isinstance(tenant, str) and tenant:
-        return tenant
-    salt = getattr(request, "cache_salt", None)
-    return salt if isinstance(salt, str) and salt else default
+Lookup = Callable[[Sequence[int], Scope], int]
+Scoper = Callable[[Any], Scope | Bypass]  # a vLLM Request -> its scope, or why it bypasses the cache
 
 
 @dataclass
 class _Tracked:
-    tenant: str
+    scope: Scope
     prompt: tuple[int, ...]
     block_ids: list[int]
     saved: int  # prompt tokens already sent to be saved (or loaded from the cache)
@@ -53,24 +54,40 @@ class StepPlan:
 
 
 class SchedulerState:
-    def __init__(self, block_size: int, lookup: Lookup, default_tenant: str) -> None:
+    def __init__(self, block_size: int, lookup: Lookup, scoper: Scoper) -> None:
         self.block_size = block_size
         self._lookup = lookup
-        self.default_tenant = default_tenant
+        self._scoper = scoper
         self._asked: dict[str, tuple[int, int]] = {}  # req_id -> (vLLM's own hit, ours beyond it)
         self._pending: dict[str, tuple[int, int]] = {}  # req_id -> (vLLM's own hit, tokens to load)
         self._tracked: dict[str, _Tracked] = {}
-        self._tenants: dict[str, str] = {}  # vLLM's NewRequestData carries no salt: remembered by ``seen``
+        # vLLM's NewRequestData carries no salt, adapter path or media: read by ``seen``
+        self._scopes: dict[str, Scope | Bypass] = {}
+        self._requests: dict[str, Any] = {}  # req_id -> vLLM's Request, until it finishes
+        self._loaded: dict[str, tuple[int, int]] = {}  # req_id -> (first block loaded, blocks promised)
+        self.bypassed: Counter[str] = Counter()  # reason -> requests served without the cache
+
+    def scope(self, request: Any) -> Scope | Bypass:
+        known = self._scopes.get(request.request_id)
+        if known is None:
+            known = self._scopes[request.request_id] = self._scoper(request)
+            self._requests[request.request_id] = request
+            if isinstance(known, Bypass):
+                if not self.bypassed[known.reason]:
+                    log.warning("prefixcache: a request bypasses the cache (%s); counted from now on", known.reason)
+                self.bypassed[known.reason] += 1
+        return known
 
     def matched(self, request: Any, num_computed_tokens: int) -> int:
         prompt = request.prompt_token_ids
-        if not prompt:
+        scope = self.scope(request)
+        if not prompt or isinstance(scope, Bypass):
             return 0
         n = self.block_size
         limit = (len(prompt) - 1) // n * n
         if limit <= num_computed_tokens or num_computed_tokens % n:
             return 0
-        cached = self._lookup(list(prompt[:limit]), tenant_of(request, self.default_tenant))
+        cached = self._lookup(list(prompt[:limit]), scope)
         extra = max(0, min(cached, limit) - num_computed_tokens)  # whole blocks: both ends are
         self._asked[request.request_id] = (num_computed_tokens, extra)
         return extra
@@ -85,8 +102,10 @@ class SchedulerState:
         for new in output.scheduled_new_reqs:
             if not new.prompt_token_ids:
                 continue
-            tenant = self._tenants.pop(new.req_id, self.default_tenant)
-            tracked = _Tracked(tenant, tuple(new.prompt_token_ids), list(new.block_ids[0]), 0)
+            scope = self._scopes.get(new.req_id)
+            if not isinstance(scope, Scope):  # bypasses the cache (or was never seen): nothing to load or save
+                continue
+            tracked = _Tracked(scope, tuple(new.prompt_token_ids), list(new.block_ids[0]), 0)
             self._tracked[new.req_id] = tracked
             self._load(plan, new.req_id, tracked)
             self._save(
@@ -106,8 +125,7 @@ class SchedulerState:
                 known.block_ids.extend(new_ids[0])
             self._save(plan, req_id, known, cached.num_computed_tokens[i] + output.num_scheduled_tokens.get(req_id, 0))
         for req_id in output.finished_req_ids:
-            self._tracked.pop(req_id, None)
-            self._tenants.pop(req_id, None)
+            self._forget(req_id)
         return plan
 
     def _load(self, plan: StepPlan, req_id: str, tracked: _Tracked) -> None:
@@ -118,7 +136,8 @@ class SchedulerState:
         n = self.block_size
         first, end = local // n, (local + external) // n
         blocks = tuple(tracked.block_ids[first:end])
-        plan.loads.append(LoadSpec(req_id, tracked.tenant, tracked.prompt[: end * n], first, blocks))
+        plan.loads.append(LoadSpec(req_id, tracked.scope, tracked.prompt[: end * n], first, blocks))
+        self._loaded[req_id] = (first, end - first)
         tracked.saved = end * n
 
     def _save(self, plan: StepPlan, req_id: str, tracked: _Tracked, computed: int) -> None:
@@ -127,15 +146,45 @@ class SchedulerState:
         end = min(end, len(tracked.block_ids) * n)
         if end > tracked.saved:
             plan.saves.append(
-                SaveSpec(req_id, tracked.tenant, tracked.prompt[:end], tuple(tracked.block_ids[: end // n]))
+                SaveSpec(req_id, tracked.scope, tracked.prompt[:end], tuple(tracked.block_ids[: end // n]))
             )
             tracked.saved = end
 
+    def load_failed(self, block_ids: Collection[int]) -> None:
+        """The worker could not fill these vLLM blocks; vLLM recomputes them. Each
+        request that loaded into one saves its prompt again from that block on, and its
+        reported cached tokens (vLLM's prefill stats, while not yet sent) become what
+        was really loaded."""
+        if not block_ids:
+            return
+        n = self.block_size
+        for req_id, (first, promised) in list(self._loaded.items()):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            loaded = tracked.block_ids[first : first + promised]
+            bad = next((i for i, b in enumerate(loaded) if b in block_ids), None)
+            if bad is None:
+                continue
+            tracked.saved = min(tracked.saved, (first + bad) * n)
+            self._loaded[req_id] = (first, bad)
+            stats = getattr(self._requests.get(req_id), "prefill_stats", None)
+            if stats is not None:
+                lost = (promised - bad) * n
+                stats.set(
+                    num_prompt_tokens=stats.num_prompt_tokens,
+                    num_local_cached_tokens=stats.num_local_cached_tokens,
+                    num_external_cached_tokens=max(0, stats.num_external_cached_tokens - lost),
+                )
+
     def seen(self, request: Any) -> None:
-        self._tenants[request.request_id] = tenant_of(request, self.default_tenant)
+        self.scope(request)
 
     def finished(self, request: Any) -> None:
-        self._tracked.pop(request.request_id, None)
+        self._forget(request.request_id)
         self._pending.pop(request.request_id, None)
         self._asked.pop(request.request_id, None)
-        self._tenants.pop(request.request_id, None)
+
+    def _forget(self, req_id: str) -> None:
+        for book in (self._tracked, self._scopes, self._requests, self._loaded):
+            book.pop(req_id, None)

@@ -14,17 +14,23 @@ ones. Example::
 
 from __future__ import annotations
 
-import hashlib
 import json
+import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from prefixcache.config import CacheConfig, TierConfig, valid_names
+from prefixcache.identity import MIN_SECRET_BYTES, SECRET_ENV, Unverified
+from prefixcache.integrations.vllm.scope import files_fingerprint
 
-__all__ = ["VLLM_CACHE", "ConnectorSettings", "model_key", "parse_settings"]
+__all__ = ["VLLM_CACHE", "ConnectorSettings", "model_key", "parse_settings", "read_secret"]
+
+log = logging.getLogger("prefixcache.vllm")
 
 GiB = 1 << 30
 VLLM_CACHE = CacheConfig(
@@ -39,8 +45,16 @@ class ConnectorSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     cache: CacheConfig = VLLM_CACHE
-    default_tenant: str = Field(default="default", min_length=1)  # a request with no cache_salt
-    model_id: str = ""  # the model's name in cache keys; default: vLLM's served model name
+    default_tenant: str = Field(default="default", min_length=1)  # a request with no cache_salt (and no secret)
+    # The environment variable holding the secret shared with ``prefixcache route``
+    # (``identity.py``); when it is set, a tenant is taken only as the gateway vouched for it.
+    tenant_secret_env: str = Field(default=SECRET_ENV, min_length=1)
+    unverified: Unverified = (
+        Unverified.BYPASS
+    )  # a request whose tenant does not verify: no cache, or the default tenant
+    model_id: str = (
+        ""  # the model's name in cache keys (its weights' hash is always added); default: vLLM's served name
+    )
     lookup_timeout_s: float = Field(default=1.0, gt=0)  # the scheduler waits no longer for a lookup
     socket_dir: str = ""  # where the worker's lookup socket lives; default $XDG_RUNTIME_DIR or /tmp
     flush_timeout_s: float = Field(default=30.0, ge=0)  # on shutdown: how long queued writes may take
@@ -63,17 +77,35 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     return settings
 
 
-def model_key(name: str, model_dir: str | None, dtype: str) -> str:
-    """The model's identity in cache keys: its name, the KV dtype, and a fingerprint of
-    its ``config.json`` and weight files (names and sizes) when it is a local folder, so
-    that changed weights under the same name start a new key space (the old blocks are
-    never matched again and leave by eviction)."""
-    digest = hashlib.sha256(json.dumps([name, dtype]).encode())
+def read_secret(settings: ConnectorSettings) -> bytes | None:
+    """The gateway's secret from the environment variable the settings name; None when
+    unset (the connector then trusts the cache salt, as vLLM does). Never logged."""
+    value = os.environ.get(settings.tenant_secret_env, "")
+    if not value:
+        return None
+    secret = value.encode()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"${settings.tenant_secret_env} must be at least {MIN_SECRET_BYTES} bytes long")
+    return secret
+
+
+def model_key(name: str, model_dir: str | None, dtype: str, revision: str | None = None) -> str:
+    """The model's identity in cache keys: its name, the KV dtype, and a hash of the
+    contents of its ``config.json`` and weight files when they are in a local folder,
+    so that changed weights under the same name (even of the same size) start a new key
+    space: the old blocks are never matched again and leave by eviction. A model that
+    is not a local folder is keyed by its name and revision (a hub commit names its
+    contents), with a warning when no revision pins it."""
+    digest = xxhash.xxh3_128(json.dumps([name, dtype]).encode())
     folder = Path(model_dir) if model_dir else None
     if folder is not None and folder.is_dir():
-        config = folder / "config.json"
-        if config.is_file():
-            digest.update(config.read_bytes())
-        for weights in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
-            digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+        digest.update(files_fingerprint(folder, extra=("config.json",)).encode())
+    else:
+        digest.update(json.dumps([model_dir, revision]).encode())
+        if not revision:
+            log.warning(
+                "prefixcache: model %s is not a local folder and no revision pins it: its weights' "
+                "contents are not in the cache keys",
+                model_dir,
+            )
     return f"{name}@{digest.hexdigest()[:16]}"

@@ -31,6 +31,7 @@ from prefixcache.cache.facade import PrefixCache
 from prefixcache.config import CacheConfig
 from prefixcache.hashing import CacheContext
 from prefixcache.integrations.vllm.paged import PagedKV, PagedSource
+from prefixcache.integrations.vllm.scope import Scope
 
 __all__ = ["ConnectorWorker", "LoadSpec", "SaveSpec", "Tally"]
 
@@ -44,7 +45,7 @@ class LoadSpec:
     prefix-cache hits)."""
 
     req_id: str
-    tenant: str
+    scope: Scope
     tokens: tuple[int, ...]
     first_block: int
     block_ids: tuple[int, ...]
@@ -56,7 +57,7 @@ class SaveSpec:
     in vLLM blocks ``block_ids`` (one per block of ``tokens``)."""
 
     req_id: str
-    tenant: str
+    scope: Scope
     tokens: tuple[int, ...]
     block_ids: tuple[int, ...]
 
@@ -125,19 +126,21 @@ class ConnectorWorker:
             dataclasses.replace(config, block_size=paged.block_size, partial_blocks=False, kv_layout=paged.kv_layout)
         )
         self.tally = Tally()
-        self._contexts: dict[str, CacheContext] = {}
+        self._contexts: dict[tuple[str, str | None], CacheContext] = {}
         self._closed = False
 
-    def context(self, tenant: str) -> CacheContext:
-        ctx = self._contexts.get(tenant)
+    def context(self, scope: Scope) -> CacheContext:
+        key = (scope.tenant, scope.adapter)
+        ctx = self._contexts.get(key)
         if ctx is None:
-            ctx = self._contexts[tenant] = CacheContext(tenant=tenant, model=self.model)
+            ctx = self._contexts[key] = scope.context(self.model)
         return ctx
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray, tenant: str) -> int:
-        """How many leading tokens (whole blocks) the cache holds for this tenant."""
-        with self.cache.match(tokens, self.context(tenant)) as m:
-            return m.num_blocks * self.paged.block_size
+    def lookup(self, tokens: Sequence[int] | np.ndarray, scope: Scope) -> int:
+        """How many leading tokens (whole blocks) the cache holds for this scope; asks
+        without side effects (vLLM may ask again for a request that stays waiting)."""
+        seen = self.cache.peek(tokens, self.context(scope), scope.segments(len(tokens)))
+        return seen.num_blocks * self.paged.block_size
 
     def load(self, spec: LoadSpec) -> list[int]:
         """Fill the spec's vLLM blocks; returns those it could not fill (for vLLM to recompute)."""
@@ -145,22 +148,23 @@ class ConnectorWorker:
         start = time.perf_counter()
         done = 0  # blocks of the spec placed in vLLM's memory
         try:
-            with self.cache.match(spec.tokens, self.context(spec.tenant)) as m:
+            segments = spec.scope.segments(len(spec.tokens))
+            with self.cache.match(spec.tokens, self.context(spec.scope), segments) as m:
                 if m.num_blocks > spec.first_block:
-                    got = self.cache.load(m)
+                    got = self.cache.load(m, first_block=spec.first_block)  # vLLM holds the blocks before
                     end = min(got.tokens // n, spec.first_block + len(spec.block_ids))
                     if end > spec.first_block:
-                        kv = got.kv[:, :, :, spec.first_block * n : end * n, :]
+                        kv = got.kv[:, :, :, : (end - spec.first_block) * n, :]
                         self.paged.scatter(kv, spec.block_ids[: end - spec.first_block])
                         done = end - spec.first_block  # only once placed: a failed copy is a miss
-                        self._count_hits(spec.tenant, got.tier_tokens, done * n, got.tokens)
+                        self._count_hits(spec.scope.tenant, got.tier_tokens, done * n, got.tokens - got.start)
         except Exception:  # a failed load is a miss for those blocks, never a failed request
             log.exception("prefixcache: load for request %s failed", spec.req_id)
             self.tally.errors["load"] += 1
         self.tally.load_seconds.append(time.perf_counter() - start)
         failed = list(spec.block_ids[done:])
         if failed:
-            self.tally.lost_tokens[spec.tenant] += len(failed) * n
+            self.tally.lost_tokens[spec.scope.tenant] += len(failed) * n
         return failed
 
     def _count_hits(self, tenant: str, tier_tokens: dict[str, int], used: int, total: int) -> None:
@@ -178,13 +182,14 @@ class ConnectorWorker:
         stored = 0
         try:
             source = PagedSource(self.paged, spec.block_ids)
-            stored = self.cache.insert(spec.tokens, self.context(spec.tenant), kv=source)
+            segments = spec.scope.segments(len(spec.tokens))
+            stored = self.cache.insert(spec.tokens, self.context(spec.scope), segments, kv=source)
         except Exception:  # a failed save costs a future hit, never the request
             log.exception("prefixcache: save for request %s failed", spec.req_id)
             self.tally.errors["save"] += 1
         self.tally.save_seconds.append(time.perf_counter() - start)
         if stored:
-            self.tally.saved_tokens[spec.tenant] += stored
+            self.tally.saved_tokens[spec.scope.tenant] += stored
         return stored
 
     def take_tally(self) -> Tally | None:
