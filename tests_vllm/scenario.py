@@ -2,8 +2,9 @@
 its engine: this runs as ``python scenario.py JOB.json OUT.json``, not under pytest).
 
 The job names the engine (``connector``: prefixcache's tiers, or none; vLLM's own
-prefix cache on or off) and its steps: ``generate`` (prompts with their cache salts,
-greedy), ``kill`` (SIGKILL a process, e.g. the Redis under a tier). The result has,
+prefix cache on or off; ``loras``: adapters by name, to serve with ``--enable-lora``)
+and its steps: ``generate`` (prompts with their cache salts and adapters, greedy),
+``kill`` (SIGKILL a process, e.g. the Redis under a tier). The result has,
 per generated prompt, its token counts, ``num_cached_tokens`` and the output tokens.
 """
 
@@ -30,6 +31,8 @@ def engine(job: dict[str, Any]) -> Any:
         gpu_memory_utilization=0.3,
         seed=0,
     )
+    if job.get("loras"):
+        kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=2)
     if job.get("connector") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="PrefixCacheConnector",
@@ -42,10 +45,14 @@ def engine(job: dict[str, Any]) -> Any:
 
 def main(job_path: str, out_path: str) -> None:
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
 
     with open(job_path) as f:
         job = json.load(f)
     llm = engine(job)
+    loras = {
+        name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(sorted(job.get("loras", {}).items()))
+    }
     results: list[dict[str, Any]] = []
     for step in job["steps"]:
         if "kill" in step:
@@ -56,8 +63,9 @@ def main(job_path: str, out_path: str) -> None:
         prompts = [
             {"prompt": p["prompt"], **({"cache_salt": p["salt"]} if p.get("salt") else {})} for p in step["generate"]
         ]
+        adapters = [loras[p["lora"]] if p.get("lora") else None for p in step["generate"]]
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapters if loras else None)
         elapsed = time.perf_counter() - start
         for p, out in zip(step["generate"], outputs, strict=True):
             results.append(

@@ -3,7 +3,9 @@
 Three vLLM processes, each running ``scenario.py``: vLLM alone (the reference outputs),
 vLLM with the connector over memory + disk, and a second vLLM process over the same
 disk plus a Redis that is killed mid-run. vLLM's own prefix cache is off in all three,
-so every cached token a request reports came from prefixcache.
+so every cached token a request reports came from prefixcache. All three serve two
+random LoRA adapters made with ``peft`` (``--enable-lora``): each adapter's prompt must
+get its own KV, never the other's or the base model's.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def prompt(topic: str, repeats: int, question: str) -> str:
     return "".join(PASSAGE.format(topic=f"{topic} {i}.") for i in range(repeats)) + f"\nQuestion: {question}\nAnswer:"
 
 
+LORA_PROMPTS = [("p1", "erin", "a"), ("p1", "erin", "b")]  # one tenant, one prompt, two adapters
 PROMPTS = {
     "p1": prompt("Gulls", 8, "What did the keeper count?"),
     "p2": prompt("Fog", 6, "How long did the lamp burn?"),
@@ -47,8 +50,27 @@ PROMPTS = {
 }
 
 
-def gen(*pairs: tuple[str, str | None]) -> dict[str, Any]:
-    return {"generate": [{"name": name, "prompt": PROMPTS[name], "salt": salt} for name, salt in pairs]}
+def gen(*pairs: tuple[str, str | None] | tuple[str, str | None, str]) -> dict[str, Any]:
+    """Prompts by name, with a cache salt and optionally an adapter (the result's name is then ``name@adapter``)."""
+    listed = []
+    for name, salt, *lora in pairs:
+        item = {"name": f"{name}@{lora[0]}" if lora else name, "prompt": PROMPTS[name], "salt": salt}
+        listed.append({**item, "lora": lora[0]} if lora else item)
+    return {"generate": listed}
+
+
+def make_adapter(folder: Path, seed: int) -> str:
+    """A random rank-8 LoRA adapter of the model (``peft``; both matrices random, so it
+    changes the answers)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(model, config).save_pretrained(str(folder))
+    return str(folder)
 
 
 def run(tmp: Path, name: str, job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -88,18 +110,28 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         pytest.fail(f"no converted model at {MODEL} (make test converts it first)")
     tmp = tmp_path_factory.mktemp("vllm")
     disk = tmp / "disk"
-    baseline = run(tmp, "baseline", {"connector": None, "steps": [gen(*((n, None) for n in PROMPTS))]})
+    loras = {"a": make_adapter(tmp / "lora-a", 1), "b": make_adapter(tmp / "lora-b", 2)}
+    baseline = run(
+        tmp,
+        "baseline",
+        {"connector": None, "loras": loras, "steps": [gen(*((n, None) for n in PROMPTS)), gen(*LORA_PROMPTS)]},
+    )
     first = run(
         tmp,
         "first",
         {
             "connector": tiers(disk),
+            "loras": loras,
             "steps": [
                 gen(("p1", "alice")),
                 gen(("p1", "alice")),
                 gen(("p1", "bob")),
                 gen(("p2", "alice"), ("p3", "bob"), ("p4", None)),
-                gen(("p5", "carol")),
+                gen(LORA_PROMPTS[0]),
+                gen(LORA_PROMPTS[1]),
+                gen(("p1", "erin")),  # the base model after both adapters
+                gen(LORA_PROMPTS[0]),
+                gen(("p5", "carol")),  # last: its blocks are the newest files on disk
             ],
         },
     )
@@ -120,6 +152,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "second",
             {
                 "connector": tiers(disk, redis.url),
+                "loras": loras,
                 "steps": [
                     gen(("p1", "alice")),
                     gen(("p5", "carol")),
@@ -127,6 +160,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     {"kill": redis.proc.pid},
                     gen(("p3", "bob"), ("p6", "dave")),
                     gen(("p6", "dave")),
+                    gen(LORA_PROMPTS[1]),
                 ],
             },
         )
@@ -181,6 +215,23 @@ def test_a_corrupted_block_gives_a_shorter_hit_never_a_wrong_token(runs: dict[st
 
 
 def test_vllm_keeps_answering_after_redis_is_killed(runs: dict[str, Any]) -> None:
-    after = runs["second"][3:]
+    after = runs["second"][3:6]
     assert [r["name"] for r in after] == ["p3", "p6", "p6"]
     assert after[2]["cached"] == full("p6", after[2])  # still cached, in memory and on disk
+
+
+def test_each_lora_adapter_gets_its_own_kv_never_another_adapters(runs: dict[str, Any]) -> None:
+    """One tenant sends one prompt to adapter a, adapter b and the base model: each is
+    computed (0 cached), each answer equals vLLM's alone, the adapters answer differently
+    from each other and from the base model; a repeat of a hits its own blocks, and
+    after a restart b's blocks come back from disk for b."""
+    reference = runs["baseline"]
+    assert len({tuple(reference[n]["output"]) for n in ("p1", "p1@a", "p1@b")}) == 3  # the adapters matter
+    a, b, base, again = runs["first"][-5:-1]
+    assert [r["name"] for r in (a, b, base, again)] == ["p1@a", "p1@b", "p1", "p1@a"]
+    assert a["cached"] == b["cached"] == base["cached"] == 0
+    assert again["cached"] == full("p1", again)
+    restarted = runs["second"][-1]
+    assert restarted["name"] == "p1@b" and restarted["cached"] == full("p1", restarted)
+    for result in (a, b, base, again, restarted):
+        assert result["output"] == reference[result["name"]]["output"], result["name"]
