@@ -1,0 +1,174 @@
+"""The production path, tried as an attacker would: ``prefixcache route`` with two API
+keys in front of ``vllm serve`` with the connector (vLLM's own prefix cache on, its KV
+events published), the gateway's secret shared by both.
+
+- the victim's repeat hits (the same tenant sees its cache);
+- the attacker's plain request for the victim's prompt, and one naming the victim in
+  ``cache_salt`` and ``kv_transfer_params``, get 0 cached tokens through the router;
+- a request sent to vLLM directly (what a client must never be able to do) cannot
+  claim the victim either: the connector verifies the claim against the salt;
+- ``prefixcache audit-timing`` through the router finds no leak, and its same-tenant
+  control finds the cache (p < 0.001).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+from test_connector import BLOCK, MODEL, PROMPTS
+from test_serve import SERVE, free_port
+
+from prefixcache.identity import PARAMS_KEY, SECRET_ENV
+
+SECRET = "route-test-secret-0123456789"
+KEYS = {"sk-victim-0123456789": "victim", "sk-attacker-0123456789": "attacker"}
+VICTIM, ATTACKER = list(KEYS)
+
+
+def wait_up(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-4000:]
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"{url} did not answer in {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    tmp = tmp_path_factory.mktemp("route")
+    vllm_port, route_port, events = free_port(), free_port(), free_port()
+    transfer = {
+        "kv_connector": "PrefixCacheConnector",
+        "kv_connector_module_path": "prefixcache.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "cache": {
+                "isolation": "namespace",
+                "tiers": [
+                    {"kind": "memory", "capacity_bytes": 1 << 30, "write": "through"},
+                    {"kind": "disk", "capacity_bytes": 4 << 30, "path": str(tmp / "disk")},
+                ],
+            }
+        },
+    }
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}", "topic": "kv"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", SECRET_ENV: SECRET}
+    vllm_log = tmp / "vllm.log"
+    vllm = subprocess.Popen(
+        [
+            *SERVE,
+            *("--model", MODEL, "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "2048"),
+            *("--enforce-eager", "--enable-prefix-caching", "--gpu-memory-utilization", "0.3"),
+            *("--enable-prompt-tokens-details", "--port", str(vllm_port)),
+            *("--kv-transfer-config", json.dumps(transfer), "--kv-events-config", json.dumps(kv_events)),
+        ],
+        stdout=vllm_log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    settings = tmp / "route.toml"
+    settings.write_text(
+        "[auth]\n"
+        + "api_keys = {"
+        + ", ".join(f'"{k}" = "{t}"' for k, t in KEYS.items())
+        + "}\n"
+        + f'tenant_secret = "{SECRET}"\n'
+        + '[cache]\nisolation = "namespace"\n'
+        + f'[model]\nid = "smollm2"\nmodels_dir = "{Path(MODEL).parent}"\n'
+    )
+    route_log = tmp / "route.log"
+    route = None
+    try:
+        wait_up(f"http://127.0.0.1:{vllm_port}/health", vllm, vllm_log)
+        route = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "prefixcache.cli", "route", "--config", str(settings)),
+                *("--port", str(route_port), "--block-size", str(BLOCK), "--model-id", "smollm2"),
+                *("--vllm-backend", f"http://127.0.0.1:{vllm_port}=tcp://127.0.0.1:{events},topic=kv"),
+            ],
+            stdout=route_log.open("w"),
+            stderr=subprocess.STDOUT,
+            env={k: v for k, v in os.environ.items() if k != SECRET_ENV},  # the router reads its own settings
+        )
+        wait_up(f"http://127.0.0.1:{route_port}/healthz", route, route_log, 120)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"http://127.0.0.1:{route_port}/healthz").json()["status"] != "ok":
+            assert time.monotonic() < deadline, route_log.read_text()[-4000:]
+            time.sleep(0.5)
+        yield {"route": f"http://127.0.0.1:{route_port}", "vllm": f"http://127.0.0.1:{vllm_port}", "tmp": str(tmp)}
+    finally:
+        if route is not None:
+            stop(route)
+        stop(vllm)
+
+
+def cached(base: str, key: str, prompt: str, **extra: object) -> int:
+    client = OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+    reply = client.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=4, temperature=0, extra_body=extra or None
+    )
+    details = reply.usage.prompt_tokens_details
+    return details.cached_tokens if details else 0
+
+
+def test_another_tenant_gets_nothing_through_the_router_however_it_asks(topology: dict[str, str]) -> None:
+    route, prompt = topology["route"], PROMPTS["p3"]
+    assert cached(route, VICTIM, prompt) == 0
+    assert cached(route, VICTIM, prompt) > 0  # the same tenant hits
+    assert cached(route, ATTACKER, prompt) == 0
+    claims = {PARAMS_KEY: "victim", "tenant": "victim"}
+    assert cached(route, ATTACKER, prompt, cache_salt="victim", kv_transfer_params=claims) == 0
+    assert cached(route, ATTACKER, prompt, kv_transfer_params=claims) == 0
+
+
+def test_a_request_to_vllm_directly_cannot_claim_a_tenant(topology: dict[str, str]) -> None:
+    """What the connector does with a claim it cannot verify (vLLM's port is reachable
+    here for the test: docs/vllm.md says it must not be for clients)."""
+    route, vllm, prompt = topology["route"], topology["vllm"], PROMPTS["p4"]
+    cached(route, VICTIM, prompt)
+    claims = {PARAMS_KEY: "victim", "tenant": "victim"}
+    for salt in ("victim", "attacker"):
+        assert cached(vllm, "none", prompt, cache_salt=salt, kv_transfer_params=claims) == 0
+
+
+def test_audit_timing_through_the_router_finds_no_leak_and_the_control_sees_the_cache(
+    topology: dict[str, str],
+) -> None:
+    audit = subprocess.run(
+        [
+            *(sys.executable, "-m", "prefixcache.cli", "audit-timing", topology["route"], "--json", "--completions"),
+            *("--victim-key", VICTIM, "--attacker-key", ATTACKER),
+            *("--samples", "30", "--prompt-tokens", "900", "--warmup", "2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    (Path(topology["tmp"]) / "audit.json").write_text(audit.stdout + audit.stderr)
+    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
+    result = json.loads(audit.stdout)
+    assert result["verdict"] == "no leak", result
+    assert all(run["test"]["p_value"] < 0.001 for run in result["control"]["runs"]), result["control"]
+    assert not result["cross"]["detected"]
