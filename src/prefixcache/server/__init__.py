@@ -1,6 +1,24 @@
-"""The OpenAI-compatible server: FastAPI routes over the engine, settings, ``prefixcache serve``."""
+"""The OpenAI-compatible server: FastAPI routes over the engine, settings, ``prefixcache serve``.
 
-from prefixcache.server.app import create_app
-from prefixcache.server.settings import Settings, load_settings
+The names below load on first use: the router (``fleet/``) and the vLLM venv import
+this package's settings, auth and schemas without the server's engine and its
+dependencies (the model runtime, the blend index).
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["Settings", "create_app", "load_settings"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "create_app":
+        from prefixcache.server.app import create_app
+
+        return create_app
+    if name in ("Settings", "load_settings"):
+        from prefixcache.server import settings
+
+        return getattr(settings, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
