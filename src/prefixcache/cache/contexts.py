@@ -59,14 +59,20 @@ class Contexts:
         name = (namespace, ctx.model, ctx.adapter, ctx.tokenizer, ctx.extra_key)
         entry = self._roots.get(name)
         if entry is None and create:
-            model_epoch = self._epochs.get((ctx.model, None), 0)
-            adapter_epoch = self._epochs.get((ctx.model, ctx.adapter), 0) if ctx.adapter is not None else 0
+            model_epoch, adapter_epoch = self.epochs(ctx)
             enc = root_encoding(self._seed, ctx, namespace, model_epoch, adapter_epoch)
             hasher = self._hash()
             hasher.update(enc)
             root = Root(hasher.copy().digest(), namespace, namespace == PUBLIC, name, enc)
             entry = self._roots[name] = (root, hasher)
         return entry
+
+    def epochs(self, ctx: CacheContext) -> tuple[int, int]:
+        """The model's and the adapter's epochs now: a caller that let go of the lock
+        compares them to know whether the roots it looked up went stale meanwhile."""
+        model = self._epochs.get((ctx.model, None), 0)
+        adapter = self._epochs.get((ctx.model, ctx.adapter), 0) if ctx.adapter is not None else 0
+        return model, adapter
 
     def drop_if_empty(self, root: Root) -> None:
         """Forget a root that no block belongs to, so that contexts seen once (a tenant

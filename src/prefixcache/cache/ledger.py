@@ -79,15 +79,17 @@ class Ledger(Lifecycle):
         horizon = self._clock() - ttl
         return lambda block: block.last_access >= horizon
 
-    def find(self, lookup: Lookup, alive: Alive) -> Found:
-        """The deepest verified cached full block for this lookup, and its path."""
+    def find(self, lookup: Lookup, alive: Alive, *, count: bool = True) -> Found:
+        """The deepest verified cached full block for this lookup, and its path. A caught
+        hash collision is counted unless ``count`` is off (a peek, which must change nothing)."""
         bs = self.config.block_size
         n_full = len(lookup.data) // 4 // bs
         deepest = self.tree.deepest(lookup, n_full, bs, alive)
         spans = runs_to(deepest)
         if self.tree.verify(lookup, spans):
             return deepest, spans
-        self.counters.collisions += 1
+        if count:
+            self.counters.collisions += 1
         path = self.tree.walk(lookup, n_full, bs, alive)
         deepest = path[-1] if path else None
         return deepest, runs_to(deepest)
@@ -98,10 +100,7 @@ class Ledger(Lifecycle):
         bs = self.config.block_size
         n_tokens = len(lookup.data) // 4
         n_blocks = deepest.end // bs if deepest is not None else 0
-        partial, partial_len = None, 0
-        if self.config.partial_blocks and n_blocks * bs < n_tokens:
-            parents: list[Node] = [deepest] if deepest is not None else list(lookup.roots)
-            partial, partial_len = self.tree.partial(lookup, parents, n_blocks * bs, bs, alive)
+        partial, partial_len = self.partial(lookup, deepest, alive)
         pinned = partial if partial is not None else deepest
         pin = None
         if pinned is not None:
@@ -109,6 +108,16 @@ class Ledger(Lifecycle):
             pin = Pin([pinned])
         self.counters.count_lookup(ctx.tenant, n_tokens, n_blocks * bs + partial_len, partial_len)
         return Matched(pin, pinned, n_blocks, partial_len, deepest)
+
+    def partial(self, lookup: Lookup, deepest: Block | None, alive: Alive) -> tuple[Block | None, int]:
+        """With ``partial_blocks``: the cached block sharing the most leading tokens with
+        the request's block after ``deepest``, and how many it shares. Reads only."""
+        bs = self.config.block_size
+        begin = deepest.end if deepest is not None else 0
+        if not self.config.partial_blocks or begin >= len(lookup.data) // 4:
+            return None, 0
+        parents: list[Node] = [deepest] if deepest is not None else list(lookup.roots)
+        return self.tree.partial(lookup, parents, begin, bs, alive)
 
     def _touch(self, spans: list[RunSpan], partial: Block | None) -> None:
         """Tell the policies (and the TTL clock) about a hit, deepest block first so
