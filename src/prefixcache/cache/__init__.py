@@ -1,5 +1,6 @@
 """The cache: the ``PrefixCache`` facade, its match, and the block tree behind it."""
 
 from prefixcache.cache.facade import Match, PrefixCache
+from prefixcache.cache.peek import Peek
 
-__all__ = ["Match", "PrefixCache"]
+__all__ = ["Match", "Peek", "PrefixCache"]

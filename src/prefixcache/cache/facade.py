@@ -26,6 +26,7 @@ import numpy as np
 from prefixcache.cache.contexts import Contexts
 from prefixcache.cache.kv import KVSource, LoadedKV, kv_source
 from prefixcache.cache.ledger import Ledger
+from prefixcache.cache.peek import Peek, peek
 from prefixcache.cache.plans import Found, Matched
 from prefixcache.cache.residency import Books, TierBook
 from prefixcache.cache.stats import CacheStats, snapshot
@@ -166,6 +167,12 @@ class PrefixCache:
             else:
                 again = io.adopt(lookup, ctx, probe, tier, n)
             return self._matched(lookup, ctx, ledger.alive(), again)
+
+    def peek(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None) -> Peek:
+        """What ``match`` would find now, with no side effect: nothing pinned, touched,
+        counted, recorded or adopted (``peek.py``). For a scheduler that asks again and
+        again about a request that waits; the match when it runs is the answer to act on."""
+        return peek(self._lock, self._ledger, self._io, tokens, ctx, segments)
 
     def _matched(self, lookup: Lookup, ctx: CacheContext, alive: Callable[[Block], bool], found: Found | None) -> Match:
         ledger = self._ledger

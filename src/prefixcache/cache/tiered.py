@@ -46,10 +46,11 @@ class TieredPath:
 
     # ================================================================ probe (match)
 
-    def plan_probe(self, lookup: Lookup, found: Found) -> Probe | None:
+    def plan_probe(self, lookup: Lookup, found: Found, *, pin: bool = True) -> Probe | None:
         """Under the lock: the keys of this request's chain beyond what the tree holds, and
         the tiers to ask for them (Redis, or a disk reopened after a restart: keys are the
-        same in every process, invariant 2). None when there is nothing to ask."""
+        same in every process, invariant 2). None when there is nothing to ask. Without
+        ``pin`` (a peek, which adopts nothing) the probe holds nothing in the tree."""
         books = self.books
         deepest, own = found[0], lookup.roots[0]
         if deepest is not None and deepest.root is not own:
@@ -61,7 +62,7 @@ class TieredPath:
         tiers = [t.index for t in books.tiers if t.index >= limit and t.probes]
         if not ends or not tiers:
             return None
-        return Probe(found, parent, ends, lookup.chains[0].many(ends), tiers, Pin([parent, own]))
+        return Probe(found, parent, ends, lookup.chains[0].many(ends), tiers, Pin([parent, own]) if pin else None)
 
     def run_probe(self, probe: Probe) -> tuple[int, int]:
         """No lock: (tier, n) for the first probed tier holding the ``n >= 1`` leading keys."""
