@@ -183,31 +183,38 @@ class PrefixCache:
             match.tier_tokens = self._io.books.tier_tokens(path_to(matched.block), matched.partial_tokens)
         return match
 
-    def load(self, match: Match, out: np.ndarray | None = None) -> LoadedKV:
+    def load(self, match: Match, out: np.ndarray | None = None, *, first_block: int = 0) -> LoadedKV:
         """The KV of ``match``'s cached tokens, read from the fastest tier holding each
         block (and promoted to the fastest tier). ``tokens`` of the result is the true
         length: shorter than ``match.cached_tokens`` when a tier failed or held bad bytes
         (those blocks are dropped and counted). Call it before ``release``.
 
-        ``out``, any writable C-contiguous array of at least ``cached_tokens *
+        ``first_block``: the caller holds blocks ``0 .. first_block - 1`` already (vLLM's
+        own prefix cache), so only the blocks from it on are read, verified, counted and
+        promoted; the result's ``kv`` covers tokens ``start .. tokens``. Past the match's
+        blocks it is a load of nothing (``tokens == start == requested``).
+
+        ``out``, any writable C-contiguous array of at least ``(cached_tokens - start) *
         kv_layout.bytes_per_token`` bytes, is used as the result's memory: a server that
         reuses one buffer skips the page faults of a fresh 50 MB array per request."""
+        if first_block < 0:
+            raise ValueError(f"first_block must be >= 0, got {first_block}")
         io = self._need_io("load")
         with self._lock:
             if match._cache is not self:
                 raise ValueError("this match belongs to another cache")
             if match._block is not None and match.released:
                 raise RuntimeError("load of a released match: its blocks may have been evicted")
-            plan = io.plan_load(match._block, match.partial_tokens)
+            plan = io.plan_load(match._block, match.partial_tokens, first_block)
         return io.load(plan, out)
 
-    def prefetch(self, match: Match) -> Future[LoadedKV]:
-        """Start ``load(match)`` in the background (keep the match until it is done)."""
+    def prefetch(self, match: Match, *, first_block: int = 0) -> Future[LoadedKV]:
+        """Start ``load(match, first_block=...)`` in the background (keep the match until it is done)."""
         self._need_io("prefetch")
         with self._lock:
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="prefixcache-prefetch")
-            return self._prefetcher.submit(self.load, match)
+            return self._prefetcher.submit(self.load, match, first_block=first_block)
 
     def _unpin(self, pin: Pin) -> None:
         with self._lock:

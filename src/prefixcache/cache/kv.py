@@ -23,16 +23,20 @@ __all__ = ["ArraySource", "KVSource", "LoadedKV", "as_kv_array", "kv_source"]
 
 @dataclass(frozen=True)
 class LoadedKV:
-    """The KV of a match's leading ``tokens`` tokens, ``[layers, 2, kv_heads, tokens,
-    head_dim]``, C-contiguous (so ``kv[layer]`` is one contiguous block per layer).
+    """The KV of a match's tokens ``start .. tokens``, ``[layers, 2, kv_heads, tokens -
+    start, head_dim]``, C-contiguous (so ``kv[layer]`` is one contiguous block per layer).
 
-    ``tokens`` is the true length (invariant 6): below ``requested`` when a block was
-    missing or bad; ``tier_tokens`` says how many came from each tier."""
+    ``tokens`` is the true end (invariant 6): below ``requested`` (the match's
+    ``cached_tokens``) when a block was missing or bad; ``tier_tokens`` says how many of
+    the tokens read came from each tier. ``start`` is 0 for a whole load; a load from
+    ``first_block`` on starts where the caller's own copy of the prefix ends, and its
+    ``kv`` holds only what was read."""
 
     tokens: int
     kv: np.ndarray
     tier_tokens: dict[str, int]
     requested: int
+    start: int = 0
 
     @property
     def lost_tokens(self) -> int:

@@ -65,7 +65,12 @@ class Probe:
 
 @dataclass(eq=False)
 class LoadPlan:
+    """A load decided: ``reads`` are the blocks ``path[first:]`` (as far as a tier holds
+    them), whose tokens begin at ``start``; ``requested`` is the whole match's length."""
+
     path: list[Block]
     reads: list[Read]
     requested: int
     pin: Pin
+    first: int = 0
+    start: int = 0

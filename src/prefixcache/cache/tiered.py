@@ -95,56 +95,63 @@ class TieredPath:
 
     # ================================================================ load
 
-    def plan_load(self, block: Block | None, partial_tokens: int) -> LoadPlan:
-        """Under the lock: where each block of the path to ``block`` is read from, and a
-        pin on the path while it is read (so no frame of it is freed meanwhile)."""
+    def plan_load(self, block: Block | None, partial_tokens: int, first: int = 0) -> LoadPlan:
+        """Under the lock: where each block of the path to ``block`` from its ``first`` on
+        is read from, and a pin on the whole path while it is read (so no frame of it is
+        freed meanwhile, and the unread ancestors a promotion builds on stay put)."""
         path = path_to(block) if block is not None else []
+        first = min(first, len(path))
         books = self.books
         reads: list[Read] = []
-        requested = 0
+        requested = start = 0
         last = len(books.tiers) - 1
         for i, b in enumerate(path):
             use = partial_tokens if partial_tokens and i == len(path) - 1 else b.num_tokens
             requested += use
+            if i < first:
+                start += use
+                continue
             k = books.fastest(b)
-            if k == NONE or len(reads) < i:
+            if k == NONE or len(reads) < i - first:
                 continue
             assert b.res is not None
             keep = k > 0 or (k < last and books.tiers[k].config.write == "selective")  # promoted, copied down
             reads.append(Read(b.key, b.tokens, use, k, not b.res.held & (1 << k), keep))
-        return LoadPlan(path, reads, requested, Pin(path))
+        return LoadPlan(path, reads, requested, Pin(path), first, start)
 
     def load(self, plan: LoadPlan, out: np.ndarray | None) -> LoadedKV:
-        """No lock, then the commits: read the planned path; promote what came from a
-        slower tier into tier 0; copy down what ``selective`` tiers now owe."""
-        path, reads = plan.path, plan.reads
+        """No lock, then the commits: read the planned blocks; promote what came from a
+        slower tier into tier 0; copy down what ``selective`` tiers now owe. Only the
+        blocks read are counted, touched, promoted or copied."""
+        path, reads, first, start = plan.path, plan.reads, plan.first, plan.start
+        read_path = path[first:]  # NOTE: reads[i] is read_path[i]'s
         try:
-            dest = self.transfer.destination(plan.requested, out)
+            dest = self.transfer.destination(plan.requested - start, out)
             loaded = self.transfer.load(reads, dest)
         except BaseException:
             with self.lock:
                 self.ledger.unpin(plan.pin)
             raise
         with self.lock:
-            tier_tokens = self._count(path, reads, loaded.good, loaded.failure, loaded.seconds)
-            promote = self._plan_promotion(path, loaded.good)
-            copies = self._plan_copies(path, reads, loaded.good)
+            tier_tokens = self._count(read_path, reads, loaded.good, loaded.failure, loaded.seconds)
+            promote = self._plan_promotion(path, first, loaded.good)
+            copies = self._plan_copies(read_path, reads, loaded.good)
             copyouts = self.books.take_copyouts()
         fill(copyouts)
-        frames = loaded.frames
+        frames: list[Frame | None] = [None] * first + loaded.frames  # by index in ``path``
         done = self._promote(path, promote, frames)
-        owed = [(i, k, bytes(frames[i] or b"")) for i, k in copies]  # NOTE: copied while the path is pinned
+        owed = [(read_path[i], k, bytes(loaded.frames[i] or b"")) for i, k in copies]  # NOTE: while pinned
         with self.lock:
             self._commit_promotion(path, promote, done, frames)
-            for i, k, data in owed:
-                self.books.queue_put(path[i], k, FrameSource(data, len(data)))
+            for block, k, data in owed:
+                self.books.queue_put(block, k, FrameSource(data, len(data)))
             self.ledger.unpin(plan.pin)
             copyouts = self.books.take_copyouts()
         fill(copyouts)
         self.writer.after_call()
-        tokens = sum(r.use for r in reads[: loaded.good])
-        kv = dest if tokens == plan.requested else np.ascontiguousarray(dest[:, :, :, :tokens, :])
-        return LoadedKV(tokens, kv, tier_tokens, plan.requested)
+        tokens = start + sum(r.use for r in reads[: loaded.good])
+        kv = dest if tokens == plan.requested else np.ascontiguousarray(dest[:, :, :, : tokens - start, :])
+        return LoadedKV(tokens, kv, tier_tokens, plan.requested, start)
 
     def _count(
         self, path: list[Block], reads: list[Read], good: int, failure: str | None, seconds: dict[int, float]
@@ -176,14 +183,16 @@ class TieredPath:
                 self.ledger.lose(block)
         return tier_tokens
 
-    def _plan_promotion(self, path: list[Block], good: int) -> list[int]:
-        """The loaded blocks that go up into tier 0, root-most first, while room can be made."""
+    def _plan_promotion(self, path: list[Block], first: int, good: int) -> list[int]:
+        """The loaded blocks (``path[first:first + good]``) that go up into tier 0,
+        root-most first, while room can be made. An unread ancestor not in tier 0 stops
+        it: nothing may enter tier 0 above a parent that is not there (invariant 4)."""
         books, top = self.books, self.books.tiers[0]
         promote = []
-        for i in range(good):
+        for i in range(first + good):
             if books.avail(path[i]) & top.bit:
                 continue
-            if self.ledger.tier_room(0, 1) < 1:
+            if i < first or self.ledger.tier_room(0, 1) < 1:
                 break
             top.used += 1
             promote.append(i)
