@@ -6,6 +6,8 @@
 - ``prefixcache plan TRACE``: the cache capacity (tokens, GiB, tiers) for a target hit
   rate on a trace, and the prefill GPU-hours and money it saves per hour of traffic.
 - ``prefixcache serve``: the OpenAI-compatible server on a real model, with the cache.
+- ``prefixcache serve-vllm``: vLLM with the prefixcache connector and ``prefixcache route``
+  in front, started, wired and stopped together.
 - ``prefixcache diagnose URL_OR_FILE``: read /metrics (or saved scrapes) and print a
   diagnosis with the next action; exit 1 when something needs action.
 - ``prefixcache audit-timing URL``: audit a server for prompt-cache timing leaks between
@@ -24,6 +26,7 @@ from prefixcache import __version__
 from prefixcache.cache import PrefixCache
 from prefixcache.config import ISOLATION_MODES, CacheConfig, PublishConfig
 from prefixcache.fleet.cli import add_route_parser, run_route
+from prefixcache.fleet.serve_vllm import add_serve_vllm_parser, run_serve_vllm
 from prefixcache.hashing import CacheContext
 from prefixcache.ops.audit_cli import add_audit_parser, run_audit_timing
 from prefixcache.ops.diagnose import add_diagnose_parser, run_diagnose
@@ -106,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_diagnose_parser(sub)
     add_audit_parser(sub)
     add_route_parser(sub)
+    add_serve_vllm_parser(sub)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server with the prefix cache")
     serve.add_argument("--config", help="TOML settings file (default: $PREFIXCACHE_CONFIG, else built-in defaults)")
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
@@ -138,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_audit_timing(args, parser)
     if args.command == "route":
         return run_route(args, parser)
+    if args.command == "serve-vllm":
+        return run_serve_vllm(args, parser)
     if args.command == "serve":
         from prefixcache.server.main import run_serve  # torch and transformers load only here
 
