@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-test
 
-.PHONY: test unit serve lint bench setup clean system-deps vllm-test
+.PHONY: test unit serve serve-vllm lint bench setup clean system-deps vllm-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +83,16 @@ unit: $(STAMP) $(KERNEL)
 # it prints its URL and an example curl. Settings: prefixcache.toml when present, PREFIXCACHE_* env vars.
 serve: $(STAMP)
 	$(BIN)/prefixcache serve $(if $(wildcard prefixcache.toml),--config prefixcache.toml,)
+
+# vLLM with the prefixcache connector and `prefixcache route` in front (docs/vllm.md): vLLM on
+# 127.0.0.1 only, the router on 127.0.0.1:8100; prints the URL; Ctrl-C stops both. Settings:
+# prefixcache.toml when present (API keys, [model], [cache] isolation), else local mode (one
+# tenant, no keys). The dry run in .venv resolves the settings' model, converting the bundled
+# SmolLM2 once (the vLLM venv has no GGUF reader).
+SERVE_VLLM := serve-vllm $(if $(wildcard prefixcache.toml),--config prefixcache.toml,)
+serve-vllm: $(VLLM_STAMP) $(STAMP)
+	$(BIN)/python -m prefixcache.cli $(SERVE_VLLM) --dry-run >/dev/null
+	$(VLLM_VENV)/bin/python -m prefixcache.cli $(SERVE_VLLM)
 
 bench: $(STAMP) $(KERNEL)
 	$(BIN)/python benchmarks/bench_match.py
