@@ -135,8 +135,8 @@ def test_the_secret_is_the_settings_else_the_environments_else_a_new_one(tmp_pat
     configured = load_settings(settings_file(tmp_path), env={})
     bare = load_settings(settings_file(tmp_path, secret=""), env={})
     other = "from-the-environment-0123456789"
-    assert tenant_secret(configured, {SECRET_ENV: other}) == (SECRET, "settings")
-    assert tenant_secret(bare, {SECRET_ENV: other}) == (other, f"${SECRET_ENV}")
+    assert tenant_secret(configured, {SECRET_ENV: other}) == (SECRET, "from the settings")
+    assert tenant_secret(bare, {SECRET_ENV: other}) == (other, f"from ${SECRET_ENV}")
     first, second = tenant_secret(bare, {})[0], tenant_secret(bare, {})[0]
     assert first != second and len(first) >= 32
     with pytest.raises(ValueError, match="at least 16 bytes") as error:

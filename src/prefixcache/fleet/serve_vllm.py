@@ -81,7 +81,7 @@ def tenant_secret(settings: Settings, environ: Mapping[str, str]) -> tuple[str, 
 
     found = route_secret(settings, environ)
     if found is not None:
-        return found.decode(), "settings" if settings.auth.tenant_secret else f"${SECRET_ENV}"
+        return found.decode(), "from the settings" if settings.auth.tenant_secret else f"from ${SECRET_ENV}"
     return secrets.token_urlsafe(32), "generated for this run"
 
 
