@@ -20,6 +20,7 @@ import pytest
 from prefixcache.cli import main
 from prefixcache.fleet.serve_vllm import ROUTER_SECRET_ENV, Options, Plan, build_plan, tenant_secret
 from prefixcache.fleet.stamping import route_secret
+from prefixcache.fleet.supervisor import GRACE_S
 from prefixcache.fleet.zmq import VllmSource
 from prefixcache.identity import SECRET_ENV
 from prefixcache.integrations.vllm.settings import ConnectorSettings, parse_settings, read_secret
@@ -68,6 +69,7 @@ def test_vllm_listens_on_loopback_only_with_the_connector_and_its_events(tmp_pat
     assert flag(argv, "--host") == "127.0.0.1" and flag(argv, "--port") == "9101"
     assert flag(argv, "--model") == str(tmp_path / "model") and flag(argv, "--served-model-name") == "smollm2"
     assert {"--enable-prefix-caching", "--enable-prompt-tokens-details"} <= set(argv)
+    assert int(flag(argv, "--shutdown-timeout")) < GRACE_S  # the connector flushes before it is killed
     transfer = json.loads(flag(argv, "--kv-transfer-config"))
     assert transfer["kv_connector"] == "PrefixCacheConnector"
     assert transfer["kv_connector_module_path"] == "prefixcache.integrations.vllm"

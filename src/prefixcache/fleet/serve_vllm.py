@@ -49,6 +49,9 @@ SECRET_VARS = (SECRET_ENV, ROUTER_SECRET_ENV)  # never inherited: each child get
 VLLM_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
 CPU_BLOCK, GPU_BLOCK = 128, 16  # vLLM's own defaults: the router must key blocks alike
 CPU_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--enforce-eager")
+# NOTE: vLLM's default, 0, kills its engine at once on SIGTERM, before the connector can
+# flush its queued writes (flush_timeout_s); the supervisor waits longer (GRACE_S, 45 s).
+SHUTDOWN_S = 30
 KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"  # GiB of KV cache vLLM reserves on CPU (default here 4)
 
 
@@ -128,7 +131,7 @@ def build_plan(
             # NOTE: loopback only: a client that reaches vLLM directly skips the router's
             # authentication and uses vLLM's cache unstamped (docs/fleet.md, docs/vllm.md)
             *("--host", "127.0.0.1", "--port", str(options.vllm_port), "--block-size", str(block)),
-            *("--enable-prefix-caching", "--enable-prompt-tokens-details"),
+            *("--enable-prefix-caching", "--enable-prompt-tokens-details", "--shutdown-timeout", str(SHUTDOWN_S)),
             *("--kv-transfer-config", json.dumps(connector_config(settings, options.disk))),
             *("--kv-events-config", json.dumps(kv_events)),
             *(() if options.gpu else CPU_FLAGS),
