@@ -96,7 +96,7 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
         + "}\n"
         + f'tenant_secret = "{SECRET}"\n'
         + '[cache]\nisolation = "namespace"\n'
-        + f'[model]\nid = "smollm2"\nmodels_dir = "{Path(MODEL).parent}"\n'
+        + f'[model]\nname = "{MODEL}"\nid = "smollm2"\n'
     )
     route_log = tmp / "route.log"
     route = None
@@ -134,23 +134,28 @@ def cached(base: str, key: str, prompt: str, **extra: object) -> int:
 
 
 def test_another_tenant_gets_nothing_through_the_router_however_it_asks(topology: dict[str, str]) -> None:
-    route, prompt = topology["route"], PROMPTS["p3"]
-    assert cached(route, VICTIM, prompt) == 0
-    assert cached(route, VICTIM, prompt) > 0  # the same tenant hits
-    assert cached(route, ATTACKER, prompt) == 0
+    """Each attack on a prompt of its own (an attacker's first try would warm its own cache)."""
+    route = topology["route"]
     claims = {PARAMS_KEY: "victim", "tenant": "victim"}
-    assert cached(route, ATTACKER, prompt, cache_salt="victim", kv_transfer_params=claims) == 0
-    assert cached(route, ATTACKER, prompt, kv_transfer_params=claims) == 0
+    attacks: list[dict[str, object]] = [
+        {},
+        {"cache_salt": "victim", "kv_transfer_params": claims},
+        {"kv_transfer_params": claims},
+    ]
+    for name, attack in zip(("p1", "p2", "p3"), attacks, strict=True):
+        assert cached(route, VICTIM, PROMPTS[name]) == 0
+        assert cached(route, VICTIM, PROMPTS[name]) > 0  # the same tenant hits
+        assert cached(route, ATTACKER, PROMPTS[name], **attack) == 0, attack
 
 
 def test_a_request_to_vllm_directly_cannot_claim_a_tenant(topology: dict[str, str]) -> None:
     """What the connector does with a claim it cannot verify (vLLM's port is reachable
     here for the test: docs/vllm.md says it must not be for clients)."""
-    route, vllm, prompt = topology["route"], topology["vllm"], PROMPTS["p4"]
-    cached(route, VICTIM, prompt)
+    route, vllm = topology["route"], topology["vllm"]
     claims = {PARAMS_KEY: "victim", "tenant": "victim"}
-    for salt in ("victim", "attacker"):
-        assert cached(vllm, "none", prompt, cache_salt=salt, kv_transfer_params=claims) == 0
+    for name, salt in (("p4", "victim"), ("p5", "attacker")):
+        cached(route, VICTIM, PROMPTS[name])
+        assert cached(vllm, "none", PROMPTS[name], cache_salt=salt, kv_transfer_params=claims) == 0
 
 
 def test_audit_timing_through_the_router_finds_no_leak_and_the_control_sees_the_cache(
