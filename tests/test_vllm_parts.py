@@ -512,3 +512,39 @@ def test_a_request_that_bypasses_the_cache_is_neither_looked_up_nor_saved() -> N
     )
     assert state.step(output([new], scheduled={"r": 13})) == StepPlan()
     assert state.bypassed == {"unverified_tenant": 1}
+
+
+def test_an_async_load_is_planned_at_allocation_and_its_request_saved_from_its_first_schedule() -> None:
+    """With ``async_load`` vLLM parks the request while the worker loads: the load is
+    decided when vLLM allocates its blocks (the request is not scheduled in that step),
+    and a failed block is reported before the request runs (saved again from there)."""
+    state = SchedulerState(N, lambda tokens, scope: 12, scoper(), async_load=True)
+    r = request("r", list(range(14)), "s")
+    r.prefill_stats = PrefillStats()
+    state.seen(r)
+    assert state.matched(r, 4) == 8  # vLLM holds block 0
+    state.allocated(r, 8, [5, 6, 7, 8])
+    r.prefill_stats.set(14, 4, 8)
+    plan = state.step(output())  # the request waits: nothing of it is scheduled
+    assert plan.loads == [LoadSpec("r", Scope("s"), tuple(range(12)), 1, (6, 7))] and plan.saves == []
+    assert state.step(output()).loads == []  # planned once
+    state.load_failed({7})
+    assert r.prefill_stats.num_cached_tokens == 4 + N
+    new = SimpleNamespace(
+        req_id="r", prompt_token_ids=list(range(14)), block_ids=([5, 6, 7, 8],), num_computed_tokens=8
+    )
+    resumed = state.step(output([new], scheduled={"r": 6}))
+    assert resumed.loads == [] and resumed.saves == [SaveSpec("r", Scope("s"), tuple(range(12)), (5, 6, 7))]
+
+
+def test_an_async_fetch_counts_nothing_until_it_is_committed(tmp_path: Path) -> None:
+    tokens = tuple(range(2 * N))
+    w = worker(tmp_path, cpu_caches(10))
+    w.save(SaveSpec("r", T, tokens, (1, 2)))
+    w.take_tally()
+    loaded = w.fetch(LoadSpec("r", T, tokens, 0, (5, 6)))
+    assert loaded.blocks == 2 and w.take_tally() is None
+    assert w.commit(loaded) == []
+    tally = w.take_tally()
+    assert tally is not None and sum(tally.hit_tokens.values()) == 2 * N
+    w.close(5)

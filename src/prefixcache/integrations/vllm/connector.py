@@ -12,6 +12,13 @@ beyond vLLM's hit. A block the worker cannot load (evicted since the lookup, cor
 a tier down) is reported to vLLM, which recomputes it: the connector switches vLLM's
 ``kv_load_failure_policy`` to ``recompute`` for that reason, since a cache miss is not
 a failed request.
+
+Loads are asynchronous by default (``async_load``): the scheduler tells vLLM the tokens
+load asynchronously, vLLM parks the request (``WAITING_FOR_REMOTE_KVS``) with its blocks
+allocated, the worker reads and places them on I/O threads while the batch's steps go
+on, and reports the request in ``get_finished`` once its load is done (with the blocks
+it could not fill in ``get_block_ids_with_load_errors`` of the same step). A request
+whose blocks sit in a slow tier waits alone.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +46,7 @@ from prefixcache.integrations.vllm.paged import PagedKV
 from prefixcache.integrations.vllm.scheduler import SchedulerState
 from prefixcache.integrations.vllm.scope import Fingerprints, scope_of
 from prefixcache.integrations.vllm.settings import model_key, parse_settings, read_secret
-from prefixcache.integrations.vllm.worker import ConnectorWorker, LoadSpec, SaveSpec
+from prefixcache.integrations.vllm.worker import ConnectorWorker, Loaded, LoadSpec, SaveSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -96,6 +104,8 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self._server: LookupServer | None = None
         self._client: LookupClient | None = None
         self._load_errors: set[int] = set()
+        self._loading: dict[str, Future[Loaded]] = {}  # async loads in flight, by request
+        self._loader: ThreadPoolExecutor | None = None
         self._events: list[KVCacheEvent] = []
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
@@ -122,7 +132,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                     fingerprints=fingerprints,
                 )
 
-            self._state = SchedulerState(self.block_size, self._client.lookup, scoper)
+            self._state = SchedulerState(self.block_size, self._client.lookup, scoper, async_load=settings.async_load)
 
     # ================================================================ worker side
 
@@ -151,12 +161,30 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, PrefixCacheMeta) and self._worker is not None
+        worker = self._worker
+        assert isinstance(meta, PrefixCacheMeta) and worker is not None
         for spec in meta.loads:
-            self._load_errors.update(self._worker.load(spec))
+            if not self.settings.async_load:
+                self._load_errors.update(worker.load(spec))
+                continue
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(self.settings.load_threads, thread_name_prefix="prefixcache-load")
+            self._loading[spec.req_id] = self._loader.submit(worker.fetch, spec)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete in ``start_load_kv``, before the forward pass: nothing to wait for."""
+        """A sync load completes in ``start_load_kv``, an async one before its request is
+        scheduled again: nothing to wait for in the forward pass."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The requests whose async loads are done; their unfilled blocks go to
+        ``get_block_ids_with_load_errors``, which vLLM asks in the same step."""
+        worker = self._worker
+        done = {req_id for req_id, future in self._loading.items() if future.done()}
+        for req_id in done:
+            loaded = self._loading.pop(req_id).result()  # fetch never raises: a failure is a miss
+            if worker is not None:
+                self._load_errors.update(worker.commit(loaded))
+        return None, done or None
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Saves read every layer at once in ``wait_for_save``, from the registered tensors."""
@@ -192,6 +220,8 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         """Stop answering lookups and flush queued writes (bounded); a second call does nothing."""
         server, worker, client = self._server, self._worker, self._client
         self._server = self._client = None
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
         if server is not None:
             server.close()
         if worker is not None and not worker.closed and not worker.close(self.settings.flush_timeout_s):
@@ -205,10 +235,12 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self._state.seen(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._state.matched(request, num_computed_tokens), False
+        tokens = self._state.matched(request, num_computed_tokens)
+        return tokens, tokens > 0 and self.settings.async_load
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._state.allocated(request, num_external_tokens)
+        ids = blocks.get_block_ids()[0] if num_external_tokens > 0 and self.settings.async_load else ()
+        self._state.allocated(request, num_external_tokens, ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         plan = self._state.step(scheduler_output)

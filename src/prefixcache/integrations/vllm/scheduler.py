@@ -9,8 +9,10 @@ Per step it decides, and the worker moves bytes:
   (asked of the worker through ``lookup.py``, without side effects: vLLM may ask again
   for a request that stays waiting), whole blocks, never the last prompt token (vLLM
   must compute at least one);
-- ``allocated``: vLLM gave blocks for them: a ``LoadSpec`` goes into this step's
-  metadata, for the blocks beyond vLLM's own hit only;
+- ``allocated``: vLLM gave blocks for them: a ``LoadSpec`` goes into the next step's
+  metadata, for the blocks beyond vLLM's own hit only. With ``async_load`` the
+  request waits (vLLM's ``WAITING_FOR_REMOTE_KVS``) while the worker loads, and the
+  batch goes on without it; otherwise the load runs before the step's forward pass;
 - ``step``: for every scheduled request, the full prompt blocks computed once this step
   has run become a ``SaveSpec`` (only the blocks not sent before);
 - ``load_failed``: blocks the worker could not load, which vLLM recomputes: they are
@@ -45,6 +47,12 @@ class _Tracked:
     saved: int  # prompt tokens already sent to be saved (or loaded from the cache)
 
 
+@dataclass(frozen=True, slots=True)
+class _Load:
+    first: int  # the first block loaded (vLLM holds the ones before)
+    block_ids: tuple[int, ...]  # vLLM blocks the load fills, from ``first`` on
+
+
 @dataclass
 class StepPlan:
     """What the worker does this step (vLLM's connector metadata)."""
@@ -54,8 +62,9 @@ class StepPlan:
 
 
 class SchedulerState:
-    def __init__(self, block_size: int, lookup: Lookup, scoper: Scoper) -> None:
+    def __init__(self, block_size: int, lookup: Lookup, scoper: Scoper, *, async_load: bool = False) -> None:
         self.block_size = block_size
+        self.async_load = async_load
         self._lookup = lookup
         self._scoper = scoper
         self._asked: dict[str, tuple[int, int]] = {}  # req_id -> (vLLM's own hit, ours beyond it)
@@ -64,7 +73,8 @@ class SchedulerState:
         # vLLM's NewRequestData carries no salt, adapter path or media: read by ``seen``
         self._scopes: dict[str, Scope | Bypass] = {}
         self._requests: dict[str, Any] = {}  # req_id -> vLLM's Request, until it finishes
-        self._loaded: dict[str, tuple[int, int]] = {}  # req_id -> (first block loaded, blocks promised)
+        self._loaded: dict[str, _Load] = {}  # req_id -> its last load, as far as it succeeded
+        self._ready: list[LoadSpec] = []  # async loads decided at allocation, for the next step
         self.bypassed: Counter[str] = Counter()  # reason -> requests served without the cache
 
     def scope(self, request: Any) -> Scope | Bypass:
@@ -92,13 +102,26 @@ class SchedulerState:
         self._asked[request.request_id] = (num_computed_tokens, extra)
         return extra
 
-    def allocated(self, request: Any, num_external_tokens: int) -> None:
+    def allocated(self, request: Any, num_external_tokens: int, block_ids: Sequence[int] = ()) -> None:
+        """vLLM allocated blocks for the tokens ``matched`` offered (``block_ids``: all the
+        request's blocks, needed for an async load, whose request is not scheduled)."""
         local, _ = self._asked.pop(request.request_id, (request.num_computed_tokens, 0))
-        if num_external_tokens > 0:
+        if num_external_tokens <= 0:
+            return
+        scope = self._scopes.get(request.request_id)
+        if not self.async_load or not isinstance(scope, Scope):
             self._pending[request.request_id] = (local, num_external_tokens)
+            return
+        n = self.block_size
+        first, end = local // n, (local + num_external_tokens) // n
+        blocks = tuple(block_ids[first:end])
+        prompt = tuple(request.prompt_token_ids[: end * n])
+        self._ready.append(LoadSpec(request.request_id, scope, prompt, first, blocks))
+        self._loaded[request.request_id] = _Load(first, blocks)
 
     def step(self, output: Any) -> StepPlan:
-        plan = StepPlan()
+        plan = StepPlan(loads=self._ready)
+        self._ready = []
         for new in output.scheduled_new_reqs:
             if not new.prompt_token_ids:
                 continue
@@ -137,7 +160,7 @@ class SchedulerState:
         first, end = local // n, (local + external) // n
         blocks = tuple(tracked.block_ids[first:end])
         plan.loads.append(LoadSpec(req_id, tracked.scope, tracked.prompt[: end * n], first, blocks))
-        self._loaded[req_id] = (first, end - first)
+        self._loaded[req_id] = _Load(first, blocks)
         tracked.saved = end * n
 
     def _save(self, plan: StepPlan, req_id: str, tracked: _Tracked, computed: int) -> None:
@@ -158,19 +181,17 @@ class SchedulerState:
         if not block_ids:
             return
         n = self.block_size
-        for req_id, (first, promised) in list(self._loaded.items()):
-            tracked = self._tracked.get(req_id)
-            if tracked is None:
-                continue
-            loaded = tracked.block_ids[first : first + promised]
-            bad = next((i for i, b in enumerate(loaded) if b in block_ids), None)
+        for req_id, load in list(self._loaded.items()):
+            bad = next((i for i, b in enumerate(load.block_ids) if b in block_ids), None)
             if bad is None:
                 continue
-            tracked.saved = min(tracked.saved, (first + bad) * n)
-            self._loaded[req_id] = (first, bad)
+            tracked = self._tracked.get(req_id)  # an async load's request is not scheduled yet: saved from 0
+            if tracked is not None:
+                tracked.saved = min(tracked.saved, (load.first + bad) * n)
+            self._loaded[req_id] = _Load(load.first, load.block_ids[:bad])
             stats = getattr(self._requests.get(req_id), "prefill_stats", None)
             if stats is not None:
-                lost = (promised - bad) * n
+                lost = (len(load.block_ids) - bad) * n
                 stats.set(
                     num_prompt_tokens=stats.num_prompt_tokens,
                     num_local_cached_tokens=stats.num_local_cached_tokens,
@@ -184,6 +205,8 @@ class SchedulerState:
         self._forget(request.request_id)
         self._pending.pop(request.request_id, None)
         self._asked.pop(request.request_id, None)
+        # NOTE: an async load already in ``_ready`` still goes out: vLLM keeps the
+        # request's blocks until the worker reports the load finished.
 
     def _forget(self, req_id: str) -> None:
         for book in (self._tracked, self._scopes, self._requests, self._loaded):

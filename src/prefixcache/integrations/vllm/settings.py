@@ -56,6 +56,10 @@ class ConnectorSettings(BaseModel):
         ""  # the model's name in cache keys (its weights' hash is always added); default: vLLM's served name
     )
     lookup_timeout_s: float = Field(default=1.0, gt=0)  # the scheduler waits no longer for a lookup
+    # Loads run on I/O threads while vLLM's steps go on, the request waiting alone
+    # (vLLM's async load); off, they run inside the step, before its forward pass.
+    async_load: bool = True
+    load_threads: int = Field(default=2, ge=1, le=64)  # concurrent async loads
     socket_dir: str = ""  # where the worker's lookup socket lives; default $XDG_RUNTIME_DIR or /tmp
     flush_timeout_s: float = Field(default=30.0, ge=0)  # on shutdown: how long queued writes may take
 

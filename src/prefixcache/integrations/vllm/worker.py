@@ -62,6 +62,29 @@ class SaveSpec:
     block_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """What one load did, for ``ConnectorWorker.commit`` to count."""
+
+    spec: LoadSpec
+    blocks: int  # leading blocks of ``spec.block_ids`` filled
+    tier_tokens: dict[str, int]  # tokens placed, by the tier they came from
+    seconds: float
+    error: bool  # the load raised (counted; its blocks are recomputed)
+
+
+def _first_tokens(tier_tokens: dict[str, int], used: int) -> dict[str, int]:
+    """The tiers of the first ``used`` tokens of a load whose blocks came from these
+    tiers, fastest first (a prefix sits in tiers at least as fast as what follows it)."""
+    out: dict[str, int] = {}
+    for tier, tokens in tier_tokens.items():
+        take = min(tokens, used)
+        if take:
+            out[tier] = take
+        used -= take
+    return out
+
+
 @dataclass
 class Tally:
     """What the worker did since the last ``take``: plain data, since vLLM ships it from
@@ -143,10 +166,16 @@ class ConnectorWorker:
         return seen.num_blocks * self.paged.block_size
 
     def load(self, spec: LoadSpec) -> list[int]:
-        """Fill the spec's vLLM blocks; returns those it could not fill (for vLLM to recompute)."""
+        """Fill the spec's vLLM blocks now; returns those it could not fill (for vLLM to recompute)."""
+        return self.commit(self.fetch(spec))
+
+    def fetch(self, spec: LoadSpec) -> Loaded:
+        """Match, read and place the spec's blocks: the part of a load that may run on
+        an I/O thread while vLLM's step goes on (it touches the cache, which has its own
+        lock, and only the vLLM blocks allocated to this request; not the tally)."""
         n = self.paged.block_size
         start = time.perf_counter()
-        done = 0  # blocks of the spec placed in vLLM's memory
+        done, tiers, error = 0, {}, False  # blocks of the spec placed in vLLM's memory
         try:
             segments = spec.scope.segments(len(spec.tokens))
             with self.cache.match(spec.tokens, self.context(spec.scope), segments) as m:
@@ -157,24 +186,24 @@ class ConnectorWorker:
                         kv = got.kv[:, :, :, : (end - spec.first_block) * n, :]
                         self.paged.scatter(kv, spec.block_ids[: end - spec.first_block])
                         done = end - spec.first_block  # only once placed: a failed copy is a miss
-                        self._count_hits(spec.scope.tenant, got.tier_tokens, done * n, got.tokens - got.start)
+                        tiers = _first_tokens(got.tier_tokens, done * n)
         except Exception:  # a failed load is a miss for those blocks, never a failed request
             log.exception("prefixcache: load for request %s failed", spec.req_id)
+            error = True
+        return Loaded(spec, done, tiers, time.perf_counter() - start, error)
+
+    def commit(self, loaded: Loaded) -> list[int]:
+        """Count a finished load; returns the vLLM blocks it could not fill."""
+        spec, n = loaded.spec, self.paged.block_size
+        if loaded.error:
             self.tally.errors["load"] += 1
-        self.tally.load_seconds.append(time.perf_counter() - start)
-        failed = list(spec.block_ids[done:])
+        for tier, tokens in loaded.tier_tokens.items():
+            self.tally.hit_tokens[(spec.scope.tenant, tier)] += tokens
+        self.tally.load_seconds.append(loaded.seconds)
+        failed = list(spec.block_ids[loaded.blocks :])
         if failed:
             self.tally.lost_tokens[spec.scope.tenant] += len(failed) * n
         return failed
-
-    def _count_hits(self, tenant: str, tier_tokens: dict[str, int], used: int, total: int) -> None:
-        """Split the ``used`` tokens (the tail of the ``total`` loaded) by tier, fastest tiers first."""
-        skip = total - used
-        for tier, tokens in tier_tokens.items():
-            take = max(0, tokens - skip)
-            skip = max(0, skip - tokens)
-            if take:
-                self.tally.hit_tokens[(tenant, tier)] += take
 
     def save(self, spec: SaveSpec) -> int:
         """Store the spec's blocks; returns the tokens newly stored."""
