@@ -161,6 +161,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     gen(("p3", "bob"), ("p6", "dave")),
                     gen(("p6", "dave")),
                     gen(LORA_PROMPTS[1]),
+                    gen(("p5", "carol")),  # its recomputed blocks were saved again
                 ],
             },
         )
@@ -203,15 +204,19 @@ def test_a_second_vllm_process_hits_on_the_first_ones_prompts(runs: dict[str, An
 
 def test_a_corrupted_block_gives_a_shorter_hit_never_a_wrong_token(runs: dict[str, Any]) -> None:
     """The scheduler was told of p5's whole chain (its files are there); the worker
-    loaded the first block, found the second corrupt, and vLLM recomputed the rest (its
-    ``num_cached_tokens`` keeps the first figure, so its log is the witness)."""
-    p5 = runs["second"][1]
+    loaded the first block, found the second corrupt, and vLLM recomputed the rest: the
+    request is told of the one block really loaded, and the recomputed blocks are saved
+    again (the next request for p5 hits them all)."""
+    p5, again = runs["second"][1], runs["second"][-1]
     assert p5["name"] == "p5" and p5["output"] == runs["baseline"]["p5"]["output"]
     log = (runs["tmp"] / "second.log").read_text()
     recomputed = re.findall(
         r"Recovered from KV load failure: 1 request\(s\) rescheduled \((\d+) tokens affected\)", log
     )
     assert recomputed == [str(full("p5", p5) - BLOCK)]
+    assert p5["cached"] == BLOCK
+    assert again["name"] == "p5" and again["cached"] == full("p5", again)
+    assert again["output"] == runs["baseline"]["p5"]["output"]
 
 
 def test_vllm_keeps_answering_after_redis_is_killed(runs: dict[str, Any]) -> None:
@@ -231,7 +236,7 @@ def test_each_lora_adapter_gets_its_own_kv_never_another_adapters(runs: dict[str
     assert [r["name"] for r in (a, b, base, again)] == ["p1@a", "p1@b", "p1", "p1@a"]
     assert a["cached"] == b["cached"] == base["cached"] == 0
     assert again["cached"] == full("p1", again)
-    restarted = runs["second"][-1]
+    restarted = runs["second"][-2]
     assert restarted["name"] == "p1@b" and restarted["cached"] == full("p1", restarted)
     for result in (a, b, base, again, restarted):
         assert result["output"] == reference[result["name"]]["output"], result["name"]
