@@ -548,3 +548,18 @@ def test_an_async_fetch_counts_nothing_until_it_is_committed(tmp_path: Path) -> 
     tally = w.take_tally()
     assert tally is not None and sum(tally.hit_tokens.values()) == 2 * N
     w.close(5)
+
+
+def test_the_schedulers_lookup_changes_nothing_however_often_it_asks(tmp_path: Path) -> None:
+    """vLLM asks again for a request that stays waiting: no stat, no event, no eviction order moves."""
+    w = worker(tmp_path, cpu_caches(11))
+    tokens = tuple(range(3 * N))
+    w.save(SaveSpec("r", T, tokens, (1, 2, 3)))
+    w.cache.flush()
+    w.cache.take_events()
+    before = w.cache.stats()
+    for _ in range(5):
+        assert w.lookup(list(tokens), T) == 3 * N
+        assert w.lookup([*tokens[:N], 9, 9, 9, 9], T) == N
+    assert w.cache.stats() == before and w.cache.take_events() == []
+    w.close(5)
