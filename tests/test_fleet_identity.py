@@ -161,7 +161,9 @@ def test_a_body_that_is_not_a_json_object_never_reaches_vllm(
     assert backend.seen == []
 
 
-def test_a_trusted_gateways_tenant_header_is_used_and_not_forwarded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_trusted_gateways_tenant_header_is_used_and_passed_on_as_authenticated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(router_module, "HEALTH_EVERY_S", 3600.0)
     backend = Recorder(vllm=True)
     settings = Settings(auth=AuthSettings(api_keys=KEYS, tenant_secret=SECRET, tenant_header="X-Tenant"))
@@ -174,7 +176,7 @@ def test_a_trusted_gateways_tenant_header_is_used_and_not_forwarded(monkeypatch:
         assert send(live.url, chat_body(), headers={"x-tenant": "initech"}).status_code == 200
         salt = tenant_salt(SECRET.encode(), "initech")
         assert backend.body["cache_salt"] == salt and backend.body["kv_transfer_params"] == {PARAMS_KEY: "initech"}
-        assert "x-tenant" not in backend.seen[-1][1]
+        assert backend.seen[-1][1]["x-tenant"] == "initech"
         assert router.stamper.salts[salt] == "initech"  # its chains on vLLM are credited to it from now on
     finally:
         live.stop()
@@ -203,7 +205,10 @@ def test_a_server_gets_neither_the_clients_fields_nor_a_salt(
         assert send(live.url, chat_body(**VICTIM), headers=SNEAKY).status_code == 200
         raw, headers = backend.seen[-1]
         assert backend.body == chat_body() and b"victim" not in raw
-        assert not any(k.startswith("x-prefixcache-") for k in headers) and "x-tenant" not in headers
+        assert not any(k.startswith("x-prefixcache-") for k in headers)
+        # tenant_header is set: the router sits behind a gateway it trusts to set it, and
+        # passes on the tenant it authenticated so (the server trusts the same header)
+        assert headers["x-tenant"] == "victim"
         assert headers["authorization"] == "Bearer sk-acme"  # the server authenticates it again
         assert send(live.url, chat_body()).status_code == 200
         assert backend.seen[-1][0] == json.dumps(chat_body()).encode()  # nothing to strip: the client's bytes

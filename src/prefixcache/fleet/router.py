@@ -236,7 +236,7 @@ def create_router(router: Router) -> FastAPI:
     ) -> Response:
         assert router.client is not None
         tried: set[str] = set()
-        headers = router.stamper.headers(request.headers.items())
+        headers = router.stamper.headers(request.headers.items(), tenant)
         while True:
             order = router.rank(tenant, tokens, tried)
             if not order:

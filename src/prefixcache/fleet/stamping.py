@@ -6,8 +6,9 @@
                                           kv_transfer_params = {PARAMS_KEY: tenant}
                 ──> prefixcache server:  CLIENT_FIELDS removed (it authenticates the
                                           forwarded API key again)
-    client headers ──> every backend:    hop-by-hop headers, the tenant header and
-                                          every x-prefixcache-* header removed
+    client headers ──> every backend:    hop-by-hop headers and every x-prefixcache-*
+                                          header removed; the tenant header (when one
+                                          is configured) set to the authenticated tenant
 
 A body that is not a JSON object goes to a prefixcache server as it came (the server
 answers it in its own words), but never to vLLM unstamped: the router answers it 400.
@@ -59,7 +60,8 @@ class Stamper:
 
     def __init__(self, secret: bytes | None, tenants: Iterable[str], tenant_header: str = "") -> None:
         self._secret = secret
-        self._drop = HOP_HEADERS | ({tenant_header.lower()} if tenant_header else frozenset())
+        self._tenant_header = tenant_header.lower()
+        self._drop = HOP_HEADERS | ({self._tenant_header} if tenant_header else frozenset())
         self.salts: dict[str, str] = {}  # read by the ZMQ readers' threads: only ever added to
         if secret is not None:
             for tenant in tenants:
@@ -75,8 +77,14 @@ class Stamper:
     def stamps(self) -> bool:
         return self._secret is not None
 
-    def headers(self, incoming: Iterable[tuple[str, str]]) -> dict[str, str]:
-        return {k: v for k, v in incoming if k.lower() not in self._drop and not k.lower().startswith(OWN_HEADERS)}
+    def headers(self, incoming: Iterable[tuple[str, str]], tenant: str = "") -> dict[str, str]:
+        """The client's headers less those it may not set; a backend that trusts the
+        configured tenant header (the servers' own setting) gets it from the router's
+        authentication, never the client's value."""
+        out = {k: v for k, v in incoming if k.lower() not in self._drop and not k.lower().startswith(OWN_HEADERS)}
+        if self._tenant_header and tenant:
+            out[self._tenant_header] = tenant
+        return out
 
     def body(self, raw: bytes, body: object, tenant: str, vllm: bool) -> tuple[bytes, dict[str, str]]:
         """The body to forward and the headers it adds; ``body`` is ``raw`` parsed (a
