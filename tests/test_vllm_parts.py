@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.cache.facade import PrefixCache
-from prefixcache.config import CacheConfig, TierConfig
+from prefixcache.config import CacheConfig, PublishConfig, TierConfig
 from prefixcache.hashing import KeyChain, Segments, get_hash, root_encoding, root_hasher, token_bytes
 from prefixcache.identity import PARAMS_KEY, Unverified, stamp, tenant_salt
 from prefixcache.integrations.vllm.lookup import LookupClient, LookupServer, socket_path
@@ -562,4 +562,30 @@ def test_the_schedulers_lookup_changes_nothing_however_often_it_asks(tmp_path: P
         assert w.lookup(list(tokens), T) == 3 * N
         assert w.lookup([*tokens[:N], 9, 9, 9, 9], T) == N
     assert w.cache.stats() == before and w.cache.take_events() == []
+    w.close(5)
+
+
+def test_hot_prefixes_published_by_enough_verified_tenants_serve_every_tenant(tmp_path: Path) -> None:
+    """k-anonymous publication on the production path: tenants as the gateway vouched for them."""
+    secret = b"0123456789abcdef-secret"
+    scope = scoper(secret)
+
+    def vouched(tenant: str) -> Scope:
+        body = stamp({}, tenant, secret)
+        got = scope(request("r", [1], body["cache_salt"], body["kv_transfer_params"]))
+        assert isinstance(got, Scope)
+        return got
+
+    config = CacheConfig(
+        tiers=(TierConfig(kind="memory", capacity_bytes=1 << 20, write="through"),),
+        writer="inline",
+        publish=PublishConfig(min_tenants=2, min_tokens=N),
+    )
+    w = ConnectorWorker(config, paged(cpu_caches(12)), "m@1")
+    system = tuple(range(500, 500 + 2 * N))
+    w.save(SaveSpec("a", vouched("acme"), system, (1, 2)))
+    assert w.lookup(list(system), vouched("initech")) == 0  # one tenant alone publishes nothing
+    w.save(SaveSpec("b", vouched("globex"), system, (3, 4)))
+    w.save(SaveSpec("c", vouched("globex"), system, (3, 4)))  # the next request after the count is met
+    assert w.lookup(list(system), vouched("initech")) == 2 * N
     w.close(5)
