@@ -268,6 +268,10 @@ def test_with_a_secret_only_the_gateways_claim_names_a_tenant() -> None:
         request("r", [1], tenant_salt(secret, "victim"), None),  # a salt with no claim
         request("r", [1], None, {PARAMS_KEY: "victim"}),
         request("r", [1]),
+        request("r", [1], stamped["cache_salt"], "acme"),  # malformed transfer params
+        request("r", [1], stamped["cache_salt"], [PARAMS_KEY, "acme"]),
+        request("r", [1], stamped["cache_salt"], {PARAMS_KEY: ["acme"]}),
+        request("r", [1], 7, {PARAMS_KEY: "acme"}),  # a salt that is not a string
     ]
     for r in forged:
         assert scope(r) == Bypass("unverified_tenant")
