@@ -32,6 +32,7 @@ from prefixcache.identity import PARAMS_KEY, SECRET_ENV
 SECRET = "route-test-secret-0123456789"
 KEYS = {"sk-victim-0123456789": "victim", "sk-attacker-0123456789": "attacker"}
 VICTIM, ATTACKER = list(KEYS)
+ADMIN = "route-admin-0123456789"
 
 
 def wait_up(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 300) -> None:
@@ -95,6 +96,7 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
         + ", ".join(f'"{k}" = "{t}"' for k, t in KEYS.items())
         + "}\n"
         + f'tenant_secret = "{SECRET}"\n'
+        + f'admin_key = "{ADMIN}"\n'
         + '[cache]\nisolation = "namespace"\n'
         + f'[model]\nname = "{MODEL}"\nid = "smollm2"\n'
     )
@@ -146,6 +148,32 @@ def test_another_tenant_gets_nothing_through_the_router_however_it_asks(topology
         assert cached(route, VICTIM, PROMPTS[name]) == 0
         assert cached(route, VICTIM, PROMPTS[name]) > 0  # the same tenant hits
         assert cached(route, ATTACKER, PROMPTS[name], **attack) == 0, attack
+
+
+def test_the_router_credits_vllm_with_each_tenants_salted_blocks(topology: dict[str, str]) -> None:
+    """Routing follows tenants on vLLM: vLLM's and the connector's KV events of a salted
+    request count in its tenant's namespace, so the tenant's next request for the prompt
+    is scored against blocks vLLM holds (the router's overlap counter), and another
+    tenant's is not."""
+    route, prompt = topology["route"], PROMPTS["p6"]
+
+    def overlap() -> float:
+        text = httpx.get(f"{route}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
+        return sum(
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith("prefixcache_route_overlap")
+        )
+
+    cached(route, VICTIM, prompt)
+    before, deadline = overlap(), time.monotonic() + 30
+    while True:  # the events travel over ZMQ: ask again until the router has read them
+        cached(route, VICTIM, prompt)
+        if overlap() > before or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert overlap() > before
+    held = overlap()
+    cached(route, ATTACKER, prompt)  # the victim's blocks never count for another tenant
+    assert overlap() == held
 
 
 def test_a_request_to_vllm_directly_cannot_claim_a_tenant(topology: dict[str, str]) -> None:
