@@ -138,6 +138,19 @@ def test_vllm_gets_the_authenticated_tenants_salt_and_claim_only(
     assert headers["authorization"] == "Bearer sk-acme"  # vLLM's own --api-key, if any, still applies
 
 
+def test_a_media_items_client_set_name_never_reaches_vllm(vllm: tuple[Recorder, Router, str]) -> None:
+    """vLLM keys a media item by a content part's ``uuid`` instead of its bytes: a client
+    that names its image after another one would be served that image's KV."""
+    backend, _router, url = vllm
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    parts = [{"type": "text", "text": "what is this?"}, image | {"uuid": "someone-elses-image"}, "odd part"]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": parts}]
+    assert send(url, chat_body(messages=messages)).status_code == 200
+    sent = backend.body["messages"]
+    assert sent[0] == messages[0] and sent[1]["content"] == [parts[0], image, "odd part"]
+    assert b"someone-elses-image" not in backend.seen[-1][0]
+
+
 def test_two_tenants_get_two_salts_and_a_tenant_always_its_own(vllm: tuple[Recorder, Router, str]) -> None:
     backend, _router, url = vllm
     salts = []

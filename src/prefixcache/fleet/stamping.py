@@ -3,12 +3,18 @@
 
     client body ──> vLLM backend:        identity.stamp: CLIENT_FIELDS replaced by
                                           cache_salt = tenant_salt(secret, tenant),
-                                          kv_transfer_params = {PARAMS_KEY: tenant}
+                                          kv_transfer_params = {PARAMS_KEY: tenant};
+                                          media items' client-set ``uuid`` removed
                 ──> prefixcache server:  CLIENT_FIELDS removed (it authenticates the
                                           forwarded API key again)
     client headers ──> every backend:    hop-by-hop headers and every x-prefixcache-*
                                           header removed; the tenant header (when one
                                           is configured) set to the authenticated tenant
+
+A content part's ``uuid`` names its media item for vLLM, which then keys the item (its
+processor cache, its prefix-cache blocks, and so the connector's keys) by that string
+instead of a hash of its bytes: a client could give another image's name to its own
+image and be served that image's KV. The router removes it, so vLLM hashes the bytes.
 
 A body that is not a JSON object goes to a prefixcache server as it came (the server
 answers it in its own words), but never to vLLM unstamped: the router answers it 400.
@@ -35,6 +41,7 @@ __all__ = ["HOP_HEADERS", "NO_SECRET", "Stamper", "route_secret"]
 
 HOP_HEADERS = frozenset({"host", "content-length", "connection", "transfer-encoding", "keep-alive"})
 OWN_HEADERS = "x-prefixcache-"  # the router's and servers' own headers: never a client's to set
+MEDIA_ID = "uuid"  # a content part's client-chosen name for its media item (vLLM keys on it)
 MAX_SALTS = 100_000  # tenants named by a gateway's header beyond this are not followed on vLLM
 NO_SECRET = (
     "--vllm-backend needs the tenant secret the vLLM connector verifies tenants with: set auth.tenant_secret "
@@ -98,10 +105,25 @@ class Stamper:
             raise ValueError(NO_SECRET)
         if not isinstance(body, dict):
             raise APIError(400, "The request body must be a JSON object.", code="invalid_body")
-        stamped = stamp(body, tenant, self._secret)
+        stamped = stamp(_without_media_ids(body), tenant, self._secret)
         if len(self.salts) < MAX_SALTS:
             self.salts.setdefault(stamped["cache_salt"], tenant)
         return _json(stamped)
+
+
+def _without_media_ids(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with no chat content part naming its media item (``MEDIA_ID``)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return body
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and MEDIA_ID in p for p in content):
+            parts = [{k: v for k, v in p.items() if k != MEDIA_ID} if isinstance(p, dict) else p for p in content]
+            message = {**message, "content": parts}
+        out.append(message)
+    return {**body, "messages": out}
 
 
 def _json(body: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
