@@ -88,6 +88,10 @@ GiB = 1 << 30
 FRAME_SLACK = 1024  # a memory-tier slot is a block's bytes plus a frame header (< 200 bytes), 16-aligned
 BUSY = "vllm.entrypoints|EngineCore|scenario.py|pytest"  # what other engineers' vLLM runs look like
 FLEET = 2  # vLLM servers behind the router in (c)
+# NOTE: vLLM on CPU reserves one core for its scheduler and, with any KV connector, one
+# more: on a 2-core machine vLLM alone then computes on 1 core and a connector's setup
+# (too few left to reserve) on both. Every setup reserves the same one core here.
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 SECRET = "bench-vllm-tenant-secret-0123456789"  # the router's and the connectors' (c)
 ADMIN = "bench-vllm-admin-0123456789"
 KEYS = {f"tenant-{t}": f"sk-bench-tenant-{t}-0123456789" for t in range(32)}  # tenant -> its API key in (c)
@@ -305,7 +309,7 @@ class Setup:
 
     def start(self, budget: int, max_len: int, work: Path, log: Path) -> list[Proc]:
         """This setup's processes (vLLM last), started and ready; ``work`` persists across restarts."""
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, **ENV}
         procs, shared = self.shared(budget, 1, work, env, log)
         try:
             port = free_port()
@@ -323,7 +327,7 @@ class Setup:
         """(c): ``FLEET`` vLLM servers of this setup, each with the per-server budget of
         (a), behind one ``prefixcache route`` that routes on their KV events; returns the
         processes to close (router first), the vLLM servers, and the router."""
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", SECRET_ENV: SECRET}
+        env = {**os.environ, **ENV, SECRET_ENV: SECRET}
         procs, shared = self.shared(budget, FLEET, work, env, work / "c.log")
         try:
             servers, backends = [], []
