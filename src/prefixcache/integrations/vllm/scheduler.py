@@ -112,12 +112,9 @@ class SchedulerState:
         if not self.async_load or not isinstance(scope, Scope):
             self._pending[request.request_id] = (local, num_external_tokens)
             return
-        n = self.block_size
-        first, end = local // n, (local + num_external_tokens) // n
-        blocks = tuple(block_ids[first:end])
-        prompt = tuple(request.prompt_token_ids[: end * n])
-        self._ready.append(LoadSpec(request.request_id, scope, prompt, first, blocks))
-        self._loaded[request.request_id] = _Load(first, blocks)
+        self._ready.append(
+            self._plan_load(request.request_id, scope, request.prompt_token_ids, block_ids, local, num_external_tokens)
+        )
 
     def step(self, output: Any) -> StepPlan:
         plan = StepPlan(loads=self._ready)
@@ -156,12 +153,20 @@ class SchedulerState:
         if pending is None:
             return
         local, external = pending
+        spec = self._plan_load(req_id, tracked.scope, tracked.prompt, tracked.block_ids, local, external)
+        plan.loads.append(spec)
+        tracked.saved = len(spec.tokens)
+
+    def _plan_load(
+        self, req_id: str, scope: Scope, prompt: Sequence[int], block_ids: Sequence[int], local: int, external: int
+    ) -> LoadSpec:
+        """The load of the ``external`` tokens after vLLM's own ``local`` ones (both whole
+        blocks), remembered for ``load_failed``."""
         n = self.block_size
         first, end = local // n, (local + external) // n
-        blocks = tuple(tracked.block_ids[first:end])
-        plan.loads.append(LoadSpec(req_id, tracked.scope, tracked.prompt[: end * n], first, blocks))
+        blocks = tuple(block_ids[first:end])
         self._loaded[req_id] = _Load(first, blocks)
-        tracked.saved = end * n
+        return LoadSpec(req_id, scope, tuple(prompt[: end * n]), first, blocks)
 
     def _save(self, plan: StepPlan, req_id: str, tracked: _Tracked, computed: int) -> None:
         n = self.block_size

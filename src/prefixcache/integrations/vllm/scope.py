@@ -13,14 +13,13 @@ scheduler reads those from vLLM's own ``Request`` fields (``lora_request``,
 - each media item as a ``Segment`` at its placeholder offset, keyed by vLLM's content
   hash and the placeholder length: every block from the item's first one on carries it.
 
-Requests this cannot key are not cached at all (``scope_of`` returns None): prompt
+Requests this cannot key are not cached at all (``scope_of`` returns a ``Bypass``): prompt
 embeddings (their KV is not a function of token ids), an adapter whose files cannot
 be read, a tenant that does not verify under the configured policy.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Callable
@@ -35,8 +34,6 @@ from prefixcache.hashing import CacheContext, Segment
 from prefixcache.identity import Unverified, verify
 
 __all__ = ["Bypass", "Fingerprints", "Media", "Scope", "decode_scope", "encode_scope", "files_fingerprint", "scope_of"]
-
-log = logging.getLogger("prefixcache.vllm")
 
 _CHUNK = 16 << 20
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
