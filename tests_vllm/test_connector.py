@@ -73,12 +73,13 @@ def make_adapter(folder: Path, seed: int) -> str:
     return str(folder)
 
 
-def run(tmp: Path, name: str, job: dict[str, Any]) -> list[dict[str, Any]]:
+def run(tmp: Path, name: str, job: dict[str, Any], script: str = "scenario.py") -> list[dict[str, Any]]:
+    """Run ``job`` (SmolLM2 unless it names a model) in a vLLM process of ``script``."""
     job_path, out_path = tmp / f"{name}.json", tmp / f"{name}-out.json"
     job_path.write_text(json.dumps({"model": MODEL, **job}))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run(
-        [sys.executable, str(HERE / "scenario.py"), str(job_path), str(out_path)],
+        [sys.executable, str(HERE / script), str(job_path), str(out_path)],
         env=env,
         cwd=tmp,
         capture_output=True,

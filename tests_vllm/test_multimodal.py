@@ -15,14 +15,12 @@ before the image's block, never one from the image on.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_connector import run as run_scenario
 from tiny_mm import build
 
 HERE = Path(__file__).resolve().parent
@@ -49,20 +47,7 @@ def gen(*named: tuple[str, str]) -> dict[str, Any]:
 
 
 def run(tmp: Path, name: str, job: dict[str, Any]) -> list[dict[str, Any]]:
-    job_path, out_path = tmp / f"{name}.json", tmp / f"{name}-out.json"
-    job_path.write_text(json.dumps(job))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "mm_scenario.py"), str(job_path), str(out_path)],
-        env=env,
-        cwd=tmp,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out_path.read_text())
+    return run_scenario(tmp, name, job, "mm_scenario.py")
 
 
 def tiers(disk: Path) -> dict[str, Any]:
