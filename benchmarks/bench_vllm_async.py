@@ -31,9 +31,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,6 +41,8 @@ from pathlib import Path
 
 import httpx
 
+from bench_vllm import Proc, free_port  # this folder: the script runs from it
+
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 MODEL = os.environ.get("PREFIXCACHE_VLLM_MODEL", str(ROOT / ".prefixcache/models/SmolLM2-135M-Instruct.Q4_1"))
@@ -51,12 +51,6 @@ PROMPT_BLOCKS = 12  # about P's full blocks (its words tokenize to a few more), 
 STREAMS = 3
 WINDOW_S = 4.0
 WORDS = ["harbor", "lantern", "ledger", "copper", "valley", "orchard", "quarry", "meadow", "signal", "timber"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def long_prompt() -> str:
@@ -80,60 +74,45 @@ class Result:
     p_cached: int
 
 
-class Server:
-    """``vllm serve`` with the connector (``slow_disk_connector``) over ``disk``."""
-
-    def __init__(self, disk: Path, setup: Setup, log: Path) -> None:
-        self.port = free_port()
-        config = {
-            "kv_connector": "PrefixCacheConnector",
-            "kv_connector_module_path": "slow_disk_connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "async_load": setup.async_load,
-                "cache": {
-                    "tiers": [
-                        {"kind": "memory", "capacity_bytes": 1 << 30, "write": "through"},
-                        {"kind": "disk", "capacity_bytes": 4 << 30, "path": str(disk), "write": "through"},
-                    ]
-                },
+def server(disk: Path, setup: Setup, log: Path) -> Proc:
+    """``vllm serve`` with the connector (``slow_disk_connector``) over ``disk``, answering."""
+    port = free_port()
+    config = {
+        "kv_connector": "PrefixCacheConnector",
+        "kv_connector_module_path": "slow_disk_connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "async_load": setup.async_load,
+            "cache": {
+                "tiers": [
+                    {"kind": "memory", "capacity_bytes": 1 << 30, "write": "through"},
+                    {"kind": "disk", "capacity_bytes": 4 << 30, "path": str(disk), "write": "through"},
+                ]
             },
-        }
-        env = {
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
-            "PREFIXCACHE_BENCH_READ_DELAY_S": str(setup.delay),
-        }
-        args = [
-            *SERVE,
-            *("--model", MODEL, "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "2048"),
-            *("--enforce-eager", "--enable-prefix-caching", "--gpu-memory-utilization", "0.3"),
-            *("--enable-prompt-tokens-details", "--port", str(self.port), "--shutdown-timeout", "30"),
-            *("--kv-transfer-config", json.dumps(config)),
-        ]
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm exited; see {log}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(1)
-        raise RuntimeError(f"vllm did not start; see {log}")
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(90)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        },
+    }
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
+        "PREFIXCACHE_BENCH_READ_DELAY_S": str(setup.delay),
+    }
+    args = [
+        *SERVE,
+        *("--model", MODEL, "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "2048"),
+        *("--enforce-eager", "--enable-prefix-caching", "--gpu-memory-utilization", "0.3"),
+        *("--enable-prompt-tokens-details", "--port", str(port), "--shutdown-timeout", "30"),
+        *("--kv-transfer-config", json.dumps(config)),
+    ]
+    proc = Proc(args, env, log)
+    proc.url = f"http://127.0.0.1:{port}"
+    try:
+        proc.ready(lambda: httpx.get(f"{proc.url}/health", timeout=1).status_code == 200, timeout=300)
+    except BaseException:
+        proc.close()
+        raise
+    return proc
 
 
 def complete(url: str, prompt: str, max_tokens: int) -> tuple[float, int]:
@@ -162,12 +141,12 @@ def stream(url: str, prompt: str, stamps: list[float], stop: threading.Event) ->
 
 
 def measure(disk: Path, setup: Setup, log: Path) -> Result:
-    server = Server(disk, setup, log)
+    vllm = server(disk, setup, log)
     try:
         stop = threading.Event()
         stamps: list[list[float]] = [[] for _ in range(STREAMS)]
         threads = [
-            threading.Thread(target=stream, args=(server.url, f"Story {i}: once upon a time", stamps[i], stop))
+            threading.Thread(target=stream, args=(vllm.url, f"Story {i}: once upon a time", stamps[i], stop))
             for i in range(STREAMS)
         ]
         for t in threads:
@@ -178,7 +157,7 @@ def measure(disk: Path, setup: Setup, log: Path) -> Result:
                 raise RuntimeError("the streams did not start")
             time.sleep(0.05)
         sent = time.perf_counter()
-        ttft, cached = complete(server.url, long_prompt(), 1)
+        ttft, cached = complete(vllm.url, long_prompt(), 1)
         time.sleep(max(0.0, sent + WINDOW_S - time.perf_counter()))
         stop.set()
         counted = sum(sum(1 for t in s if sent <= t < sent + WINDOW_S) for s in stamps)
@@ -186,7 +165,7 @@ def measure(disk: Path, setup: Setup, log: Path) -> Result:
             t.join(timeout=30)
         return Result(setup.name, counted / WINDOW_S, ttft, cached)
     finally:
-        server.close()
+        vllm.close()
 
 
 def main() -> None:
@@ -202,7 +181,7 @@ def main() -> None:
         Setup(f"sync, disk +{args.delay * 1000:.0f} ms/block", False, args.delay),
     ]
     try:
-        warm = Server(disk, setups[0], work / "warm.log")  # P's blocks onto the disk
+        warm = server(disk, setups[0], work / "warm.log")  # P's blocks onto the disk
         try:
             complete(warm.url, long_prompt(), 1)
         finally:
