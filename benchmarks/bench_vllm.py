@@ -189,6 +189,19 @@ class Proc:
         self.log = log.open("a")
         self.proc = subprocess.Popen(list(argv), stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
+    @classmethod
+    def started(
+        cls, argv: Sequence[str], env: dict[str, str], log: Path, probe: Callable[[], bool], timeout: float
+    ) -> Proc:
+        """A child that answers ``probe`` within ``timeout`` seconds (closed if it does not)."""
+        proc = cls(argv, env, log)
+        try:
+            proc.ready(probe, timeout)
+        except BaseException:
+            proc.close()
+            raise
+        return proc
+
     def ready(self, probe: Callable[[], bool], timeout: float = 420) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -210,6 +223,11 @@ class Proc:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+
+
+def listening(port: int) -> Callable[[], bool]:
+    """A readiness probe: something accepts connections on ``port`` of 127.0.0.1."""
+    return lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close() is None
 
 
 def last_error(log: Path) -> str:
@@ -234,7 +252,7 @@ class Setup:
         prefixcache in a fleet a Redis (the shared tier). ``env`` is updated in place."""
         if self.name == "lmcache":
             port = free_port()
-            server = Proc(
+            server = Proc.started(
                 [
                     *(str(LMCACHE_PYTHON.parent / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port)),
                     *("--l1-size-gb", f"{servers * (budget // 2) * BLOCK_BYTES / GiB:.6f}", "--eviction-policy", "LRU"),
@@ -243,29 +261,23 @@ class Setup:
                 ],
                 env,
                 log.with_suffix(".lmcache.log"),
+                listening(port),
+                180,
             )
-            try:
-                server.ready(lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close() is None, 180)
-            except BaseException:
-                server.close()
-                raise
             env["LMCACHE_MP_TRANSFER_MODE"] = "engine_driven"
             return [server], str(port)
         if self.name == "prefixcache" and servers > 1:
             port = free_port()
-            redis = Proc(
+            redis = Proc.started(
                 [
                     *("redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"),
                     *("--dir", str(work), "--maxmemory", "8gb", "--maxmemory-policy", "allkeys-lru"),
                 ],
                 env,
                 log.with_suffix(".redis.log"),
+                listening(port),
+                60,
             )
-            try:
-                redis.ready(lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close() is None, 60)
-            except BaseException:
-                redis.close()
-                raise
             return [redis], f"redis://127.0.0.1:{port}/0"
         return [], ""
 

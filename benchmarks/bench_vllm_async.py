@@ -105,13 +105,9 @@ def server(disk: Path, setup: Setup, log: Path) -> Proc:
         *("--enable-prompt-tokens-details", "--port", str(port), "--shutdown-timeout", "30"),
         *("--kv-transfer-config", json.dumps(config)),
     ]
-    proc = Proc(args, env, log)
-    proc.url = f"http://127.0.0.1:{port}"
-    try:
-        proc.ready(lambda: httpx.get(f"{proc.url}/health", timeout=1).status_code == 200, timeout=300)
-    except BaseException:
-        proc.close()
-        raise
+    url = f"http://127.0.0.1:{port}"
+    proc = Proc.started(args, env, log, lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200, 300)
+    proc.url = url
     return proc
 
 
