@@ -41,6 +41,7 @@ class Faulty(TierStore):
             time.sleep(self.delay)
         if self.fail:
             self.fail -= 1
+            self.stats.error("injected")  # as a real store counts the cause of its failure
             raise TierError("injected write failure")
         self.inner.put(key, frame)
         self.puts += 1

@@ -4,6 +4,7 @@ bytes (invariant 6). Redis is a real ``redis-server``; disk tiers live in ``tmp_
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -17,11 +18,13 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fault_stores import Faulty, faulty
 from prefixcache.cache import PrefixCache
 from prefixcache.cache.stats import Histogram, LatencyHistogram
 from prefixcache.config import CacheConfig, KVLayout, PublishConfig, TierConfig
 from prefixcache.events import RemovalReason
 from prefixcache.hashing import CacheContext
+from prefixcache.storage import disk as disk_module
 from redis_server import REDIS_SERVER, RedisServer, StallingProxy, free_port
 from support import random_kv
 from tier_worker import BLOCK, CTX, cache_with, frame_bytes, kv_for, prompt, store
@@ -360,6 +363,33 @@ def test_a_full_disk_declines_blocks_and_never_serves_wrong_bytes(tmp_path: Path
             fetch(cache, prompt(i))
         tiers = cache.stats().tiers
         assert tiers[1].used_bytes <= tiers[1].capacity_bytes
+        check_tiers(cache)
+
+
+def test_one_failed_disk_write_is_one_error_under_one_label(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def enospc(fd: int, data: memoryview) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with cache_with(mem(64, write="through"), disk(tmp_path)) as cache:
+        monkeypatch.setattr(disk_module.os, "write", enospc)
+        store(cache, prompt(0, n_blocks=1))  # one block, written through to the failing disk
+        assert cache.flush(timeout=30)
+        monkeypatch.undo()
+        tier = cache.stats().tiers[1]
+        assert (tier.writes_failed, dict(tier.errors)) == (1, {"io": 1})  # the store's cause, once
+        assert fetch(cache, prompt(0, n_blocks=1))[:2] == (4, 4)  # still served from memory
+        check_tiers(cache)
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])  # a write by the deciding thread, and a queued one
+def test_a_write_refused_by_a_faulty_store_is_counted_once(tmp_path: Path, kind: str) -> None:
+    opened: list[Faulty] = []
+    factory = faulty((kind,), opened=opened)
+    with cache_with(mem(64, write="through"), disk(tmp_path), store_factory=factory) as cache:
+        opened[0].fail = 1
+        store(cache, prompt(0, n_blocks=2))  # the first write fails; the second block hangs below it
+        tier = cache.stats().tiers[0 if kind == "memory" else 1]
+        assert (tier.writes_failed, dict(tier.errors)) == (1, {"injected": 1})
         check_tiers(cache)
 
 

@@ -22,7 +22,7 @@ from prefixcache.cache.ledger import Ledger
 from prefixcache.cache.plans import Chain, Found, LoadPlan, Probe
 from prefixcache.cache.residency import NONE, Books
 from prefixcache.cache.tree import Block, Lookup, Node, Pin, path_to
-from prefixcache.cache.writer import Writer, fill
+from prefixcache.cache.writer import Writer, count_failed_write, fill
 from prefixcache.hashing import CacheContext
 from prefixcache.storage import codec
 from prefixcache.storage.base import Frame, TierError
@@ -297,8 +297,9 @@ class TieredPath:
         for block, k, frame in zip(chain.blocks, chain.tiers, frames, strict=True):
             if not tiers[k].sync:
                 break
-            if self.transfer.put(k, block.key, frame) is not Outcome.DONE:
-                tiers[k].errors["write"] += 1
+            outcome = self.transfer.put(k, block.key, frame)
+            if outcome is not Outcome.DONE:
+                count_failed_write(tiers[k], outcome)
                 break
             landed += 1
         with self.lock:

@@ -23,14 +23,29 @@ import threading
 from collections.abc import Iterable
 
 from prefixcache.cache.ledger import Ledger
+from prefixcache.cache.residency import TierBook
 from prefixcache.cache.stats import WriterStats
 from prefixcache.cache.tree import Block
 from prefixcache.storage.queue import Job, JobKind, LazyFrame, WriteQueue
 from prefixcache.storage.transfer import Outcome, Transfer
 
-__all__ = ["Writer", "fill"]
+__all__ = ["Writer", "count_failed_write", "fill"]
 
 log = logging.getLogger(__name__)
+
+# The error kinds a failed write is counted under by the cache, for the outcomes no store
+# counts: a store that fails a write counts its cause itself (io, timeout, connection...).
+_CACHE_ERRORS = {Outcome.FULL: "full", Outcome.NO_FRAME: "source"}
+
+
+def count_failed_write(tier: TierBook, outcome: Outcome) -> None:
+    """One failed write into ``tier``: one more in ``writes_failed``, and one error under
+    one kind. NOTE: counting ``"write"`` here on top of the store's own kind made one
+    failed disk write two errors (``io`` and ``write``)."""
+    tier.writes_failed += 1
+    kind = _CACHE_ERRORS.get(outcome)
+    if kind is not None:
+        tier.errors[kind] += 1
 
 
 def fill(copyouts: Iterable[LazyFrame]) -> None:
@@ -143,8 +158,7 @@ class Writer:
             elif not self._claimed(job):
                 deletes.append((job.tier, job.key))  # the block left while it was written
             return deletes
-        tier.writes_failed += 1
-        tier.errors["write" if outcome is not Outcome.NO_FRAME else "source"] += 1
+        count_failed_write(tier, outcome)
         if live:
             assert res is not None
             books.release(job.tier)
