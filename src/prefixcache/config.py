@@ -10,7 +10,7 @@ import dataclasses
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Annotated, Any, NoReturn
 from urllib.parse import urlsplit
 
 from prefixcache.hashing import get_hash
@@ -24,6 +24,16 @@ WRITE_MODES = ("back", "through", "selective")
 WRITERS = ("background", "inline", "deferred")
 LEVELS = {"device": "L0", "memory": "L1"}  # every other kind (disk, redis) is L2
 KV_DTYPES = {label: dtype.itemsize for label, dtype in WIRE_DTYPES.items()}  # bytes per value
+
+
+@dataclass(frozen=True, slots=True)
+class Secret:
+    """The mark of a setting that is a credential or may carry one (a URL with a password):
+    ``Annotated[str, SECRET]``. An error about it never shows its value, and the settings'
+    dump masks it (``server/settings.py``), so a new secret is safe by being marked."""
+
+
+SECRET = Secret()
 
 
 class FrozenMap(dict[str, int]):
@@ -126,7 +136,7 @@ class TierConfig:
     name: str | None = None
     path: str | None = None
     fsync: str = "data"
-    url: str | None = None
+    url: Annotated[str | None, SECRET] = field(default=None, repr=False)  # redis://[user:password@]host:port/db
     namespace: str | None = None
     connect_timeout: float = 0.2
     read_timeout: float = 0.2
@@ -330,14 +340,46 @@ def valid_names(root: type, path: Sequence[str]) -> list[str]:
     or a pydantic model, for an error that names the valid ones."""
     kind: Any = root
     for name in path:
-        hints = typing.get_type_hints(kind)
-        kind = hints.get(name)
-        for arg in typing.get_args(kind) or (kind,):
-            if isinstance(arg, type) and (dataclasses.is_dataclass(arg) or hasattr(arg, "model_fields")):
-                kind = arg
-                break
+        kind = section_of(field_hint(kind, name))
     if isinstance(kind, type) and hasattr(kind, "model_fields"):
         return list(kind.model_fields)
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         return [f.name for f in dataclasses.fields(kind)]
     return []
+
+
+def field_hint(kind: Any, name: str) -> Any:
+    """The annotation of field ``name`` of ``kind`` (a dataclass or a pydantic model), its
+    ``Annotated`` marks kept; None when there is no such field."""
+    if not isinstance(kind, type) or not (dataclasses.is_dataclass(kind) or hasattr(kind, "model_fields")):
+        return None
+    return typing.get_type_hints(kind, include_extras=True).get(name)
+
+
+def is_secret(hint: Any) -> bool:
+    """Whether an annotation (``field_hint``) marks a secret."""
+    return typing.get_origin(hint) is Annotated and any(isinstance(m, Secret) for m in hint.__metadata__)
+
+
+def secret_depth(root: type, path: Sequence[str]) -> int | None:
+    """How many names of ``path`` (nested field names under ``root``) lead to a secret
+    field (what follows is inside it: a mapping's key may be a secret itself); None
+    when the path names no secret."""
+    kind: Any = root
+    for depth, name in enumerate(path, 1):
+        hint = field_hint(kind, name)
+        if is_secret(hint):
+            return depth
+        kind = section_of(hint)
+    return None
+
+
+def section_of(hint: Any) -> Any:
+    """The dataclass or pydantic model a field's annotation holds (inside ``Annotated``,
+    an optional or a tuple of them), or the annotation itself."""
+    if typing.get_origin(hint) is Annotated:
+        hint = typing.get_args(hint)[0]
+    for arg in typing.get_args(hint) or (hint,):
+        if isinstance(arg, type) and (dataclasses.is_dataclass(arg) or hasattr(arg, "model_fields")):
+            return arg
+    return hint

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
@@ -45,9 +45,10 @@ from pydantic_settings import (
 )
 
 from prefixcache.blend.serve_types import TierSplit, split_tiers
-from prefixcache.config import CacheConfig, KVLayout, TierConfig, valid_names
+from prefixcache.config import SECRET, CacheConfig, KVLayout, TierConfig, secret_depth, valid_names
 from prefixcache.engine.model import DEFAULT_MODEL
 from prefixcache.identity import MIN_SECRET_BYTES, SECRET_ENV
+from prefixcache.server.redact import masked, scrub
 from prefixcache.server.settings_blend import BlendSettings
 
 __all__ = [
@@ -65,8 +66,6 @@ __all__ = [
 ENV_PREFIX = "PREFIXCACHE_"
 CONFIG_VAR = f"{ENV_PREFIX}CONFIG"
 COMMAND_VARS = f"{ENV_PREFIX}AUDIT_"  # read by `prefixcache audit-timing` (its keys), not settings
-# Secret fields: an error about one never shows the value given (``_explain``)
-SECRETS = frozenset({("auth", "admin_key"), ("auth", "tenant_secret"), ("auth", "api_keys")})
 
 GiB = 1 << 30
 SERVER_CACHE = CacheConfig(
@@ -136,14 +135,15 @@ def _check_secret(value: str) -> str:
 class AuthSettings(BaseModel):
     model_config = _FROZEN
 
-    api_keys: Annotated[dict[str, str], NoDecode, BeforeValidator(_key_pairs), AfterValidator(_check_keys)] = Field(
-        default_factory=dict, repr=False
+    # NOTE: ``SECRET`` marks a field whose value no error and no dump shows (``redact.py``)
+    api_keys: Annotated[dict[str, str], SECRET, NoDecode, BeforeValidator(_key_pairs), AfterValidator(_check_keys)] = (
+        Field(default_factory=dict, repr=False)
     )  # key -> tenant
-    admin_key: str = Field(default="", repr=False)
+    admin_key: Annotated[str, SECRET] = Field(default="", repr=False)
     tenant_header: str = ""  # a header set by a trusted gateway that names the tenant; off when empty
     # The secret ``prefixcache route`` salts each tenant's vLLM requests with and the vLLM
     # connector verifies them by (``identity.py``); needed with --vllm-backend.
-    tenant_secret: Annotated[str, AfterValidator(_check_secret)] = Field(default="", repr=False)
+    tenant_secret: Annotated[str, SECRET, AfterValidator(_check_secret)] = Field(default="", repr=False)
     # isolation = "shared" with several tenants lets each see (by cached_tokens and by
     # time) what the others sent: refused unless the operator says so here
     allow_cross_tenant_reuse: bool = False
@@ -155,13 +155,21 @@ class AuthSettings(BaseModel):
         return not self.api_keys
 
 
+def _redis_url(value: str) -> str:
+    if value and urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+        raise ValueError("must be a redis://, rediss:// or unix:// URL")
+    return value
+
+
 class FleetSettings(BaseModel):
     """``[fleet]``: this server's KV events on a Redis stream, for a router (``fleet/publisher.py``)."""
 
     model_config = _FROZEN
 
     publish: bool = False  # send KV events to redis_url (and serve /fleet/info and /fleet/snapshot)
-    redis_url: str = ""  # e.g. redis://127.0.0.1:6379/0
+    redis_url: Annotated[str, SECRET, AfterValidator(_redis_url)] = Field(
+        default="", repr=False
+    )  # redis://:pw@host:6379/0
     name: str = ""  # this backend's name on the stream; default: server.host:server.port
     stream_prefix: str = "prefixcache:fleet"  # the stream is <stream_prefix>:events:<name>
     maxlen: int = Field(default=10_000, gt=0)  # entries (batches) the stream keeps: the replay buffer
@@ -170,8 +178,6 @@ class FleetSettings(BaseModel):
     def _reachable(self) -> FleetSettings:
         if self.publish and not self.redis_url:
             raise ValueError("fleet.publish = true needs fleet.redis_url (e.g. redis://127.0.0.1:6379/0)")
-        if self.redis_url and urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"fleet.redis_url must be redis://, rediss:// or unix://, got {self.redis_url!r}")
         return self
 
 
@@ -366,42 +372,18 @@ def _explain(exc: ValidationError) -> str:
         valid = valid_names(Settings, loc[:-1])
         env = ENV_PREFIX + "_".join(loc).upper()
         return f"unknown setting {where} (in the file, or as {env}); valid: {', '.join(valid)}"
-    message = str(error["msg"]).removeprefix("Value error, ")
     given = error.get("input")
-    secret = tuple(loc[:2]) in SECRETS
-    shown = "" if secret or isinstance(given, dict | list | tuple) else f" (got {given!r})"
+    message = scrub(str(error["msg"]).removeprefix("Value error, "), Settings, loc, given)
+    depth = secret_depth(Settings, loc)
+    if depth is not None:  # the setting and what is wrong with it, never its value
+        return f"invalid setting {'.'.join(loc[:depth])}: {message}"
+    shown = "" if isinstance(given, dict | list | tuple) else f" (got {given!r})"
     return f"invalid setting {where}: {message}{shown}"
 
 
 def describe(settings: Settings) -> dict[str, Any]:
-    """The effective settings, secrets masked (for the startup log and admin stats)."""
-    out: dict[str, Any] = {
-        "server": settings.server.model_dump(),
-        "model": settings.model.model_dump(),
-        "cache": _plain(dataclasses.asdict(settings.cache)),
-        "auth": {
-            "tenants": sorted(set(settings.auth.api_keys.values())),
-            "admin_key": "***" if settings.auth.admin_key else "",
-            "tenant_header": settings.auth.tenant_header,
-            "tenant_secret": "***" if settings.auth.tenant_secret else "",
-            "allow_cross_tenant_reuse": settings.auth.allow_cross_tenant_reuse,
-        },
-        "fleet": settings.fleet.model_dump() | {"redis_url": _without_password(settings.fleet.redis_url)},
-        "blend": settings.blend.model_dump(),
-    }
+    """The effective settings, secrets masked (for the startup log), and the tenants the
+    API keys name."""
+    out: dict[str, Any] = masked(settings)
+    out["auth"]["tenants"] = sorted(set(settings.auth.api_keys.values()))
     return out
-
-
-def _without_password(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    return urlunsplit(parts._replace(netloc=f"***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")))
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
