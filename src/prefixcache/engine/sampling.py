@@ -1,8 +1,21 @@
-"""Choosing the next token, and turning tokens into text that never has to be taken back."""
+"""Choosing the next token, and turning tokens into text that never has to be taken back.
+
+The penalties change the last position's logits before temperature and top_p, as vLLM
+applies them (OpenAI defines the first two the same way)::
+
+    repetition_penalty   r   a token of the prompt or the answer so far: logit / r if > 0, else logit * r
+    frequency_penalty    f   logit -= f * (times the answer so far has the token)
+    presence_penalty     p   logit -= p * (1 if the answer so far has the token)
+
+They need the request's tokens: the worker keeps a ``TokenCounts`` per request and passes
+it to every ``sample`` call, which adds the token it picks.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -11,15 +24,22 @@ from transformers import PreTrainedTokenizerBase
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a torch generator takes
 
 
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI's and vLLM's)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """``temperature == 0`` is greedy; ``seed`` makes a sampled answer reproducible."""
+    """``temperature == 0`` is greedy; ``seed`` makes a sampled answer reproducible; the
+    penalties' defaults change nothing."""
 
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -32,10 +52,73 @@ class SamplingParams:
             raise ValueError(f"seed must be between -2**63 and 2**64 - 1, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop) or len(self.stop) > 4:
             raise ValueError("stop must be at most 4 non-empty strings")
+        low, high = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not low <= getattr(self, name) <= high:  # NaN fails too
+                raise ValueError(f"{name} must be between {low:g} and {high:g}, got {getattr(self, name)!r}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """The next token from the last position's ``logits`` ([vocab])."""
+class TokenCounts:
+    """One request's tokens as the penalties see them: the prompt's (repetition) and how
+    many times each token was generated (all three). ``sample`` adds what it picks."""
+
+    def __init__(self, prompt: Sequence[int]) -> None:
+        self._prompt = sorted(set(prompt))
+        self._generated: Counter[int] = Counter()
+        self._prompt_ids: torch.Tensor | None = None  # on the logits' device, made once
+
+    def add(self, token: int) -> None:
+        self._generated[token] += 1
+
+    @property
+    def generated(self) -> Mapping[int, int]:
+        return self._generated
+
+    def prompt_ids(self, device: torch.device) -> torch.Tensor:
+        if self._prompt_ids is None or self._prompt_ids.device != device:
+            self._prompt_ids = torch.tensor(self._prompt, dtype=torch.long, device=device)
+        return self._prompt_ids
+
+
+def penalize(logits: torch.Tensor, params: SamplingParams, history: TokenCounts) -> torch.Tensor:
+    """``logits`` ([vocab]) with the penalties applied (a new tensor)."""
+    scores = logits.clone()
+    vocab, device = scores.shape[-1], scores.device
+    pairs = [(t, n) for t, n in history.generated.items() if 0 <= t < vocab]
+    ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=device)
+    if params.repetition_penalty != 1.0:
+        prompt = history.prompt_ids(device)
+        seen = torch.cat([prompt[(prompt >= 0) & (prompt < vocab)], ids])  # a repeat writes the same value
+        picked = scores[seen]
+        scores[seen] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+    if pairs:
+        counts = torch.tensor([n for _, n in pairs], dtype=scores.dtype, device=device)
+        scores[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    return scores
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, history: TokenCounts | None = None
+) -> int:
+    """The next token from the last position's ``logits`` ([vocab]). ``history``, the
+    request's ``TokenCounts``, gets the token added; the penalties need it (without it,
+    as from a caller that keeps no counts, none is applied)."""
+    if params.penalized and history is not None:
+        logits = penalize(logits, params, history)
+    token = _pick(logits, params, generator)
+    if history is not None:
+        history.add(token)
+    return token
+
+
+def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
     scores = logits.double()
