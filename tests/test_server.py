@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -163,6 +164,12 @@ BAD = [
         "invalid_value",
     ),
     ("lone surrogate in stop", raw(stop="x\ud800"), 400, "invalid_value"),
+    ("presence_penalty above 2", chat_body(presence_penalty=2.5), 400, "invalid_value"),
+    ("frequency_penalty of 1e308", chat_body(frequency_penalty=1e308), 400, "invalid_value"),
+    ("presence_penalty NaN", raw(presence_penalty=math.nan), 400, "invalid_value"),
+    ("frequency_penalty Infinity", raw(frequency_penalty=math.inf), 400, "invalid_value"),
+    ("frequency_penalty -Infinity", raw(frequency_penalty=-math.inf), 400, "invalid_value"),
+    ("repetition_penalty zero", chat_body(repetition_penalty=0), 400, "invalid_value"),
 ]
 
 
@@ -209,6 +216,10 @@ UNSUPPORTED = [
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "suffix", "done"),
     ("/v1/completions", "logprobs", 2),
+    ("/v1/chat/completions", "modalities", ["text", "audio"]),
+    ("/v1/chat/completions", "store", True),
+    ("/v1/chat/completions", "service_tier", "flex"),
+    ("/v1/chat/completions", "reasoning_effort", "high"),
 ]
 
 
@@ -220,6 +231,7 @@ def test_an_unsupported_openai_field_is_refused_by_name(live: LiveServer, path: 
     error = refused.json()["error"]
     assert error["param"] == field and "not supported" in error["message"]
     off = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False}
+    off |= {"modalities": ["text"], "store": False, "service_tier": "auto"}
     if field in off:  # its "off" value asks for nothing: answered
         assert post(live, path, body | {field: off[field]}).status_code == 200
 

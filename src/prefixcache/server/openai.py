@@ -50,7 +50,16 @@ class Completions:
             )
         if max_tokens is None:  # not asked for: the default, cut to what the context leaves
             max_tokens = max(1, min(default, self.engine.context_length - prompt_tokens))
-        return SamplingParams(max_tokens, body.temperature, body.top_p, body.stops, body.seed)
+        return SamplingParams(
+            max_tokens,
+            body.temperature,
+            body.top_p,
+            body.stops,
+            body.seed,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+        )
 
     async def _start(
         self, tokens: list[int], tenant: str, params: SamplingParams

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 
-from prefixcache.engine.sampling import SEED_RANGE
+from prefixcache.engine.sampling import PENALTY_RANGE, SEED_RANGE
 
 MAX_TOKENS_LIMIT = 1 << 20  # any larger value is refused as such, before the context check
 
@@ -34,9 +43,33 @@ def _unicode(value: Any) -> Any:
     return value
 
 
-# Fields of OpenAI's API this server does not implement, with the values that ask for
-# nothing: a request that sets one to anything else is refused with a 400 naming it,
-# never answered as if it had not asked.
+# What this server does with every field of OpenAI's chat and completions requests.
+# tests/test_server_fields.py holds this table to the schema the ``openai`` package ships,
+# so that a field OpenAI adds fails a test until it is placed here.
+#
+#   IMPLEMENTED  as OpenAI defines it (``n``: 1 only; the penalties: engine/sampling.py)
+#   INERT        accepted and without effect: by OpenAI's definition none changes the answer
+#   _OFF         refused with a 400 that names it, unless set to a value that asks for
+#                nothing (listed with it); never answered as if it had not asked
+IMPLEMENTED = frozenset(
+    {
+        "model",
+        "messages",
+        "prompt",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stream",
+        "stream_options",
+        "stop",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+    }
+)
+INERT = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"})
 _OFF: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -49,7 +82,19 @@ _OFF: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "moderation": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None, "medium"),
+    "web_search_options": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "prompt_cache_retention": (None,),
+    "prompt_cache_options": (None, {}),
 }
+REFUSED = frozenset(_OFF)
 
 
 def _off(value: Any, info: ValidationInfo) -> Any:
@@ -60,17 +105,27 @@ def _off(value: Any, info: ValidationInfo) -> Any:
     return value
 
 
+Off = Annotated[Any, AfterValidator(_off)]  # a field of ``_OFF``
 _JSON_TYPES = {type(None): "null", bool: "boolean", int: "integer", str: "string", list: "array", dict: "object"}
 
 
-def _only_off(name: str) -> WithJsonSchema:
+def _document_off(schema: dict[str, Any], model: type) -> None:
     """What the OpenAPI document says of an unsupported field: the values that ask for
     nothing, with their JSON types (``false`` is a boolean, never the integer 0)."""
-    offs = _OFF[name]
-    types = list(dict.fromkeys(_JSON_TYPES[type(off)] for off in offs))
-    return WithJsonSchema(
-        {"type": types, "enum": list(offs), "description": "Not supported: only a value that asks for nothing."}
-    )
+    for name, prop in schema.get("properties", {}).items():
+        if name in _OFF:
+            offs = _OFF[name]
+            prop.clear()
+            prop["type"] = list(dict.fromkeys(_JSON_TYPES[type(off)] for off in offs))
+            prop["enum"] = list(offs)
+            prop["description"] = "Not supported: only a value that asks for nothing."
+
+
+# presence_penalty and frequency_penalty as OpenAI bounds them; repetition_penalty (vLLM's
+# and Hugging Face's, no OpenAI field) as vLLM does: finite and > 0. NaN and infinities,
+# which Python's JSON parser takes, are refused as such.
+Penalty = Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 
 
 # NOTE: the validators below check what these schemas say, with clearer messages than a
@@ -104,10 +159,11 @@ class StreamOptions(BaseModel):
 
 
 class _Request(BaseModel):
-    # NOTE: unknown fields are accepted and ignored, as OpenAI-compatible servers do
-    # (user, metadata, ...), except the ones of ``_OFF``, refused when they ask for
-    # something; and no lax coercion: "10" is not a number, "yes" is not a boolean.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # NOTE: every OpenAI field is implemented, inert or refused (the table above); fields
+    # that are no part of OpenAI's API are ignored (vendor extensions a router may pass on:
+    # a client's cache_salt, kv_transfer_params), except repetition_penalty, implemented.
+    # No lax coercion: "10" is not a number, "yes" is not a boolean.
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_document_off)
 
     model: str
     max_tokens: TokenCount | None = None
@@ -118,25 +174,31 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     stop: Annotated[str | list[str] | None, _STOP_SCHEMA] = None
     seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1]), _INTEGRAL] | None = None
-    tools: Annotated[Any, _only_off("tools")] = None
-    tool_choice: Annotated[Any, _only_off("tool_choice")] = None
-    functions: Annotated[Any, _only_off("functions")] = None
-    function_call: Annotated[Any, _only_off("function_call")] = None
-    response_format: Annotated[Any, _only_off("response_format")] = None
-    logprobs: Annotated[Any, _only_off("logprobs")] = None
-    top_logprobs: Annotated[Any, _only_off("top_logprobs")] = None
-    logit_bias: Annotated[Any, _only_off("logit_bias")] = None
-
-    _unsupported = field_validator(
-        "tools",
-        "tool_choice",
-        "functions",
-        "function_call",
-        "response_format",
-        "logprobs",
-        "top_logprobs",
-        "logit_bias",
-    )(_off)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    tools: Off = None
+    tool_choice: Off = None
+    functions: Off = None
+    function_call: Off = None
+    response_format: Off = None
+    logprobs: Off = None
+    top_logprobs: Off = None
+    logit_bias: Off = None
+    echo: Off = None
+    best_of: Off = None
+    suffix: Off = None
+    audio: Off = None
+    modalities: Off = None
+    moderation: Off = None
+    prediction: Off = None
+    reasoning_effort: Off = None
+    verbosity: Off = None
+    web_search_options: Off = None
+    service_tier: Off = None
+    store: Off = None
+    prompt_cache_retention: Off = None
+    prompt_cache_options: Off = None
 
     @field_validator("stop")
     @classmethod
@@ -187,11 +249,6 @@ class ChatRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: Annotated[str | list[str] | list[Annotated[int, _INTEGRAL]], _PROMPT_SCHEMA]
-    echo: Annotated[Any, _only_off("echo")] = None
-    best_of: Annotated[Any, _only_off("best_of")] = None
-    suffix: Annotated[Any, _only_off("suffix")] = None
-
-    _unsupported_here = field_validator("echo", "best_of", "suffix")(_off)
 
     @field_validator("prompt")
     @classmethod
