@@ -25,7 +25,6 @@ import json
 import re
 import socket
 import tomllib
-import typing
 from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
@@ -33,10 +32,8 @@ from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
-from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
-    EnvSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
@@ -47,11 +44,13 @@ from pydantic_settings import (
 from prefixcache.blend.serve_types import TierSplit, split_tiers
 from prefixcache.config import SECRET, CacheConfig, KVLayout, TierConfig, secret_depth, valid_names
 from prefixcache.engine.model import DEFAULT_MODEL
-from prefixcache.identity import MIN_SECRET_BYTES, SECRET_ENV
+from prefixcache.identity import MIN_SECRET_BYTES
 from prefixcache.server.redact import masked, scrub
 from prefixcache.server.settings_blend import BlendSettings
+from prefixcache.server.settings_env import CONFIG_VAR, ENV_PREFIX, Env
 
 __all__ = [
+    "CONFIG_VAR",
     "ENV_PREFIX",
     "SERVER_CACHE",
     "AuthSettings",
@@ -63,9 +62,6 @@ __all__ = [
     "load_settings",
 ]
 
-ENV_PREFIX = "PREFIXCACHE_"
-CONFIG_VAR = f"{ENV_PREFIX}CONFIG"
-COMMAND_VARS = f"{ENV_PREFIX}AUDIT_"  # read by `prefixcache audit-timing` (its keys), not settings
 
 GiB = 1 << 30
 SERVER_CACHE = CacheConfig(
@@ -181,53 +177,7 @@ class FleetSettings(BaseModel):
         return self
 
 
-class UnknownSetting(ValueError):
-    """A ``PREFIXCACHE_*`` variable that names no section."""
-
-
 _SOURCES: ContextVar[tuple[Path | None, Mapping[str, str] | None]] = ContextVar("sources", default=(None, None))
-
-
-class _Env(EnvSettingsSource):
-    """pydantic-settings' environment source, taught two things: to look inside the
-    configuration's stdlib dataclasses for nested fields (so ``PREFIXCACHE_CACHE_TIERS``
-    is parsed as a list), and to read a given mapping instead of ``os.environ``."""
-
-    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str] | None) -> None:
-        self._environ = environ
-        super().__init__(settings_cls)
-
-    def _load_env_vars(self) -> Mapping[str, str | None]:
-        environ = self._environ
-        loaded = super()._load_env_vars() if environ is None else {k.lower(): v for k, v in environ.items()}
-        outside = (CONFIG_VAR.lower(), SECRET_ENV.lower())  # the secret's own variable, shared with the connector
-        return {k: v for k, v in loaded.items() if k not in outside and not k.startswith(COMMAND_VARS.lower())}
-
-    def __call__(self) -> dict[str, Any]:
-        sections = tuple(self.settings_cls.model_fields)
-        prefix = ENV_PREFIX.lower()
-        for name in self.env_vars:
-            rest = name[len(prefix) :] if name.startswith(prefix) else None
-            if rest is not None and not any(rest.startswith(f"{section}_") for section in sections):
-                raise UnknownSetting(f"unknown setting {rest} (as {name.upper()}); valid: {', '.join(sections)}")
-        return super().__call__()
-
-    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
-        try:
-            return super().decode_complex_value(field_name, field, value)
-        except ValueError as exc:
-            raise ValueError(f"{field_name}: not valid JSON ({exc})") from None
-
-    def next_field(
-        self, field: FieldInfo | Any | None, key: str, case_sensitive: bool | None = None
-    ) -> FieldInfo | None:
-        found = super().next_field(field, key, case_sensitive)
-        annotation = field.annotation if isinstance(field, FieldInfo) else field
-        if found is not None or not dataclasses.is_dataclass(annotation):
-            return found
-        hints = typing.get_type_hints(annotation)
-        name = key if case_sensitive else key.lower()
-        return FieldInfo.from_annotation(hints[name]) if name in hints else None
 
 
 class Settings(BaseSettings):
@@ -259,7 +209,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         path, environ = _SOURCES.get()
-        sources: list[PydanticBaseSettingsSource] = [init_settings, _Env(settings_cls, environ)]
+        sources: list[PydanticBaseSettingsSource] = [init_settings, Env(settings_cls, environ)]
         if path is not None:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
         return tuple(sources)
