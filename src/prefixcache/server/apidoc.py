@@ -54,7 +54,7 @@ _RAISES: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/completions"): (404, 429, 503, 504),
     ("post", "/admin/epoch"): (404, 409),
     ("post", "/admin/purge"): (409,),
-    ("post", "/dashboard/login"): (401, 403),  # the admin key is in the body
+    ("post", "/dashboard/login"): (401, 403, 429),  # the admin key is in the body; failures are throttled
     ("get", "/fleet/info"): (409,),
     ("get", "/fleet/snapshot"): (409,),
 }

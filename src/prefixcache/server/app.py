@@ -44,7 +44,7 @@ from prefixcache.server.errors import APIError, BodyLimit, install_error_handler
 from prefixcache.server.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, Completions
 from prefixcache.server.recording import RECENT_REQUESTS, Recorder
 from prefixcache.server.schemas import ChatRequest, CompletionRequest, EpochRequest, LoginRequest, PurgeRequest
-from prefixcache.server.sessions import COOKIE, Sessions
+from prefixcache.server.sessions import COOKIE, LoginThrottle, Sessions, TrustedProxies
 from prefixcache.server.settings import Settings
 
 __all__ = ["Server", "create_app"]
@@ -69,6 +69,8 @@ class Server:
         self.model_id = engine.model_id
         self.created = int(time.time())
         self.sessions = Sessions(settings.auth.dashboard_session_s)
+        self.proxies = TrustedProxies(settings.server.trusted_proxies)
+        self.logins = LoginThrottle()
         self.auth = Auth(settings.auth, self.sessions)
         self.blend = BlendMetrics(registry)
         self.blend_engine = engine if isinstance(engine, BlendEngine) else None
@@ -190,16 +192,34 @@ def _operator_routes(app: FastAPI, server: Server) -> None:
     async def dashboard_page() -> Response:
         return HTMLResponse(page, headers=PAGE_HEADERS)
 
+    def over_tls(request: Request) -> bool:
+        peer = request.client.host if request.client else None
+        return server.proxies.secure(request.url.scheme, peer, request.headers.get("x-forwarded-proto"))
+
     @app.post("/dashboard/login", status_code=204)
     def login(request: Request, body: LoginRequest) -> Response:
-        auth.admin_key(body.key, "The dashboard is for the operator")
+        peer = request.client.host if request.client else None
+        client = server.proxies.client(peer, ",".join(request.headers.getlist("x-forwarded-for")))
+        wait = server.logins.retry_after(client)
+        if wait:  # NOTE: before the key is checked, so that a throttled guess learns nothing
+            raise APIError(
+                429,
+                "Too many failed logins from this address; retry later.",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(wait)},
+            )
+        try:
+            auth.admin_key(body.key, "The dashboard is for the operator")
+        except APIError:
+            server.logins.failed(client)
+            raise
         response = Response(status_code=204)
         response.set_cookie(
             COOKIE,
             server.sessions.open(),
             max_age=int(server.sessions.ttl_s),
             path="/",
-            secure=request.url.scheme == "https",
+            secure=over_tls(request),  # sent back over TLS only, when it came that way
             httponly=True,  # no script reads it
             samesite="strict",  # no other site's page sends it
         )
@@ -209,7 +229,7 @@ def _operator_routes(app: FastAPI, server: Server) -> None:
     def logout(request: Request) -> Response:
         server.sessions.close(request.cookies.get(COOKIE))
         response = Response(status_code=204)
-        response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
+        response.delete_cookie(COOKIE, path="/", secure=over_tls(request), httponly=True, samesite="strict")
         return response
 
     @app.get("/dashboard/data", dependencies=[Depends(auth.dashboard)])

@@ -21,6 +21,7 @@ publishes this server's KV events to a Redis stream for a prefix-aware router.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import re
 import socket
@@ -75,6 +76,24 @@ _FROZEN = ConfigDict(extra="forbid", frozen=True)
 LOCAL_TENANT = "local"  # the one tenant of local mode (no API keys)
 
 
+def _address_list(value: object) -> object:
+    """``"10.0.0.1, 10.1.0.0/16"`` (an environment variable) as a list; a list as it is."""
+    if isinstance(value, str):
+        if value.lstrip().startswith("["):
+            return json.loads(value)
+        return [a.strip() for a in value.split(",") if a.strip()]
+    return value
+
+
+def _check_networks(value: tuple[str, ...]) -> tuple[str, ...]:
+    for network in value:
+        try:
+            ipaddress.ip_network(network)
+        except ValueError as exc:  # "... does not appear to be an IPv4 or IPv6 network", "... has host bits set"
+            raise ValueError(str(exc)) from None
+    return value
+
+
 class ServerSettings(BaseModel):
     model_config = _FROZEN
 
@@ -88,6 +107,11 @@ class ServerSettings(BaseModel):
     cache: bool = True  # off: every prompt is prefilled in full
     flush_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM or SIGINT: how long queued writes may take
     allow_open_access: bool = False  # needed to listen beyond loopback with no [auth] api_keys
+    # proxies whose X-Forwarded-For and X-Forwarded-Proto are believed (IPs or CIDR networks):
+    # the client address that failed logins are throttled by, TLS for the dashboard cookie
+    trusted_proxies: Annotated[
+        tuple[str, ...], NoDecode, BeforeValidator(_address_list), AfterValidator(_check_networks)
+    ] = ()
 
 
 class ModelSettings(BaseModel):

@@ -8,6 +8,9 @@
   generated is never cut: only reading the request is timed.
 - **No secret in a log line.** The access log names the path but never its query string
   (a key pasted into a URL stays out of the log); request headers are never logged.
+- **Forwarding headers are the app's to judge.** uvicorn's own proxy support (on by
+  default, trusting 127.0.0.1) is off: the client's address and scheme stay the peer's,
+  and only ``server.trusted_proxies`` makes ``X-Forwarded-*`` believed (sessions.py).
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ def uvicorn_config(app: Any, settings: Settings, log_level: str = "info", **extr
         app,
         **(where | extra),
         http=protocol,
+        proxy_headers=False,
         log_level=log_level,
         log_config=log_config,
     )
