@@ -210,3 +210,40 @@ def test_every_field_named_like_a_secret_is_marked_secret() -> None:
     marked = sorted(name for name, hint in fields if is_secret(hint))
     assert marked == ["auth.admin_key", "auth.api_keys", "auth.tenant_secret", "cache.tiers.url", "fleet.redis_url"]
     assert typing.get_origin(field_hint(Settings, "auth")) is None  # sections themselves are not secret
+
+
+def test_admin_stats_and_tier_logs_hold_no_redis_password(caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
+    from typing import cast
+
+    import numpy as np
+    from starlette.testclient import TestClient
+
+    from prefixcache.cache import PrefixCache
+    from prefixcache.config import CacheConfig, KVLayout, TierConfig
+    from prefixcache.engine import Engine
+    from prefixcache.engine.requests import EngineStats
+    from prefixcache.hashing import CacheContext
+    from prefixcache.server.app import create_app
+    from prefixcache.server.settings import AuthSettings
+
+    caplog.set_level("WARNING")
+    layout = KVLayout(layers=1, kv_heads=1, head_dim=4, dtype="float16")
+    tiers = (
+        TierConfig(kind="memory", capacity_bytes=1 << 20, write="through"),
+        TierConfig(kind="redis", capacity_bytes=1 << 20, url="redis://:pw-ST4TS@127.0.0.1:1/0", connect_timeout=0.05),
+    )
+    cache = PrefixCache(CacheConfig(block_size=4, kv_layout=layout, tiers=tiers, writer="inline"))
+    try:
+        tokens = list(range(8))
+        cache.insert(tokens, CacheContext(tenant="t", model="m"), kv=np.zeros(layout.shape(8), dtype=np.float16))
+        assert cache.stats().tiers[1].writes_failed >= 1  # Redis is not there: a write failed, and was logged
+        engine = SimpleNamespace(model_id="m", queue_depth=lambda: 0, stats=EngineStats())
+        settings = Settings(auth=AuthSettings(api_keys={"sk-acme-0123456789": "acme"}, admin_key="adm-0123456789"))
+        with TestClient(create_app(cast(Engine, engine), settings, cache)) as http:
+            stats = http.get("/admin/stats", headers={"Authorization": "Bearer adm-0123456789"})
+        assert stats.status_code == 200 and "writes_failed" in stats.text
+        assert "pw-ST4TS" not in stats.text
+        assert "event=tier_error" in caplog.text and "pw-ST4TS" not in caplog.text
+    finally:
+        cache.close(0)
