@@ -24,6 +24,7 @@ __all__ = [
     "Request",
     "RequestTimeout",
     "Sink",
+    "TenantBusy",
     "TokenEvent",
     "Usage",
 ]
@@ -54,6 +55,13 @@ class QueueFull(EngineError):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class TenantBusy(QueueFull):
+    """A tenant over its own share of the engine (its admission limits), while the
+    engine may still take other tenants' requests."""
+
+    code = "tenant_busy"
 
 
 class RequestTimeout(EngineError):

@@ -1,0 +1,256 @@
+"""The scheduler alone (no model), under any interleaving of submissions, steps, ends
+and callers that leave: every admitted job ends exactly once, tenants are stepped in
+turn (none starves), and the limits hold: per tenant, in the queue, in flight."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from prefixcache.engine.requests import EngineClosed, QueueFull, TenantBusy
+from prefixcache.engine.scheduler import Admission, Order, Scheduler, SchedulerConfig, TenantLimits
+
+TENANTS = ("a", "b", "c")
+
+
+@dataclass(eq=False)
+class FakeJob:
+    tenant: str
+    tokens: int
+    steps: int  # steps until it ends
+    stepped: int = 0
+    ended: int = 0
+    gone: bool = False  # its caller left
+
+
+@dataclass
+class Clock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+limits = st.builds(TenantLimits, st.one_of(st.none(), st.integers(1, 4)), st.one_of(st.none(), st.integers(50, 400)))
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        max_active=st.integers(1, 4),
+        max_queue=st.integers(1, 6),
+        order=st.sampled_from(Order),
+        default=limits,
+        b=limits,
+    )
+    def setup(self, max_active: int, max_queue: int, order: Order, default: TenantLimits, b: TenantLimits) -> None:
+        self.config = SchedulerConfig(max_queue, max_active, order, Admission(default, {"b": b}))
+        self.clock = Clock()
+        self.sched: Scheduler[FakeJob] = Scheduler(self.config, self.clock)
+        self.admitted: list[FakeJob] = []
+        self.index = 0  # steps so far
+        self.last_step: dict[str, int] = {}
+        self.active_since: dict[str, int] = {}  # tenants in flight: since which step
+        self.arrival: dict[int, int] = {}  # id(job) -> order of admission
+        self.first: dict[int, int] = {}  # id(job) -> the step that started it
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(tenant=st.sampled_from(TENANTS), tokens=st.integers(1, 300), steps=st.integers(1, 4))
+    def submit(self, tenant: str, tokens: int, steps: int) -> None:
+        job = FakeJob(tenant, tokens, steps)
+        before = self.sched.load().get(tenant)
+        jobs = 0 if before is None else before.waiting + before.active
+        held = 0 if before is None else before.tokens
+        waiting = self.sched.waiting
+        limit = self.config.admission.limits(tenant)
+        try:
+            self.sched.admit(job)
+        except TenantBusy:
+            over_count = limit.max_concurrent is not None and jobs >= limit.max_concurrent
+            over_tokens = limit.max_queued_tokens is not None and jobs > 0 and held + tokens > limit.max_queued_tokens
+            assert over_count or over_tokens
+            return
+        except QueueFull:
+            assert waiting >= self.config.max_queue
+            return
+        assert limit.max_concurrent is None or jobs < limit.max_concurrent
+        assert limit.max_queued_tokens is None or jobs == 0 or held + tokens <= limit.max_queued_tokens
+        self.arrival[id(job)] = len(self.admitted)
+        self.admitted.append(job)
+        self._track()
+
+    @precondition(lambda self: self.sched.active > 0)
+    @rule()
+    def step(self) -> None:
+        self.clock.now += 1.0
+        job = self.sched.next(timeout=0)
+        assert job is not None and not job.ended and not job.gone
+        self._check_turn(job.tenant)
+        if not job.stepped:
+            self.first[id(job)] = self.index
+        job.stepped += 1
+        if job.stepped == job.steps:
+            job.ended += 1
+            self.sched.finish(job)
+        self._track()
+
+    @rule(data=st.data())
+    def leave(self, data: st.DataObject) -> None:
+        """Some callers leave; the waiting ones among them are reaped, unstarted."""
+        living = [j for j in self.admitted if not j.ended and not j.gone]
+        if not living:
+            return
+        for job in data.draw(st.lists(st.sampled_from(living), max_size=3)):
+            job.gone = True
+        reaped = self.sched.reap(lambda j: j.gone)
+        for job in reaped:
+            assert job.gone and job.stepped == 0 and not job.ended
+            job.ended += 1
+        self._track()
+        for job in self.admitted:
+            if job.gone and not job.ended:
+                job.gone = False  # in flight: it ends by its own steps (the engine's job sees the cancel)
+
+    # ------------------------------------------------------------------ invariants
+
+    @invariant()
+    def limits_hold(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        load = self.sched.load()
+        assert self.sched.active <= self.config.max_active
+        assert self.sched.waiting <= self.config.max_queue
+        assert sum(t.active for t in load.values()) == self.sched.active
+        assert sum(t.waiting for t in load.values()) == self.sched.waiting
+        for tenant, t in load.items():
+            limit = self.config.admission.limits(tenant)
+            jobs = t.waiting + t.active
+            assert limit.max_concurrent is None or jobs <= limit.max_concurrent
+            assert limit.max_queued_tokens is None or jobs <= 1 or t.tokens <= limit.max_queued_tokens
+            living = [j for j in self.admitted if j.tenant == tenant and not j.ended]
+            assert jobs == len(living) and t.tokens == sum(j.tokens for j in living)
+
+    @invariant()
+    def slots_are_used_and_shared(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        load, free = self.sched.load(), self.config.max_active - self.sched.active
+        if self.config.order is Order.FIFO:
+            assert self.sched.waiting == 0 or free == 0  # a waiting job means no free slot
+            return
+        for t in load.values():
+            if t.waiting:
+                assert t.active >= free  # a waiting job's tenant holds as many slots as are free
+            if self.config.max_active > 1:
+                assert t.active < self.config.max_active  # no tenant alone fills every slot
+
+    def teardown(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        bound = sum(j.steps for j in self.admitted) + 1
+        for _ in range(bound):  # everything admitted ends in at most its own steps
+            if self.sched.active == 0:
+                break
+            self.step()
+        assert self.sched.active == 0 and self.sched.waiting == 0
+        assert all(j.ended == 1 for j in self.admitted)
+        assert all(j.stepped in (0, j.steps) for j in self.admitted)
+        if self.config.order is Order.FIFO and self.config.max_active == 1:  # one at a time, in the order they came
+            started = sorted((j for j in self.admitted if j.stepped), key=lambda j: self.first[id(j)])
+            assert [self.arrival[id(j)] for j in started] == sorted(self.arrival[id(j)] for j in started)
+        assert self.sched.next(timeout=0) is None
+        assert self.sched.close() == []
+        assert self.sched.next() is None  # closed and empty: the worker stops
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_turn(self, tenant: str) -> None:
+        """Round robin: between two steps of ``tenant``, every tenant in flight the whole
+        time got a step too."""
+        previous = self.last_step.get(tenant)
+        if previous is not None and self.active_since.get(tenant, self.index + 1) <= previous:
+            for other, since in self.active_since.items():
+                if other != tenant and since <= previous:
+                    assert self.last_step.get(other, -1) > previous, (tenant, other, previous, self.index)
+        self.last_step[tenant] = self.index
+        self.index += 1
+
+    def _track(self) -> None:
+        for name, t in self.sched.load().items():
+            if t.active and name not in self.active_since:
+                self.active_since[name] = self.index
+        for name in list(self.active_since):
+            t = self.sched.load().get(name)
+            if t is None or not t.active:
+                del self.active_since[name]
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestScheduler = SchedulerMachine.TestCase
+
+
+def test_tenants_take_turns_and_a_newcomer_steps_next() -> None:
+    sched: Scheduler[FakeJob] = Scheduler(SchedulerConfig(max_queue=8, max_active=4))
+    heavy = [FakeJob("heavy", 100, 10) for _ in range(3)]
+    for job in heavy:
+        sched.admit(job)
+    assert sched.load()["heavy"].active == 2  # a tenant alone leaves room for others
+    order = [sched.next(timeout=0) for _ in range(3)]
+    assert order == [heavy[0], heavy[1], heavy[0]]  # its own jobs in turn
+    light = FakeJob("light", 5, 1)
+    sched.admit(light)
+    assert sched.next(timeout=0) is light  # within one step of arriving
+    sched.finish(light)
+    assert [sched.next(timeout=0) for _ in range(2)] == [heavy[1], heavy[0]]
+
+
+def test_a_tenant_that_keeps_coming_back_does_not_starve_the_others() -> None:
+    sched: Scheduler[FakeJob] = Scheduler(SchedulerConfig(max_queue=8, max_active=2))
+    heavy = FakeJob("heavy", 100, 10)
+    sched.admit(heavy)
+    steps = Counter[str]()
+    for _ in itertools.repeat(None, 6):  # light's requests end in one step and come back at once
+        sched.admit(FakeJob("light", 5, 1))
+        for _ in range(2):
+            job = sched.next(timeout=0)
+            assert job is not None
+            steps[job.tenant] += 1
+            if job.tenant == "light":
+                sched.finish(job)
+    assert steps == {"heavy": 6, "light": 6}
+
+
+def test_limits_refuse_with_the_limit_named_and_a_retry_hint() -> None:
+    clock = Clock()
+    admission = Admission(TenantLimits(2, 1000), {"acme": TenantLimits(max_concurrent=3)})
+    sched: Scheduler[FakeJob] = Scheduler(SchedulerConfig(max_queue=10, max_active=1, admission=admission), clock)
+    sched.admit(FakeJob("globex", 600, 1))
+    with pytest.raises(TenantBusy, match="max_queued_tokens = 1000") as busy:
+        sched.admit(FakeJob("globex", 600, 1))
+    assert busy.value.status == 429 and busy.value.retry_after >= 1 and busy.value.code == "tenant_busy"
+    sched.admit(FakeJob("globex", 400, 1))
+    with pytest.raises(TenantBusy, match="max_concurrent = 2"):
+        sched.admit(FakeJob("globex", 1, 1))
+    for _ in range(3):
+        sched.admit(FakeJob("acme", 1, 1))  # its own limit
+    with pytest.raises(TenantBusy, match="max_concurrent = 3"):
+        sched.admit(FakeJob("acme", 1, 1))
+    sched.admit(FakeJob("initech", 5000, 1))  # a request alone always fits
+    for _ in range(5):  # a slot frees every 4 s
+        clock.now += 4.0
+        job = sched.next(timeout=0)
+        assert job is not None
+        sched.finish(job)
+    with pytest.raises(TenantBusy) as busy:
+        for _ in range(4):
+            sched.admit(FakeJob("acme", 1, 1))
+    assert 3 <= busy.value.retry_after <= 4  # about the time between two ends
+    sched.close()
+    with pytest.raises(EngineClosed):
+        sched.admit(FakeJob("umbrella", 1, 1))
