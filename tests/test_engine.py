@@ -312,22 +312,24 @@ def test_a_request_cancelled_while_queued_ends_without_work(lm: LoadedModel) -> 
 
 
 def test_queue_full_timeout_and_context_limit(lm: LoadedModel) -> None:
-    eng = engine(lm, max_queue=1, timeout_s=0.05)
+    eng = engine(lm, max_queue=1)
     tokens = chat(lm, "Hi")
-    long = SamplingParams(max_tokens=40, temperature=0.0)
+    long = SamplingParams(max_tokens=200, temperature=0.0)
     try:
         with pytest.raises(ContextLengthError, match="maximum context length is 8192"):
             eng.submit(Request(tokens, "t", SamplingParams(max_tokens=8192)), lambda e: None)
-        first = eng.generate(Request(tokens, "t", long))
-        time.sleep(0.3)  # the worker is busy with the first; the second waits in the queue ...
-        second = eng.generate(Request(tokens, "t", long))
-        with pytest.raises(QueueFull) as full:  # ... and the third finds it full
+        story = chat(lm, "Tell me a long story.")
+        first = eng.generate(Request(story, "t", long, timeout_s=1.5))  # busy, then past its deadline
+        second = eng.generate(Request(tokens, "t", long, timeout_s=0.05))  # waits for the tenant's slot ...
+        with pytest.raises(QueueFull) as full:  # ... and the third finds the queue full
             eng.submit(Request(tokens, "t", long), lambda e: None)
         assert full.value.status == 429 and full.value.retry_after >= 1
-        with pytest.raises(RequestTimeout):
-            first.result(60)  # 40 tokens do not fit in 50 ms
-        with pytest.raises(RequestTimeout):
-            second.result(60)  # timed out while waiting
+        started = time.monotonic()
+        with pytest.raises(RequestTimeout, match="waiting in the queue"):
+            second.result(60)  # ended while the first still runs, not when a slot freed
+        assert time.monotonic() - started < 1.0
+        with pytest.raises(RequestTimeout, match=r"after [0-9]+ tokens"):
+            first.result(60)  # 200 tokens do not fit in 1.5 s
     finally:
         eng.close()
     assert eng.stats.timed_out == 2

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from prefixcache.blend.prefill import blend_prefill, check_llama
 from prefixcache.blend.serve import Blender, Lookup, account
@@ -35,7 +34,7 @@ from prefixcache.engine.kv import to_torch
 from prefixcache.engine.model import LoadedModel, dtype_of
 from prefixcache.engine.modes import EXACT, Turn
 from prefixcache.engine.requests import DoneEvent, Request
-from prefixcache.engine.runner import Sequence
+from prefixcache.engine.runner import Prefill, Sequence
 from prefixcache.engine.worker import Engine
 from prefixcache.hashing import CacheContext
 
@@ -53,14 +52,15 @@ class _BlendTurn:
     usage: BlendUsage | None = None
     exact: int | None = None  # blended: prompt tokens the prefix cache may store
 
-    def prefill(self, seq: Sequence, tokens: list[int], prefix_kv: np.ndarray[Any, Any] | None) -> torch.Tensor:
+    def prefill(self, seq: Sequence, tokens: list[int], prefix_kv: np.ndarray[Any, Any] | None) -> Prefill:
+        # NOTE: a plain prefill runs in the engine's chunks; a blended one in one step
         blender, mode = self.mode.blender, self.mode
         if blender is None:
-            return seq.prefill(tokens, prefix_kv)[-1]
+            return (yield from seq.prefill_steps(tokens, prefix_kv))[-1]
         prefix = 0 if prefix_kv is None else int(prefix_kv.shape[3])
         lookup = self.lookup = blender.lookup(self.ctx, tokens, prefix)
         if not lookup.found:
-            return seq.prefill(tokens, prefix_kv)[-1]
+            return (yield from seq.prefill_steps(tokens, prefix_kv))[-1]
         kv = None if prefix_kv is None else to_torch(prefix_kv, dtype_of(mode.loaded.kv.dtype))
         segments = blender.segments(tokens, prefix, kv, lookup.found)
         result = blend_prefill(mode.loaded, segments, mode.config.plan)

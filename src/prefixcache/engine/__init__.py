@@ -12,14 +12,17 @@ from prefixcache.engine.requests import (
     QueueFull,
     Request,
     RequestTimeout,
+    TenantBusy,
     TokenEvent,
     Usage,
 )
 from prefixcache.engine.sampling import SamplingParams
+from prefixcache.engine.scheduler import Admission, Order, TenantLimits
 from prefixcache.engine.worker import Engine
 
 __all__ = [
     "DEFAULT_MODEL",
+    "Admission",
     "ContextLengthError",
     "DoneEvent",
     "Engine",
@@ -29,10 +32,13 @@ __all__ = [
     "Event",
     "Handle",
     "LoadedModel",
+    "Order",
     "QueueFull",
     "Request",
     "RequestTimeout",
     "SamplingParams",
+    "TenantBusy",
+    "TenantLimits",
     "TokenEvent",
     "Usage",
     "load_model",

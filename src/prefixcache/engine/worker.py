@@ -1,25 +1,28 @@
-"""The engine: a bounded request queue served by one worker thread.
+"""The engine: per-tenant queues, and one worker thread that time-slices the requests in flight.
 
-    submit() ──> [ queue (max_queue) ] ──> worker thread:
-                                            match -> load -> prefill suffix -> decode ─> events ─> sink
-                                            (after the last event) insert prompt + answer with KV
+    submit() ──> Scheduler.admit ──> per-tenant queues ──> up to max_active jobs in flight
+                 (TenantBusy, QueueFull)                       │ round robin, one step each:
+                                                               v
+    worker thread:  job = next()  ──>  job.step()  ──>  events ─> sink
+                      one prefill chunk (match + load first) or a burst of decoding;
+                      after the end event: insert prompt + answer with KV; finish(job)
 
 What happens past the exact prefix (how the rest is prefilled, what is stored, what
 the end event says) is the engine's ``ServeMode`` (``modes.py``): exact prefix caching
-by default, the blend mode in ``blend/serve_engine.py``.
+by default, the blend mode in ``blend/serve_engine.py``. Who steps next is the
+scheduler's (``scheduler.py``); what a step does is the job's (``job.py``).
 
 A caller gets a ``Handle`` at once and its tokens through a ``sink`` callback, called
 from the worker thread (the server hands them to its event loop). A full queue is a
-``QueueFull`` with a retry hint; a request waits and runs at most ``timeout_s``;
-``Handle.cancel()`` (client gone) stops it at the next token, or before it starts when
-it is still queued; ``Engine.stats`` counts how requests ended.
+``QueueFull``, a tenant over its admission limits a ``TenantBusy``, both with a retry
+hint; a request waits and runs at most ``timeout_s`` and stops within one step of it
+(``RequestTimeout``); ``Handle.cancel()`` (client gone) stops it at its next step, or
+ends it unstarted when it is still queued; ``Engine.stats`` counts how requests ended.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-import math
 import queue
 import random
 import threading
@@ -27,46 +30,47 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-import torch
-
 from prefixcache.cache import PrefixCache
 from prefixcache.engine.chat import chat_tokens
-from prefixcache.engine.kv import SequenceKV
+from prefixcache.engine.job import Job, LoadBuffer, Runtime
 from prefixcache.engine.model import LoadedModel
-from prefixcache.engine.modes import EXACT, ServeMode, Turn
+from prefixcache.engine.modes import EXACT, ServeMode
 from prefixcache.engine.requests import (
     ContextLengthError,
-    DoneEvent,
     EngineClosed,
     EngineError,
     EngineStats,
     ErrorEvent,
     Event,
     Handle,
-    QueueFull,
     Request,
-    RequestTimeout,
     Sink,
-    TokenEvent,
-    Usage,
 )
-from prefixcache.engine.runner import Sequence
-from prefixcache.engine.sampling import TextStream, sample
+from prefixcache.engine.scheduler import Admission, Order, Scheduler, SchedulerConfig
 from prefixcache.hashing import CacheContext
 
-log = logging.getLogger(__name__)
-
 LOAD_BUFFER_BYTES = 128 << 20  # loads up to this size reuse one buffer; larger ones get a fresh array
+# NOTE: a smaller chunk shortens what another request waits behind a long prompt (one
+# chunk's forward at most) but slows that prompt's own prefill (more, smaller forwards
+# over a growing cache); on a CPU this size keeps that slowdown small while a chunk
+# stays a fraction of a second even deep into a long context.
+PREFILL_CHUNK_TOKENS = 256
+# NOTE: a decode step costs a small fraction of a prefill chunk; a burst of them per
+# turn keeps a decoding request moving beside a long prefill without making the others
+# wait much longer than a chunk.
+DECODE_BURST = 8
 
 
 class Engine:
-    """Serves ``Request``s on one model, one at a time, with an optional prefix cache.
+    """Serves ``Request``s on one model, several at a time in turn, with an optional prefix cache.
 
     ``cache`` is a ``PrefixCache`` whose ``kv_layout`` matches the model (or None:
     every prompt is prefilled in full). ``model_id`` names the model in cache keys,
     so ``cache.bump_epoch(model_id)`` invalidates its blocks. ``mode`` serves each
-    request past its exact prefix (default: exact prefix caching).
+    request past its exact prefix (default: exact prefix caching). ``max_active``
+    requests are in flight at once (each holds its KV), stepped in turn across tenants;
+    ``admission`` limits each tenant's share (default: none); ``order`` is which
+    waiting request gets a free slot.
     """
 
     def __init__(
@@ -80,25 +84,43 @@ class Engine:
         rng: random.Random | None = None,
         load_buffer_bytes: int = LOAD_BUFFER_BYTES,
         mode: ServeMode = EXACT,
+        *,
+        max_active: int = 2,
+        admission: Admission | None = None,
+        order: Order = Order.FAIR,
+        prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+        decode_burst: int = DECODE_BURST,
     ) -> None:
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if prefill_chunk_tokens < 1 or decode_burst < 1:
+            raise ValueError(
+                f"prefill_chunk_tokens and decode_burst must be >= 1, got {prefill_chunk_tokens}, {decode_burst}"
+            )
         self.loaded = loaded
         self.model_id = model_id
         self.cache = cache
         self.mode = mode
         self.timeout_s = timeout_s
         self._clock = clock
-        self._rng = rng or random.Random()
-        self._queue: queue.Queue[Handle | None] = queue.Queue(maxsize=max_queue)
+        self.stats = EngineStats()
+        self.scheduler: Scheduler[Job] = Scheduler(
+            SchedulerConfig(max_queue, max_active, order, admission or Admission()), clock
+        )
+        self._runtime = Runtime(
+            loaded,
+            cache,
+            mode,
+            self.context,
+            self.stats,
+            clock,
+            rng or random.Random(),
+            LoadBuffer(loaded.kv.bytes_per_token, load_buffer_bytes),
+            prefill_chunk_tokens,
+            decode_burst,
+        )
         self._ids = itertools.count(1)
-        self._busy_s = 1.0  # a running estimate of one request's service seconds, for Retry-After
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.stats = EngineStats()
         self._pending = 0  # submitted and not yet finished (stored included)
-        self._load_cap = load_buffer_bytes
-        self._load_buffer: np.ndarray[Any, Any] | None = None  # grown on demand, touched once
         self._settled = threading.Condition()
 
     # ------------------------------------------------------------------ front door
@@ -132,7 +154,7 @@ class Engine:
             )
 
     def submit(self, request: Request, sink: Sink) -> Handle:
-        """Queue ``request``; raises ``QueueFull``, ``ContextLengthError`` or ``EngineClosed``."""
+        """Queue ``request``; raises ``TenantBusy``, ``QueueFull``, ``ContextLengthError`` or ``EngineClosed``."""
         if self._closed:
             raise EngineClosed("the engine is shutting down")
         if not request.tokens:
@@ -146,14 +168,10 @@ class Engine:
         handle = Handle(next(self._ids), request, sink, self._clock() + timeout, timeout)
         self._count(+1)
         try:
-            self._queue.put_nowait(handle)
-        except queue.Full:
+            self.scheduler.admit(Job(self._runtime, handle))
+        except EngineError:
             self._count(-1)
-            waiting = self._queue.qsize() + 1
-            # a place in the queue frees when the running request ends: within one service time
-            raise QueueFull(
-                f"the server is busy ({waiting} requests waiting); retry later", max(1, math.ceil(self._busy_s))
-            ) from None
+            raise
         return handle
 
     def generate(self, request: Request) -> Handle:
@@ -164,7 +182,8 @@ class Engine:
         return handle
 
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        """Requests waiting for a slot (not those in flight)."""
+        return self.scheduler.waiting
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until every submitted request has finished, its KV stored too (which happens
@@ -185,156 +204,28 @@ class Engine:
             self._thread.start()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Refuse new requests, cancel queued ones, finish the current one, stop the thread."""
+        """Refuse new requests, end the queued ones, finish those in flight, stop the thread."""
         self._closed = True
-        while True:
-            try:
-                pending = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if pending is not None:
-                pending.sink(ErrorEvent(EngineClosed("the engine is shutting down")))
-                self._count(-1)
+        for job in self.scheduler.close():
+            job.handle.sink(ErrorEvent(EngineClosed("the engine is shutting down")))
+            self._count(-1)
         if self._thread is not None:
-            self._queue.put(None)
             self._thread.join(timeout)
             self._thread = None
-
-    # ------------------------------------------------------------------ worker
-
-    def _work(self) -> None:
-        while True:
-            handle = self._queue.get()
-            if handle is None:
-                return
-            started = self._clock()
-            try:
-                self._run(handle)
-            except RequestTimeout as exc:
-                self.stats.timed_out += 1
-                handle.sink(ErrorEvent(exc))
-            except EngineError as exc:
-                self.stats.failed += 1
-                handle.sink(ErrorEvent(exc))
-            except Exception as exc:  # a bug must not kill the worker: fail this request only
-                log.exception("request %d failed", handle.id)
-                self.stats.failed += 1
-                error = EngineError(f"internal error: {type(exc).__name__}")
-                error.status, error.type = 500, "server_error"
-                handle.sink(ErrorEvent(error))
-            self._count(-1)
-            self._busy_s = 0.8 * self._busy_s + 0.2 * (self._clock() - started)
 
     def context(self, tenant: str) -> CacheContext:
         """The cache context of ``tenant``'s requests on this engine's model."""
         return CacheContext(tenant=tenant, model=self.model_id, tokenizer=self.model_id)
 
-    def _run(self, handle: Handle) -> None:
-        request, params = handle.request, handle.request.params
-        start = self._clock()
-        queued = start - (handle.deadline - handle.timeout_s)
-        turn = self.mode.open(request, self.context(request.tenant))
-        if handle.cancelled:  # gone while queued: no work, but still an end the caller can wait for
-            self.stats.cancelled += 1
-            self.stats.cancelled_queued += 1
-            usage = Usage(len(request.tokens), 0, 0, {}, queued, 0.0)
-            handle.sink(turn.done(DoneEvent("cancelled", "", (), usage)))
-            return
-        if start > handle.deadline:
-            raise RequestTimeout("the request timed out while waiting in the queue")
-        seq = Sequence(self.loaded)
-        cached, tiers, logits = self._prefill(seq, request, turn)
-        prefill_s = self._clock() - start
-        generator = torch.Generator().manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
-        stream = TextStream(self.loaded.tokenizer, params.stop)
-        eos = self.loaded.eos_ids
-        out: list[int] = []
-        finish = "length"
-        while len(out) < params.max_tokens:
-            if handle.cancelled:
-                finish = "cancelled"
-                break
-            if self._clock() > handle.deadline:
-                self._store(request, out, seq, turn)
-                raise RequestTimeout(f"the request timed out after {len(out)} tokens")
-            token = sample(logits, params, generator)
-            if token in eos:
-                finish = "stop"
-                break
-            out.append(token)
-            handle.sink(TokenEvent(token, stream.push(token)))
-            if stream.stopped:
-                finish = "stop"
-                break
-            if len(out) < params.max_tokens:
-                logits = seq.step(token)
-        tail = stream.flush()
-        if tail:
-            handle.sink(TokenEvent(out[-1] if out else -1, tail))
-        usage = Usage(len(request.tokens), len(out), cached, tiers, queued, prefill_s)
-        if finish == "cancelled":
-            self.stats.cancelled += 1
-        else:
-            self.stats.completed += 1
-        handle.sink(turn.done(DoneEvent(finish, stream.text, tuple(out), usage)))
-        self._store(request, out, seq, turn)
+    # ------------------------------------------------------------------ worker
 
-    def _prefill(self, seq: Sequence, request: Request, turn: Turn) -> tuple[int, dict[str, int], torch.Tensor]:
-        """Prefill what the cache does not hold (``turn`` prefills it); returns (tokens
-        reused, by tier, last logits)."""
-        tokens = request.tokens
-        if self.cache is None:
-            return 0, {}, turn.prefill(seq, tokens, None)
-        with self.cache.match(tokens, self.context(request.tenant)) as match:
-            if match.cached_tokens == 0:
-                return 0, {}, turn.prefill(seq, tokens, None)
-            loaded = self.cache.load(match, out=self._buffer(match.cached_tokens))
-            # NOTE: the last prompt token is always prefilled, since its logits start decoding.
-            usable = min(int(loaded.tokens), len(tokens) - 1)
-            if usable <= 0:
-                return 0, {}, turn.prefill(seq, tokens, None)
-            # NOTE: inside the match: the load may sit in the worker's reused buffer
-            tiers = _clip_tiers(dict(loaded.tier_tokens), usable)
-            return usable, tiers, turn.prefill(seq, tokens, loaded.kv[:, :, :, :usable])
-
-    def _buffer(self, tokens: int) -> np.ndarray[Any, Any] | None:
-        """A reusable destination for a load of ``tokens`` (None: let the load allocate).
-
-        NOTE: a fresh array of tens of MB is a fresh mmap whose every page faults on the
-        first write (~100 ms for 2,048 tokens of SmolLM2); one buffer kept by the worker
-        thread pays that once. It is free again as soon as ``fill_cache`` returns, since
-        the model's cache copies the KV into its own tensors."""
-        need = tokens * self.loaded.kv.bytes_per_token
-        if need > self._load_cap:
-            return None
-        if self._load_buffer is None or self._load_buffer.nbytes < need:
-            grain = 16 << 20  # grow in steps, so that a slowly longer history does not reallocate each turn
-            self._load_buffer = np.empty(min(-(-need // grain) * grain, self._load_cap), dtype=np.uint8)
-        return self._load_buffer
-
-    def _store(self, request: Request, out: list[int], seq: Sequence, turn: Turn) -> None:
-        """Insert prompt + answer with their KV, so the next turn hits on the whole history
-        (as much of it as ``turn`` calls exact), then let ``turn`` store its own. The last
-        sampled token was never fed to the model, so it has no KV yet. The cache reads
-        from the sequence's KV only the range it stores (the new blocks)."""
-        length = turn.storable(seq.length)
-        if self.cache is not None and length > 0:
-            tokens = (request.tokens + out)[:length]
-            try:
-                self.cache.insert(tokens, self.context(request.tenant), kv=SequenceKV(seq.cache))
-            except Exception:  # the answer is already out; a failed store costs a future hit only
-                log.exception("storing the KV of request tokens failed")
-        try:
-            turn.stored(request.tokens)
-        except Exception:  # the same: the answer is out
-            log.exception("the serving mode's store after a request failed")
-
-
-def _clip_tiers(tiers: dict[str, int], total: int) -> dict[str, int]:
-    """Per-tier token counts cut to ``total``, taking from the slowest (last) tiers first."""
-    excess = sum(tiers.values()) - total
-    for name in reversed(list(tiers)):
-        take = min(excess, tiers[name])
-        tiers[name] -= take
-        excess -= take
-    return tiers
+    def _work(self) -> None:
+        while (job := self.scheduler.next()) is not None:
+            # NOTE: a waiting job past its deadline ends now, its 504 on time; one whose
+            # client left ends when its turn comes (nobody waits for it), unprefilled
+            for expired in self.scheduler.reap(Job.expired):
+                expired.step()
+                self._count(-1)
+            if job.step():
+                self.scheduler.finish(job)
+                self._count(-1)
