@@ -14,7 +14,17 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-__all__ = ["chain_keys", "root_key"]
+__all__ = ["TOKEN_LIMIT", "TokenRangeError", "chain_keys", "root_key", "token_bytes"]
+
+TOKEN_LIMIT = 1 << 32  # token ids are hashed as 4 little-endian bytes
+
+
+class TokenRangeError(ValueError):
+    """A token id the keys cannot hold: below 0 or at ``TOKEN_LIMIT`` and beyond (a
+    request's to refuse, an event's to skip; never an overflow deep in numpy)."""
+
+    def __init__(self) -> None:
+        super().__init__("token ids must lie in [0, 2**32)")
 
 
 def root_key(namespace: str, model: str) -> bytes:
@@ -28,17 +38,25 @@ def chain_keys(parent: bytes, tokens: Sequence[int] | np.ndarray, block_size: in
     key of the block they follow); a partial last block gets none."""
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
-    arr = np.asarray(tokens, dtype=np.int64)
-    if arr.ndim != 1:
-        raise ValueError("tokens must be a flat sequence of token ids")
-    data = arr.astype("<u4", copy=False) if arr.size == 0 or (arr.min() >= 0 and arr.max() < 1 << 32) else None
-    if data is None:
-        raise ValueError("token ids must lie in [0, 2**32)")
+    raw = token_bytes(tokens)
     keys: list[bytes] = []
     key = parent
-    raw = data.tobytes()
     step = 4 * block_size
     for start in range(0, len(raw) - step + 1, step):
         key = xxhash.xxh3_128_digest(key + raw[start : start + step])
         keys.append(key)
     return keys
+
+
+def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """``tokens`` as the keys hash them (``<u4`` each); raises ``TokenRangeError`` for an
+    id out of range, ``ValueError`` for anything but a flat sequence of integers."""
+    try:
+        arr = np.asarray(tokens, dtype=np.int64)
+    except OverflowError:  # beyond int64, either way
+        raise TokenRangeError() from None
+    if arr.ndim != 1:
+        raise ValueError("tokens must be a flat sequence of token ids")
+    if arr.size and (arr.min() < 0 or arr.max() >= TOKEN_LIMIT):
+        raise TokenRangeError()
+    return arr.astype("<u4", copy=False).tobytes()

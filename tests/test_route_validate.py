@@ -1,0 +1,21 @@
+"""The pieces the gateway's strictness rests on, without a server: token ids the keys
+cannot hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixcache.fleet.keys import TokenRangeError, chain_keys, root_key, token_bytes
+
+
+@pytest.mark.parametrize("tokens", [[-1], [1 << 32], [1 << 63], [1 << 64], [1, -(1 << 64)], [5, (1 << 70)]])
+def test_a_token_id_the_keys_cannot_hold_is_a_token_range_error(tokens: list[int]) -> None:
+    with pytest.raises(TokenRangeError, match=r"\[0, 2\*\*32\)"):
+        chain_keys(root_key("t", "m"), tokens, 1)
+    with pytest.raises(ValueError):  # what callers that catch ValueError already handle
+        token_bytes(tokens)
+
+
+def test_the_edges_of_the_range_are_keys() -> None:
+    assert token_bytes([0, (1 << 32) - 1]) == b"\0\0\0\0\xff\xff\xff\xff"
+    assert len(chain_keys(root_key("t", "m"), [0, (1 << 32) - 1], 1)) == 2
