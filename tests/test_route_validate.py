@@ -1,11 +1,14 @@
 """The pieces the gateway's strictness rests on, without a server: token ids the keys
-cannot hold."""
+cannot hold, error bodies that always encode."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from prefixcache.fleet.keys import TokenRangeError, chain_keys, root_key, token_bytes
+from prefixcache.server.errors import APIError
 
 
 @pytest.mark.parametrize("tokens", [[-1], [1 << 32], [1 << 63], [1 << 64], [1, -(1 << 64)], [5, (1 << 70)]])
@@ -19,3 +22,11 @@ def test_a_token_id_the_keys_cannot_hold_is_a_token_range_error(tokens: list[int
 def test_the_edges_of_the_range_are_keys() -> None:
     assert token_bytes([0, (1 << 32) - 1]) == b"\0\0\0\0\xff\xff\xff\xff"
     assert len(chain_keys(root_key("t", "m"), [0, (1 << 32) - 1], 1)) == 2
+
+
+@pytest.mark.parametrize("text", ["\ud800", "a\udfffb", "\ud83d", "caf\u00e9 \U0001f600"])
+def test_an_error_body_is_always_utf8_json(text: str) -> None:
+    response = APIError(404, f"The model `{text}` does not exist.", param=text, code="model_not_found").response()
+    error = json.loads(bytes(response.body).decode("utf-8"))["error"]
+    assert error["code"] == "model_not_found" and "does not exist" in error["message"]
+    assert text in error["message"] or text.encode("utf-8", "backslashreplace").decode() in error["message"]

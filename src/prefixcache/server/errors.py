@@ -1,6 +1,11 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` for every
 failure, the body size limit, and the handlers that turn FastAPI's own errors into
-that shape."""
+that shape.
+
+An error body is always valid UTF-8 JSON: a message may repeat what the client sent (a
+model's name), and JSON lets a client send a lone surrogate (``"\\ud800"``) that UTF-8
+cannot encode; such text is written as its escape, never left to fail the encoding
+(which would turn a 404 into a plain-text 500 and reset the connection)."""
 
 from __future__ import annotations
 
@@ -45,10 +50,16 @@ class APIError(Exception):
         return cls(exc.status, exc.message, exc.type, exc.code, exc.param, headers)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        fields = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return {"error": {k: _encodable(v) for k, v in fields.items()}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _encodable(text: str | None) -> str | None:
+    """``text`` as UTF-8 can carry it: a lone surrogate becomes its escape, as text."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class BodyLimit:
