@@ -1,5 +1,5 @@
 """The pieces the gateway's strictness rests on, without a server: token ids the keys
-cannot hold, error bodies that always encode."""
+cannot hold, the JSON depth limit, error bodies that always encode."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from prefixcache.fleet.keys import TokenRangeError, chain_keys, root_key, token_bytes
-from prefixcache.server.errors import APIError
+from prefixcache.server.errors import MAX_DEPTH, APIError, too_deep
 
 
 @pytest.mark.parametrize("tokens", [[-1], [1 << 32], [1 << 63], [1 << 64], [1, -(1 << 64)], [5, (1 << 70)]])
@@ -22,6 +22,26 @@ def test_a_token_id_the_keys_cannot_hold_is_a_token_range_error(tokens: list[int
 def test_the_edges_of_the_range_are_keys() -> None:
     assert token_bytes([0, (1 << 32) - 1]) == b"\0\0\0\0\xff\xff\xff\xff"
     assert len(chain_keys(root_key("t", "m"), [0, (1 << 32) - 1], 1)) == 2
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize(
+    ("raw", "deep"),
+    [
+        (nested(MAX_DEPTH), False),
+        (nested(MAX_DEPTH + 1), True),
+        (b'{"a":' * 1000 + b"1" + b"}" * 1000, True),
+        (json.dumps({"text": "[{" * 5000}).encode(), False),  # brackets inside a string are text
+        (json.dumps({"text": '\\"[' * 5000}).encode(), False),  # ... escaped quotes too
+        (json.dumps([["x"] * 3] * 2000).encode(), False),  # many brackets, nested two deep
+        (b"", False),
+    ],
+)
+def test_the_depth_limit_counts_nesting_outside_strings(raw: bytes, deep: bool) -> None:
+    assert too_deep(raw, MAX_DEPTH) is deep
 
 
 @pytest.mark.parametrize("text", ["\ud800", "a\udfffb", "\ud83d", "caf\u00e9 \U0001f600"])

@@ -1,6 +1,6 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` for every
-failure, the body size limit, and the handlers that turn FastAPI's own errors into
-that shape.
+failure, the limits on a body (its size, how deep its JSON nests), and the handlers that
+turn FastAPI's own errors into that shape.
 
 An error body is always valid UTF-8 JSON: a message may repeat what the client sent (a
 model's name), and JSON lets a client send a lone surrogate (``"\\ud800"``) that UTF-8
@@ -9,9 +9,11 @@ cannot encode; such text is written as its escape, never left to fail the encodi
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -19,7 +21,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixcache.engine import EngineError
 
-__all__ = ["APIError", "BodyLimit", "install_error_handlers"]
+__all__ = ["MAX_DEPTH", "APIError", "BodyLimit", "install_error_handlers", "too_deep"]
+
+# NOTE: far deeper than any OpenAI body (a chat's content part is 4 levels down), far
+# shallower than the recursion of a JSON parser or of a validator walking the result.
+MAX_DEPTH = 64
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_STEP = np.zeros(256, dtype=np.int8)
+_STEP[[ord("["), ord("{")]] = 1
+_STEP[[ord("]"), ord("}")]] = -1
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -62,11 +72,21 @@ def _encodable(text: str | None) -> str | None:
     return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-class BodyLimit:
-    """Refuse a request body over ``limit`` bytes with 413, whether it declares its length or not."""
+def too_deep(raw: bytes, limit: int) -> bool:
+    """Whether the arrays and objects of the JSON text ``raw`` nest more than ``limit``
+    levels deep, read without parsing it: the brackets outside its strings, counted."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:  # too few brackets to nest deeper
+        return False
+    steps = _STEP[np.frombuffer(_STRING.sub(b"", raw), dtype=np.uint8)]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0)) > limit
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+
+class BodyLimit:
+    """Refuse a request body over ``limit`` bytes with 413, whether it declares its length
+    or not, and one nesting deeper than ``max_depth`` with 400, before any parser sees it."""
+
+    def __init__(self, app: ASGIApp, limit: int, max_depth: int = MAX_DEPTH) -> None:
+        self.app, self.limit, self.max_depth = app, limit, max_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -87,6 +107,10 @@ class BodyLimit:
                 return
             if message["type"] != "http.request" or not message.get("more_body"):
                 break
+        if too_deep(b"".join(m.get("body", b"") for m in chunks), self.max_depth):
+            error = APIError(400, f"the request body nests deeper than {self.max_depth} levels", code="invalid_json")
+            await error.response()(scope, receive, send)
+            return
 
         async def replay() -> Message:
             return chunks.pop(0) if chunks else await receive()
