@@ -25,7 +25,7 @@ from prefixcache.fleet.router import RouteConfig, Router, create_router
 from prefixcache.fleet.stamping import route_secret
 from prefixcache.fleet.wire import BackendInfo, Snapshot, stream_key
 from prefixcache.fleet.zmq import VllmSource
-from prefixcache.identity import PARAMS_KEY, SECRET_ENV, tenant_salt
+from prefixcache.identity import PARAMS_KEY, PROOF_HEADER, SECRET_ENV, tenant_proof, tenant_salt
 from prefixcache.server.settings import AuthSettings, Settings, describe, load_settings
 from redis_server import RedisServer, free_port
 from support import wait_for
@@ -186,7 +186,13 @@ def test_a_trusted_gateways_tenant_header_is_used_and_passed_on_as_authenticated
     live = serve(router)
     try:
         wait_for(lambda: all(b.up for b in router.backends))
-        assert send(live.url, chat_body(), headers={"x-tenant": "initech"}).status_code == 200
+        # with a secret, the router believes the header only with the gateway's proof
+        forged = send(live.url, chat_body(), headers={"x-tenant": "initech"})
+        assert forged.status_code == 401 and forged.json()["error"]["code"] == "invalid_tenant_proof"
+        wrong = {"x-tenant": "initech", PROOF_HEADER: tenant_proof(SECRET.encode(), "globex")}
+        assert send(live.url, chat_body(), headers=wrong).status_code == 401 and backend.seen == []
+        proven = {"x-tenant": "initech", PROOF_HEADER: tenant_proof(SECRET.encode(), "initech")}
+        assert send(live.url, chat_body(), headers=proven).status_code == 200
         salt = tenant_salt(SECRET.encode(), "initech")
         assert backend.body["cache_salt"] == salt and backend.body["kv_transfer_params"] == {PARAMS_KEY: "initech"}
         assert backend.seen[-1][1]["x-tenant"] == "initech"

@@ -16,8 +16,10 @@ from prefixcache.identity import (
     Unverified,
     Verdict,
     stamp,
+    tenant_proof,
     tenant_salt,
     verify,
+    verify_proof,
 )
 
 SECRET = b"s" * 16
@@ -92,3 +94,16 @@ def test_short_secrets_and_empty_tenants_are_refused() -> None:
     assert "short-secret" not in str(caught.value)
     with pytest.raises(ValueError, match="non-empty"):
         tenant_salt(SECRET, "")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(tenants, min_size=2, max_size=2, unique=True))
+def test_a_proof_holds_for_its_tenant_under_its_secret_only(pair: list[str]) -> None:
+    tenant, other = pair
+    proof = tenant_proof(SECRET, tenant)
+    assert verify_proof(SECRET, tenant, proof) and re.fullmatch(r"pcp1-[0-9a-f]{64}", proof)
+    assert not verify_proof(SECRET, other, proof)  # another tenant's
+    assert not verify_proof(OTHER, tenant, proof)  # another secret's
+    assert not verify_proof(SECRET, tenant, tenant_salt(SECRET, tenant))  # the salt vLLM sees is no proof
+    for forged in (None, "", proof[:-1], proof.upper(), tenant):
+        assert not verify_proof(SECRET, tenant, forged)

@@ -17,6 +17,13 @@ vLLM backend so that the client cannot name a tenant::
 Without a secret (vLLM used alone, no gateway) the connector trusts what vLLM trusts:
 the ``cache_salt`` is the tenant, as knowing a salt is what gives access to vLLM's own
 prefix cache; the ``kv_transfer_params`` claim is then ignored, never believed.
+
+A prefixcache server behind the gateway takes the tenant from a header instead
+(``auth.tenant_header``), and with a secret configured believes it only beside the
+gateway's proof for that tenant (``PROOF_HEADER`` = ``tenant_proof``, ``verify_proof``):
+
+    gateway ──> server:  <tenant_header>: TENANT
+                         x-prefixcache-tenant-proof: tenant_proof(secret, TENANT)
 """
 
 from __future__ import annotations
@@ -31,13 +38,16 @@ from typing import Any
 __all__ = [
     "CLIENT_FIELDS",
     "PARAMS_KEY",
+    "PROOF_HEADER",
     "SECRET_ENV",
     "Identity",
     "Unverified",
     "Verdict",
     "stamp",
+    "tenant_proof",
     "tenant_salt",
     "verify",
+    "verify_proof",
 ]
 
 SECRET_ENV = "PREFIXCACHE_TENANT_SECRET"  # where the router and the connector read the secret by default
@@ -47,6 +57,9 @@ PARAMS_KEY = "prefixcache_tenant"  # kv_transfer_params[PARAMS_KEY]: the tenant 
 CLIENT_FIELDS = frozenset({"cache_salt", "kv_transfer_params"})
 _SALT_TAG = b"prefixcache/tenant-salt/v1\x00"
 _SALT_PREFIX = "pc1-"
+PROOF_HEADER = "x-prefixcache-tenant-proof"  # beside the tenant header, to a prefixcache server
+_PROOF_TAG = b"prefixcache/tenant-proof/v1\x00"
+_PROOF_PREFIX = "pcp1-"
 MIN_SECRET_BYTES = 16
 
 
@@ -111,3 +124,25 @@ def verify(
     if claim is not None and salt is not None and hmac.compare_digest(tenant_salt(secret, claim), salt):
         return Identity(Verdict.VERIFIED, claim)
     return Identity(Verdict.REFUSED, default if unverified is Unverified.DEFAULT else None)
+
+
+def tenant_proof(secret: bytes, tenant: str) -> str:
+    """The gateway's word that it authenticated ``tenant``, as a prefixcache server checks
+    it (``verify_proof``): an HMAC of the name under ``secret``.
+
+    NOTE: another tag than the salt's. The salt travels to vLLM in every body it gets, so
+    whoever reads vLLM's requests holds it; the proof goes only to our own servers. Like
+    the API key beside it, it is a bearer credential on the gateway's network: it binds
+    the tenant, not the request."""
+    _check_secret(secret)
+    if not isinstance(tenant, str) or not tenant:
+        raise ValueError("a tenant is a non-empty string")
+    digest = hmac.new(secret, _PROOF_TAG + tenant.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+    return _PROOF_PREFIX + digest
+
+
+def verify_proof(secret: bytes, tenant: str, proof: str | None) -> bool:
+    """Whether ``proof`` is the gateway's ``tenant_proof`` for ``tenant`` under ``secret``."""
+    if not proof or not tenant:
+        return False
+    return hmac.compare_digest(tenant_proof(secret, tenant).encode(), proof.encode("utf-8", "surrogatepass"))

@@ -1,5 +1,14 @@
 """Who is asking: a tenant from its API key (never from the body), the operator from
-the admin key. Keys are compared in constant time, against every configured key."""
+the admin key. Keys are compared in constant time, against every configured key.
+
+Behind a gateway the operator trusts (``auth.tenant_header``), the key is the gateway's
+(or the client's, which the gateway passes on) and the tenant is the header's. With a
+``tenant_secret`` the header is believed only beside the gateway's proof for that tenant
+(``identity.PROOF_HEADER``, ``identity.verify_proof``): a client that reaches the server
+past the gateway, or through it (which replaces both headers), cannot name a tenant.
+Without a secret the header is believed as it comes: the operator vouches that only the
+gateway reaches the server.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ from collections.abc import Mapping
 
 from fastapi import Request
 
+from prefixcache.identity import PROOF_HEADER, verify_proof
 from prefixcache.server.errors import APIError
 from prefixcache.server.sessions import COOKIE, Sessions
 from prefixcache.server.settings import LOCAL_TENANT, AuthSettings
@@ -36,8 +46,23 @@ class Auth:
         if tenant is None:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         if auth.tenant_header:  # set by a gateway the operator trusts (configured explicitly)
-            tenant = request.headers.get(auth.tenant_header) or tenant
+            tenant = self._gateway_tenant(request) or tenant
         return tenant
+
+    def _gateway_tenant(self, request: Request) -> str | None:
+        """The tenant the gateway's header names, once its proof holds (module doc)."""
+        auth = self.settings
+        named = _header_text(request, auth.tenant_header)
+        if named is None:
+            return None
+        secret = auth.tenant_secret.encode()
+        if secret and not verify_proof(secret, named, request.headers.get(PROOF_HEADER)):
+            raise APIError(
+                401,
+                f"The {auth.tenant_header} header comes without the gateway's proof ({PROOF_HEADER}).",
+                code="invalid_tenant_proof",
+            )
+        return named
 
     def admin(self, request: Request) -> None:
         """Guard the routes that change or read the whole cache (/admin/*)."""
@@ -77,6 +102,18 @@ class Auth:
     def _open_to_all(self) -> bool:
         """A developer's machine (no API keys, no admin key): one tenant, nothing to hide."""
         return self.settings.local_mode and not self.settings.admin_key
+
+
+def _header_text(request: Request, name: str) -> str | None:
+    """Header ``name`` as text (UTF-8, as the router sends a tenant's name); None when
+    absent or empty. The server's framework reads header bytes as Latin-1."""
+    value = request.headers.get(name)
+    if not value:
+        return None
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeDecodeError:
+        return value
 
 
 def _lookup(keys: Mapping[str, str], key: str) -> str | None:
