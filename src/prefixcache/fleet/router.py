@@ -36,7 +36,7 @@ from prefixcache.fleet.index import GlobalIndex
 from prefixcache.fleet.keys import chain_keys, root_key
 from prefixcache.fleet.route_metrics import RouteCollector
 from prefixcache.fleet.scoring import BackendView, Routing, Scorer
-from prefixcache.fleet.stamping import HOP_HEADERS, NO_SECRET, Stamper
+from prefixcache.fleet.stamping import NO_SECRET, Stamper, hop_by_hop
 from prefixcache.fleet.zmq import VllmSource
 from prefixcache.server.auth import Auth
 from prefixcache.server.errors import APIError, BodyLimit, install_error_handlers
@@ -49,6 +49,9 @@ __all__ = ["RouteConfig", "Router", "create_router"]
 log = logging.getLogger("prefixcache.route")
 
 RETRY_STATUS = frozenset({502, 503, 504})
+# The response headers a relay leaves out besides the hop-by-hop ones: the framing (the
+# relay streams) and the backend's own server and date (the router's server sets them).
+NOT_RELAYED = frozenset({b"content-length", b"date", b"server"})
 HEALTH_EVERY_S = 1.0
 FORWARD_TIMEOUT = httpx.Timeout(connect=2.0, read=300.0, write=30.0, pool=30.0)
 
@@ -236,7 +239,7 @@ def create_router(router: Router) -> FastAPI:
     ) -> Response:
         assert router.client is not None
         tried: set[str] = set()
-        headers = router.stamper.headers(request.headers.items(), tenant)
+        client = request.client.host if request.client is not None else None
         while True:
             order = router.rank(tenant, tokens, tried)
             if not order:
@@ -244,6 +247,7 @@ def create_router(router: Router) -> FastAPI:
             backend, overlap, left = order[0]
             tried.add(backend.url)
             vllm = backend.source is not None
+            headers = router.stamper.headers(request.headers.raw, tenant, vllm, client, request.url.scheme)
             content, added = (raw, {}) if method == "GET" else router.stamper.body(raw, body, tenant, vllm)
             outgoing = router.client.build_request(method, backend.url + path, content=content, headers=headers | added)
             backend.pending += left
@@ -289,6 +293,8 @@ def _relay(reply: httpx.Response, backend: Backend, left: float) -> StreamingRes
                 backend.generating -= 1
             await reply.aclose()
 
-    headers = {k: v for k, v in reply.headers.items() if k.lower() not in HOP_HEADERS}
-    headers["x-prefixcache-backend"] = backend.name
-    return StreamingResponse(body(), status_code=reply.status_code, headers=headers)
+    drop = hop_by_hop(reply.headers.raw) | NOT_RELAYED
+    response = StreamingResponse(body(), status_code=reply.status_code)
+    response.raw_headers = [(k.lower(), v) for k, v in reply.headers.raw if k.lower() not in drop]
+    response.raw_headers.append((b"x-prefixcache-backend", backend.name.encode()))
+    return response

@@ -7,17 +7,30 @@
                                           media items' client-set ``uuid`` removed
                 ──> prefixcache server:  CLIENT_FIELDS removed (it authenticates the
                                           forwarded API key again)
-    client headers ──> every backend:    hop-by-hop headers and every x-prefixcache-*
-                                          header removed; the tenant header (when one
-                                          is configured) set to the authenticated tenant
+    client headers ──> every backend:    ``FORWARDED`` only (less any the client's
+                                          Connection header names); X-Forwarded-For
+                                          and -Proto set by the router
+                   ──> prefixcache server:  also Authorization (it checks the key again)
+                                          and the tenant header (``auth.tenant_header``)
+                                          = the authenticated tenant, with the gateway's
+                                          proof (``identity.tenant_proof``) when a
+                                          secret is configured
+
+Headers are an allowlist, not a blocklist: a client's ``Cookie``, ``X-Tenant``, tenant
+header, ``x-prefixcache-*`` header or anything a backend might one day read never
+reaches it. ``X-Forwarded-For`` is replaced by the address the router saw, not appended
+to: without a list of proxies it trusts, a chain the client sent is the client's word,
+and a backend that logged or limited by it would believe a forged address. A vLLM
+backend gets no Authorization (its tenants' keys are the router's business; its port is
+for the router alone) and no tenant header (the body's stamp is its identity).
 
 A content part's ``uuid`` names its media item for vLLM, which then keys the item (its
 processor cache, its prefix-cache blocks, and so the connector's keys) by that string
 instead of a hash of its bytes: a client could give another image's name to its own
 image and be served that image's KV. The router removes it, so vLLM hashes the bytes.
 
-A body that is not a JSON object goes to a prefixcache server as it came (the server
-answers it in its own words), but never to vLLM unstamped: the router answers it 400.
+The router forwards only bodies it validated (``validate``): JSON objects. ``body``
+still refuses anything else for vLLM (400), which must never get a body unstamped.
 
 The salt of each tenant the router stamps is also its key into ``salts`` (salt ->
 tenant), by which the vLLM event decoding credits a salted chain to its tenant
@@ -33,14 +46,43 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from prefixcache.identity import CLIENT_FIELDS, MIN_SECRET_BYTES, SECRET_ENV, stamp, tenant_salt
+from prefixcache.identity import (
+    CLIENT_FIELDS,
+    MIN_SECRET_BYTES,
+    PROOF_HEADER,
+    SECRET_ENV,
+    stamp,
+    tenant_proof,
+    tenant_salt,
+)
 from prefixcache.server.errors import APIError
 from prefixcache.server.settings import LOCAL_TENANT, Settings
 
-__all__ = ["HOP_HEADERS", "NO_SECRET", "Stamper", "route_secret"]
+__all__ = ["FORWARDED", "HOP_BY_HOP", "NO_SECRET", "Headers", "Stamper", "hop_by_hop", "route_secret"]
 
-HOP_HEADERS = frozenset({"host", "content-length", "connection", "transfer-encoding", "keep-alive"})
-OWN_HEADERS = "x-prefixcache-"  # the router's and servers' own headers: never a client's to set
+Headers = dict[bytes, bytes]  # lower-case names, raw values (HTTP headers are bytes, not always ASCII)
+
+# What a client may say to every backend (all else is dropped): content negotiation,
+# the client's name, the W3C trace context, and its own request id.
+FORWARDED = frozenset(
+    {b"content-type", b"accept", b"accept-encoding", b"user-agent", b"traceparent", b"tracestate", b"x-request-id"}
+)
+KEY = b"authorization"  # to a prefixcache server only, which authenticates it again
+# RFC 9110 7.6.1: headers about one connection, never forwarded (nor any header the
+# Connection header names).
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
 MEDIA_ID = "uuid"  # a content part's client-chosen name for its media item (vLLM keys on it)
 MAX_SALTS = 100_000  # tenants named by a gateway's header beyond this are not followed on vLLM
 NO_SECRET = (
@@ -67,8 +109,7 @@ class Stamper:
 
     def __init__(self, secret: bytes | None, tenants: Iterable[str], tenant_header: str = "") -> None:
         self._secret = secret
-        self._tenant_header = tenant_header.lower()
-        self._drop = HOP_HEADERS | ({self._tenant_header} if tenant_header else frozenset())
+        self._tenant_header = tenant_header.lower().encode()
         self.salts: dict[str, str] = {}  # read by the ZMQ readers' threads: only ever added to
         if secret is not None:
             for tenant in tenants:
@@ -84,16 +125,30 @@ class Stamper:
     def stamps(self) -> bool:
         return self._secret is not None
 
-    def headers(self, incoming: Iterable[tuple[str, str]], tenant: str = "") -> dict[str, str]:
-        """The client's headers less those it may not set; a backend that trusts the
-        configured tenant header (the servers' own setting) gets it from the router's
-        authentication, never the client's value."""
-        out = {k: v for k, v in incoming if k.lower() not in self._drop and not k.lower().startswith(OWN_HEADERS)}
-        if self._tenant_header and tenant:
-            out[self._tenant_header] = tenant
+    def headers(
+        self, incoming: Iterable[tuple[bytes, bytes]], tenant: str, vllm: bool, client: str | None, scheme: str
+    ) -> Headers:
+        """What the client said that ``FORWARDED`` lets through, with the router's own
+        X-Forwarded-For (``client``, the address it saw) and -Proto (``scheme``), and to a
+        prefixcache server the client's key and the tenant (module doc)."""
+        received = list(incoming)
+        allowed = FORWARDED if vllm else FORWARDED | {KEY}
+        allowed = allowed - hop_by_hop(received)
+        out: Headers = {}
+        for name, value in received:
+            if name.lower() in allowed:
+                out.setdefault(name.lower(), value)
+        out.setdefault(b"accept-encoding", b"identity")  # else the HTTP client asks for gzip the client may not read
+        if client:
+            out[b"x-forwarded-for"] = client.encode()
+        out[b"x-forwarded-proto"] = scheme.encode()
+        if self._tenant_header and tenant and not vllm:
+            out[self._tenant_header] = tenant.encode("utf-8", "surrogateescape")
+            if self._secret is not None:
+                out[PROOF_HEADER.encode()] = tenant_proof(self._secret, tenant).encode()
         return out
 
-    def body(self, raw: bytes, body: object, tenant: str, vllm: bool) -> tuple[bytes, dict[str, str]]:
+    def body(self, raw: bytes, body: object, tenant: str, vllm: bool) -> tuple[bytes, Headers]:
         """The body to forward and the headers it adds; ``body`` is ``raw`` parsed (a
         dict when it is a JSON object). Raises ``APIError`` 400 for a vLLM backend when
         ``body`` is not an object, ``ValueError`` when no secret is configured."""
@@ -126,6 +181,19 @@ def _without_media_ids(body: dict[str, Any]) -> dict[str, Any]:
     return {**body, "messages": out}
 
 
-def _json(body: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+def hop_by_hop(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """The names of ``headers`` (lower-case) that are about one connection only:
+    ``HOP_BY_HOP`` and every name their Connection header lists."""
+    named = {
+        token.strip().lower()
+        for name, value in headers
+        if name.lower() == b"connection"
+        for token in value.split(b",")
+        if token.strip()
+    }
+    return HOP_BY_HOP | named
+
+
+def _json(body: dict[str, Any]) -> tuple[bytes, Headers]:
     # NOTE: ASCII escapes keep any lone surrogate a client's JSON held encodable
-    return json.dumps(body, separators=(",", ":")).encode(), {"content-type": "application/json"}
+    return json.dumps(body, separators=(",", ":")).encode(), {b"content-type": b"application/json"}
