@@ -1,13 +1,16 @@
 """The pieces the gateway's strictness rests on, without a server: token ids the keys
-cannot hold, the JSON depth limit, error bodies that always encode."""
+cannot hold, the JSON depth limit, error bodies that always encode, and what a vLLM
+backend is never sent."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from prefixcache.fleet.keys import TokenRangeError, chain_keys, root_key, token_bytes
+from prefixcache.fleet.validate import check_vllm
 from prefixcache.server.errors import MAX_DEPTH, APIError, too_deep
 
 
@@ -50,3 +53,26 @@ def test_an_error_body_is_always_utf8_json(text: str) -> None:
     error = json.loads(bytes(response.body).decode("utf-8"))["error"]
     assert error["code"] == "model_not_found" and "does not exist" in error["message"]
     assert text in error["message"] or text.encode("utf-8", "backslashreplace").decode() in error["message"]
+
+
+@pytest.mark.parametrize("prompt", [[-1], [1, 1 << 32], [1 << 64], [[1, 2], [3, -5]], [0.5, -1.0], [float(1 << 40)]])
+def test_vllm_never_gets_token_ids_out_of_range(prompt: Any) -> None:
+    with pytest.raises(APIError) as caught:
+        check_vllm({"model": "m", "prompt": prompt})
+    assert caught.value.status == 400 and caught.value.param == "prompt"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": [0, 1, (1 << 32) - 1]},
+        {"prompt": [[1, 2], [3]]},
+        {"prompt": "text"},
+        {"prompt": ["one", "two"]},
+        {"prompt": []},
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"prompt": [True, None, "x"]},  # not token ids: vLLM says what is wrong with them
+    ],
+)
+def test_anything_else_goes_to_vllm_for_it_to_judge(body: dict[str, Any]) -> None:
+    check_vllm(body)

@@ -1,18 +1,20 @@
 """``prefixcache route``: an OpenAI-compatible proxy that sends each request where its
 prefill is cheapest.
 
-    client ──> BodyLimit ──> auth (the servers' API keys -> tenant) ──> tokenize (the model's chat
+    client ──> BodyLimit (size, JSON depth) ──> auth (the servers' API keys -> tenant)
+    ──> body check (validate: the servers' schemas) ──> tokenize (the model's chat
     template) ──> keys (fleet.keys) ──> index.matched (own + public namespace only)
     ──> Scorer.choose ──> stamp (stamping) ──> forward, streaming ──> backend
 
+A body the servers would refuse is refused here first, in their words (``validate``).
 The tenant is the router's own (``auth.tenant``), and what it forwards names no other
 (``stamping``): a vLLM backend gets the tenant's ``cache_salt`` and the connector's
-claim in place of the client's; a prefixcache server gets the body without them and
-the client's key, which it checks again. A backend that cannot be reached, or answers
-502/503/504, before anything was streamed is marked down and the request goes to the
-next best one; once bytes have gone to the client a failure ends the stream, as it
-would without a router. Which backend served is in the ``x-prefixcache-backend``
-response header.
+claim in place of the client's; a prefixcache server gets the body without them, the
+client's key, which it checks again, and the tenant header with the gateway's proof.
+A backend that cannot be reached, or answers 502/503/504, before anything was streamed
+is marked down and the request goes to the next best one; once bytes have gone to the
+client a failure ends the stream, as it would without a router. Which backend served is
+in the ``x-prefixcache-backend`` response header.
 """
 
 from __future__ import annotations
@@ -27,17 +29,19 @@ from typing import Any
 
 import httpx
 import redis
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from prefixcache.fleet.backends import DOWN_AFTER, Backend, BackendError, fetch_info
 from prefixcache.fleet.index import GlobalIndex
-from prefixcache.fleet.keys import chain_keys, root_key
+from prefixcache.fleet.keys import TokenRangeError, chain_keys, root_key, token_bytes
 from prefixcache.fleet.route_metrics import RouteCollector
 from prefixcache.fleet.scoring import BackendView, Routing, Scorer
 from prefixcache.fleet.stamping import NO_SECRET, Stamper, hop_by_hop
+from prefixcache.fleet.validate import CHAT, COMPLETIONS, Strictness, body_check, check_vllm
 from prefixcache.fleet.zmq import VllmSource
+from prefixcache.server.apidoc import install_openapi
 from prefixcache.server.auth import Auth
 from prefixcache.server.errors import APIError, BodyLimit, install_error_handlers
 from prefixcache.server.sessions import Sessions
@@ -88,6 +92,7 @@ class Router:
         self.backends += [Backend(v.url, source=v, salts=self.stamper.salts) for v in config.vllm]
         self.turn = 0
         self.registry = registry
+        self.strictness = Strictness.of(bool(config.backends))
         self.client: httpx.AsyncClient | None = None
         self.requests = Counter(
             "prefixcache_route_requests_total", "Requests forwarded, by backend", ["backend"], registry=registry
@@ -151,6 +156,17 @@ class Router:
         names = dict.fromkeys([self.namespace(tenant), PUBLIC, *([tenant] if self.config.vllm else [])])
         return [chain_keys(root_key(n, model), tokens, block_size) for n in names]
 
+    def tokens(self, path: str, body: dict[str, Any]) -> list[int]:
+        """The prompt tokens of a validated ``body``, as the servers compute them; none
+        (routed on load alone, for the backend to answer) when they cannot be computed
+        or keyed (token ids out of ``[0, 2**32)``, which the backend refuses itself)."""
+        try:
+            tokens = self.tokenize(path, body)
+            token_bytes(tokens)
+        except (TokenRangeError, ValueError, TypeError, KeyError):
+            return []
+        return tokens
+
     def expect(self, backend: Backend, tenant: str, tokens: Sequence[int]) -> None:
         """Count the prompt's blocks on ``backend`` until its events arrive (``GlobalIndex.expect``)."""
         info = backend.info
@@ -197,46 +213,42 @@ def create_router(router: Router) -> FastAPI:
             router.redis.close()
 
     app = FastAPI(title="prefixcache route", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_openapi(app, router.settings.auth)  # the servers' document, of the routes the router serves
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, limit=router.settings.server.max_body_bytes)  # the servers' own limit
+    app.add_middleware(BodyLimit, limit=router.settings.server.max_body_bytes)  # the servers' own limits
+    auth = router.auth
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         up = [b.name for b in router.backends if b.up]
         return {"status": "ok" if up else "no_backend", "backends_up": up}
 
-    @app.get("/metrics")
-    def metrics(request: Request) -> Response:
-        router.auth.admin(request)
+    @app.get("/metrics", dependencies=[Depends(auth.admin)])
+    def metrics() -> Response:
         return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await forward(request, "GET", "/v1/models", b"", None, [])
+    async def models(request: Request, tenant: str = Depends(auth.tenant)) -> Response:
+        return await forward(request, "/v1/models", b"", None, [], tenant)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await route(request, "/v1/chat/completions")
+    @app.post(CHAT, dependencies=[Depends(body_check(CHAT, router.strictness))])
+    async def chat(request: Request, tenant: str = Depends(auth.tenant)) -> Response:
+        return await route(request, CHAT, tenant)
 
-    @app.post("/v1/completions")
-    async def complete(request: Request) -> Response:
-        return await route(request, "/v1/completions")
+    @app.post(COMPLETIONS, dependencies=[Depends(body_check(COMPLETIONS, router.strictness))])
+    async def complete(request: Request, tenant: str = Depends(auth.tenant)) -> Response:
+        return await route(request, COMPLETIONS, tenant)
 
-    async def route(request: Request, path: str) -> Response:
-        tenant = router.auth.tenant(request)
+    async def route(request: Request, path: str, tenant: str) -> Response:
         raw = await request.body()
-        body: object = None
-        tokens: list[int] = []
-        try:
-            body = json.loads(raw)
-            tokens = router.tokenize(path, body) if isinstance(body, dict) else []
-        except (ValueError, TypeError, KeyError):  # a prefixcache server answers bad bodies in its own words
-            pass
-        return await forward(request, "POST", path, raw, body, tokens, tenant)
+        body = json.loads(raw)  # an object the body check validated, nested no deeper than BodyLimit lets through
+        return await forward(request, path, raw, body, router.tokens(path, body), tenant)
 
     async def forward(
-        request: Request, method: str, path: str, raw: bytes, body: object, tokens: list[int], tenant: str = ""
+        request: Request, path: str, raw: bytes, body: dict[str, Any] | None, tokens: list[int], tenant: str
     ) -> Response:
+        """Send the request to the best backend up, the next one when it fails before
+        answering. The method is the client's own, never rewritten."""
         assert router.client is not None
         tried: set[str] = set()
         client = request.client.host if request.client is not None else None
@@ -248,8 +260,13 @@ def create_router(router: Router) -> FastAPI:
             tried.add(backend.url)
             vllm = backend.source is not None
             headers = router.stamper.headers(request.headers.raw, tenant, vllm, client, request.url.scheme)
-            content, added = (raw, {}) if method == "GET" else router.stamper.body(raw, body, tenant, vllm)
-            outgoing = router.client.build_request(method, backend.url + path, content=content, headers=headers | added)
+            content: bytes | None = None
+            if body is not None:
+                if vllm:
+                    check_vllm(body)
+                content, added = router.stamper.body(raw, body, tenant, vllm)
+                headers |= added
+            outgoing = router.client.build_request(request.method, backend.url + path, content=content, headers=headers)
             backend.pending += left
             try:
                 reply = await router.client.send(outgoing, stream=True)
