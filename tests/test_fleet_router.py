@@ -3,6 +3,7 @@ answers, a real redis-server for their event streams, the router in-process."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,9 +42,12 @@ class Fake:
 
     def __init__(self, name: str, client: redis.Redis) -> None:
         self.name, self.client, self.seq, self.status = name, client, 0, 200
+        self.headers: dict[str, str] = {}  # with a status other than 200
+        self.delay_s = 0.0  # before answering
         self.stream = stream_key("prefixcache:fleet", name)
         self.blocks: list[BlockStored] = []
         self.served = 0
+        self.asked = 0  # chat requests that reached it, answered or not
         app = FastAPI()
 
         @app.get("/fleet/info")
@@ -61,8 +65,11 @@ class Fake:
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:
+            self.asked += 1
+            await asyncio.sleep(self.delay_s)
             if self.status != 200:
-                return JSONResponse({"error": {"message": "busy"}}, self.status)
+                error = {"message": f"{self.name} says {self.status}", "type": "t", "param": None, "code": "c"}
+                return JSONResponse({"error": error}, self.status, headers=self.headers)
             self.served += 1
 
             async def chunks() -> Iterator[bytes]:  # type: ignore[misc]
@@ -199,3 +206,75 @@ def test_no_backend_bad_keys_and_large_bodies_get_clear_errors(redis_server: Red
         assert httpx.get(f"{live.url}/metrics").status_code == 401
     finally:
         live.stop()
+
+
+# ---------------------------------------------------------------------- retries tell the truth
+
+
+def retries(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
+    line = next(line for line in metrics.splitlines() if line.startswith("prefixcache_route_retries_total "))
+    return float(line.split()[1])
+
+
+def test_a_504_is_relayed_with_the_backends_reason_and_never_retried(
+    routed: tuple[Router, str], fakes: list[Fake]
+) -> None:
+    _router, url = routed
+    for f in fakes:
+        f.status = 504  # each would time out: one try is the client's whole wait
+    reply = chat(url, DOC)
+    assert reply.status_code == 504
+    backend = reply.headers["x-prefixcache-backend"]
+    assert reply.json()["error"]["message"] == f"{backend} says 504"
+    assert sum(f.asked for f in fakes) == 1 and retries(url) == 0
+
+
+def test_a_429_is_relayed_with_its_retry_after(routed: tuple[Router, str], fakes: list[Fake]) -> None:
+    _router, url = routed
+    for f in fakes:
+        f.status, f.headers = 429, {"Retry-After": "7"}
+    reply = chat(url, DOC)
+    assert reply.status_code == 429 and reply.headers["retry-after"] == "7"
+    assert sum(f.asked for f in fakes) == 1
+
+
+def test_503s_from_every_backend_up_are_relayed_not_called_no_backend(
+    routed: tuple[Router, str], fakes: list[Fake]
+) -> None:
+    router, url = routed
+    for f in fakes:
+        f.status = 503  # shutting down, before any work: each is tried once
+    reply = chat(url, DOC)
+    assert reply.status_code == 503 and all(f.asked == 1 for f in fakes)
+    last = reply.headers["x-prefixcache-backend"]
+    assert reply.json()["error"] == {"message": f"{last} says 503", "type": "t", "param": None, "code": "c"}
+    assert all(b.up for b in router.backends) and retries(url) == 2
+
+
+def test_a_backend_that_answers_too_late_is_a_504_not_a_retry(routed: tuple[Router, str], fakes: list[Fake]) -> None:
+    router, url = routed
+    assert router.client is not None
+    router.client.timeout = httpx.Timeout(connect=2.0, read=0.3, write=5, pool=5)
+    for f in fakes:
+        f.delay_s = 2.0  # the request was sent: the backend is working on it
+    reply = chat(url, DOC)
+    assert reply.status_code == 504 and reply.json()["error"]["code"] == "timeout"
+    assert sum(f.asked for f in fakes) == 1 and retries(url) == 0
+    assert all(b.up for b in router.backends)  # slow is not down
+
+
+def test_only_refused_connections_are_retried_and_no_backend_means_none_up(
+    routed: tuple[Router, str], fakes: list[Fake]
+) -> None:
+    router, url = routed
+    fakes[0].live.stop()
+    fakes[1].live.stop()
+    for i in range(6):  # whichever it tries first, each request ends where a backend listens
+        reply = chat(url, f"{i}: a question " * 4)  # no block in common: ties rotate
+        assert reply.status_code == 200 and reply.headers["x-prefixcache-backend"] == "f2"
+    assert [b.up for b in router.backends] == [False, False, True]  # each refused one request, once
+    fakes[2].live.stop()
+    reply = chat(url, DOC)
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "no_backend"
+    assert not any(b.up for b in router.backends)

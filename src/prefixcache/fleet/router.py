@@ -11,10 +11,9 @@ The tenant is the router's own (``auth.tenant``), and what it forwards names no 
 (``stamping``): a vLLM backend gets the tenant's ``cache_salt`` and the connector's
 claim in place of the client's; a prefixcache server gets the body without them, the
 client's key, which it checks again, and the tenant header with the gateway's proof.
-A backend that cannot be reached, or answers 502/503/504, before anything was streamed
-is marked down and the request goes to the next best one; once bytes have gone to the
-client a failure ends the stream, as it would without a router. Which backend served is
-in the ``x-prefixcache-backend`` response header.
+Only what never started on a backend is tried on the next one (``relay``); once bytes
+have gone to the client a failure ends the stream, as it would without a router. Which
+backend served is in the ``x-prefixcache-backend`` response header.
 """
 
 from __future__ import annotations
@@ -30,15 +29,16 @@ from typing import Any
 import httpx
 import redis
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from prefixcache.fleet.backends import DOWN_AFTER, Backend, BackendError, fetch_info
 from prefixcache.fleet.index import GlobalIndex
 from prefixcache.fleet.keys import TokenRangeError, chain_keys, root_key, token_bytes
+from prefixcache.fleet.relay import RETRY_STATUS, Held, failed, hold, relay
 from prefixcache.fleet.route_metrics import RouteCollector
 from prefixcache.fleet.scoring import BackendView, Routing, Scorer
-from prefixcache.fleet.stamping import NO_SECRET, Stamper, hop_by_hop
+from prefixcache.fleet.stamping import NO_SECRET, Stamper
 from prefixcache.fleet.validate import CHAT, COMPLETIONS, Strictness, body_check, check_vllm
 from prefixcache.fleet.zmq import VllmSource
 from prefixcache.server.apidoc import install_openapi
@@ -52,10 +52,6 @@ __all__ = ["RouteConfig", "Router", "create_router"]
 
 log = logging.getLogger("prefixcache.route")
 
-RETRY_STATUS = frozenset({502, 503, 504})
-# The response headers a relay leaves out besides the hop-by-hop ones: the framing (the
-# relay streams) and the backend's own server and date (the router's server sets them).
-NOT_RELAYED = frozenset({b"content-length", b"date", b"server"})
 HEALTH_EVERY_S = 1.0
 FORWARD_TIMEOUT = httpx.Timeout(connect=2.0, read=300.0, write=30.0, pool=30.0)
 
@@ -247,15 +243,20 @@ def create_router(router: Router) -> FastAPI:
     async def forward(
         request: Request, path: str, raw: bytes, body: dict[str, Any] | None, tokens: list[int], tenant: str
     ) -> Response:
-        """Send the request to the best backend up, the next one when it fails before
-        answering. The method is the client's own, never rewritten."""
+        """Send the request to the best backend up; to the next only what never started
+        on it (``relay``). The method is the client's own, never rewritten."""
         assert router.client is not None
         tried: set[str] = set()
+        held: Held | None = None  # the last 503, relayed if no other backend is left
         client = request.client.host if request.client is not None else None
         while True:
             order = router.rank(tenant, tokens, tried)
             if not order:
+                if held is not None:
+                    return held.response()
                 raise APIError(503, "no backend is available", code="no_backend")
+            if tried:
+                router.retries.inc()
             backend, overlap, left = order[0]
             tried.add(backend.url)
             vllm = backend.source is not None
@@ -272,46 +273,20 @@ def create_router(router: Router) -> FastAPI:
                 reply = await router.client.send(outgoing, stream=True)
             except httpx.HTTPError as exc:
                 backend.pending -= left
-                backend.mark_down(router.index, f"forward: {type(exc).__name__}")
-                router.retries.inc()
+                failure = failed(exc, backend.name)
+                if failure.down:
+                    backend.mark_down(router.index, f"forward: {type(exc).__name__}")
+                if not failure.retry:
+                    raise failure.error from None
                 continue
             if reply.status_code in RETRY_STATUS:
                 backend.pending -= left
-                await reply.aclose()
-                router.retries.inc()
-                if reply.status_code == 502:
-                    backend.mark_down(router.index, "forward: 502")
+                held = await hold(reply, backend)
                 continue
             router.requests.labels(backend.name).inc()
             router.expect(backend, tenant, tokens)
             router.overlap.inc(overlap)
             backend.sent += 1
-            return _relay(reply, backend, left)
+            return relay(reply, backend, left)
 
     return app
-
-
-def _relay(reply: httpx.Response, backend: Backend, left: float) -> StreamingResponse:
-    """Stream ``reply`` to the client, keeping ``backend``'s load current."""
-
-    async def body() -> AsyncIterator[bytes]:
-        first = True
-        try:
-            async for chunk in reply.aiter_raw():
-                if first:
-                    backend.pending -= left
-                    backend.generating += 1
-                    first = False
-                yield chunk
-        finally:
-            if first:
-                backend.pending -= left
-            else:
-                backend.generating -= 1
-            await reply.aclose()
-
-    drop = hop_by_hop(reply.headers.raw) | NOT_RELAYED
-    response = StreamingResponse(body(), status_code=reply.status_code)
-    response.raw_headers = [(k.lower(), v) for k, v in reply.headers.raw if k.lower() not in drop]
-    response.raw_headers.append((b"x-prefixcache-backend", backend.name.encode()))
-    return response
