@@ -1,12 +1,18 @@
 """The scheduler alone (no model), under any interleaving of submissions, steps, ends
 and callers that leave: every admitted job ends exactly once, tenants are stepped in
-turn (none starves), and the limits hold: per tenant, in the queue, in flight."""
+turn (none starves), and the limits hold: per tenant, in the queue, in flight. And the
+``[admission]`` settings that set those limits."""
 
 from __future__ import annotations
 
 import itertools
+import os
+import re
+import subprocess
+import sys
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -15,6 +21,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from prefixcache.engine.requests import EngineClosed, QueueFull, TenantBusy
 from prefixcache.engine.scheduler import Admission, Order, Scheduler, SchedulerConfig, TenantLimits
+from prefixcache.server.settings import load_settings
+from prefixcache.server.settings_admission import AdmissionSettings, TenantAdmission
 
 TENANTS = ("a", "b", "c")
 
@@ -254,3 +262,59 @@ def test_limits_refuse_with_the_limit_named_and_a_retry_hint() -> None:
     sched.close()
     with pytest.raises(EngineClosed):
         sched.admit(FakeJob("umbrella", 1, 1))
+
+
+# ---------------------------------------------------------------------- [admission] settings
+
+
+def test_admission_settings_from_the_file_and_the_environment(tmp_path: Path) -> None:
+    path = tmp_path / "prefixcache.toml"
+    path.write_text(
+        '[auth]\napi_keys = "sk-a=acme,sk-g=globex"\n'
+        "[admission]\nmax_concurrent = 4\nmax_queued_tokens = 32768\nprefill_chunk_tokens = 128\n"
+        "[admission.tenants.acme]\nmax_concurrent = 8\n"
+    )
+    admission = load_settings(path, env={}).admission
+    assert admission.admission().limits("acme") == TenantLimits(8, 32768)  # its own, the default for the rest
+    assert admission.admission().limits("globex") == TenantLimits(4, 32768)
+    args = admission.engine_args()
+    assert (args["prefill_chunk_tokens"], args["max_active"], args["order"]) == (128, 4, Order.FAIR)
+    env = {
+        "PREFIXCACHE_ADMISSION_MAX_CONCURRENT": "2",
+        "PREFIXCACHE_ADMISSION_ORDER": "fifo",
+        "PREFIXCACHE_ADMISSION_TENANTS": '{"globex": {"max_queued_tokens": 1000}}',
+    }
+    by_env = load_settings(path, env=env).admission
+    assert by_env.admission().limits("globex") == TenantLimits(2, 1000)
+    assert by_env.admission().limits("acme") == TenantLimits(8, 32768)  # merged with the file's table, field by field
+    assert by_env.engine_args()["order"] is Order.FIFO
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[admission]\nmax_concurrent = 0\n", "admission.max_concurrent"),
+        ("[admission.tenants.acme]\nmax_queued_tokens = -5\n", "admission.tenants.acme.max_queued_tokens"),
+        ("[admission]\norder = 'lifo'\n", "admission.order"),
+        ("[admission]\nmax_concurent = 3\n", "admission.max_concurent"),
+    ],
+)
+def test_bad_admission_settings_name_the_setting(tmp_path: Path, toml: str, message: str) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(toml)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_settings(path, env={})
+
+
+def test_limits_for_a_tenant_no_key_names_are_refused_at_start_up() -> None:
+    admission = AdmissionSettings(tenants={"acme": TenantAdmission(max_concurrent=2), "acne": TenantAdmission()})
+    with pytest.raises(ValueError, match=r"admission.tenants names \['acne'\], no tenant of this server"):
+        admission.check_tenants({"acme", "globex"})
+    env = {
+        **os.environ,
+        "PREFIXCACHE_AUTH_API_KEYS": "sk-a=acme",
+        "PREFIXCACHE_ADMISSION_TENANTS": '{"acne": {"max_concurrent": 2}}',
+    }
+    serve = [str(Path(sys.executable).with_name("prefixcache")), "serve"]
+    refused = subprocess.run(serve, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "admission.tenants names ['acne']" in refused.stderr

@@ -22,7 +22,7 @@ from prefixcache.blend.serve_gate import open_blender
 from prefixcache.cache import PrefixCache
 from prefixcache.engine import Engine, load_model
 from prefixcache.server.app import create_app
-from prefixcache.server.settings import Settings, describe, load_settings
+from prefixcache.server.settings import LOCAL_TENANT, Settings, describe, load_settings
 from prefixcache.server.transport import uvicorn_config
 
 log = logging.getLogger("prefixcache.serve")
@@ -69,9 +69,12 @@ def build_service(settings: Settings) -> Service:
     loaded = load_model(settings.model.name, settings.model.models_dir, settings.model.device, settings.model.dtype)
     split = settings.tier_split(loaded.kv)  # blend on: the chunk store's share of every tier, apart
     cache = PrefixCache(split.cache) if settings.server.cache else None
-    model_id, queue, timeout = settings.model.served_id, settings.server.max_queue, settings.server.request_timeout_s
+    model_id = settings.model.served_id
+    # the queue, the deadline, each tenant's share and the slicing of the worker's time
+    args: dict[str, Any] = {"max_queue": settings.server.max_queue, "timeout_s": settings.server.request_timeout_s}
+    args |= settings.admission.engine_args()
     if split.chunks is None:
-        return Service(Engine(loaded, model_id, cache=cache, max_queue=queue, timeout_s=timeout), cache, settings)
+        return Service(Engine(loaded, model_id, cache=cache, **args), cache, settings)
     for blocks, chunks in zip(split.cache.tiers, split.chunks.tiers, strict=True):
         log.info(
             "event=blend_tier tier=%s block_bytes=%d chunk_bytes=%d (blend.chunk_share=%s)",
@@ -82,7 +85,7 @@ def build_service(settings: Settings) -> Service:
         )
     config = settings.blend.config()
     blender, gate = open_blender(config, loaded, model_id, split.chunks)
-    engine = BlendEngine(loaded, model_id, config, blender, gate, cache=cache, max_queue=queue, timeout_s=timeout)
+    engine = BlendEngine(loaded, model_id, config, blender, gate, cache=cache, **args)
     return Service(engine, cache, settings)
 
 
@@ -101,9 +104,12 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         flags["model"]["name"] = args.model
     try:
         settings = load_settings(args.config, overrides={k: v for k, v in flags.items() if v})
+        if not settings.auth.tenant_header:  # a gateway's header may name any tenant
+            settings.admission.check_tenants(set(settings.auth.api_keys.values()) or {LOCAL_TENANT})
     except ValueError as exc:
         parser.error(str(exc))
     log.info("settings (defaults < file < PREFIXCACHE_* env < flags): %s", describe(settings))
+    log.info("admission (each tenant's share, the worker's slices): %s", settings.admission.model_dump())
     if settings.auth.local_mode:
         log.warning("no [auth] api_keys configured: single-tenant local mode, no authentication (tenant 'local')")
     if settings.cross_tenant_reuse:

@@ -47,6 +47,7 @@ from prefixcache.config import SECRET, CacheConfig, KVLayout, TierConfig, secret
 from prefixcache.engine.model import DEFAULT_MODEL
 from prefixcache.identity import MIN_SECRET_BYTES
 from prefixcache.server.redact import masked, scrub
+from prefixcache.server.settings_admission import AdmissionSettings
 from prefixcache.server.settings_blend import BlendSettings
 from prefixcache.server.settings_env import CONFIG_VAR, ENV_PREFIX, Env
 
@@ -222,6 +223,7 @@ class Settings(BaseSettings):
     auth: AuthSettings = AuthSettings()
     fleet: FleetSettings = FleetSettings()
     blend: BlendSettings = BlendSettings()
+    admission: AdmissionSettings = AdmissionSettings()  # [admission]: each tenant's share (settings_admission.py)
 
     @classmethod
     def settings_customise_sources(

@@ -1,0 +1,82 @@
+"""``[admission]``: how the engine shares itself among tenants, validated into the
+engine's ``Admission`` and scheduling arguments (``engine/scheduler.py``).
+
+    [admission]
+    max_concurrent = 4            # each tenant's requests queued or running
+    max_queued_tokens = 32768     # their prompt tokens
+    [admission.tenants.acme]      # a key's tenant (auth.api_keys KEY=TENANT): its own limits,
+    max_concurrent = 8            # the defaults above for what it does not set
+
+A tenant over its share gets 429 with Retry-After (``tenant_busy``) while the others
+are served; ``server.max_queue`` still bounds the requests waiting in all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from prefixcache.engine.scheduler import Admission, Order, TenantLimits
+from prefixcache.engine.worker import PREFILL_CHUNK_TOKENS
+
+__all__ = ["AdmissionSettings", "TenantAdmission"]
+
+_FROZEN = ConfigDict(extra="forbid", frozen=True)
+
+
+class TenantAdmission(BaseModel):
+    """``[admission.tenants.NAME]``: one tenant's limits; unset ones are ``[admission]``'s."""
+
+    model_config = _FROZEN
+
+    max_concurrent: int | None = Field(default=None, ge=1)
+    max_queued_tokens: int | None = Field(default=None, ge=1)
+
+
+class AdmissionSettings(BaseModel):
+    """``[admission]``: each tenant's share of the engine, and how the engine slices its time."""
+
+    model_config = _FROZEN
+
+    max_concurrent: int = Field(default=4, ge=1)  # a tenant's requests queued or running; more get 429
+    max_queued_tokens: int = Field(default=32768, ge=1)  # their prompt tokens (a request alone always fits)
+    tenants: dict[str, TenantAdmission] = Field(default_factory=dict)  # per tenant: its own limits
+    max_active: int = Field(default=4, ge=1)  # requests in flight at once, stepped in turn; each holds its KV
+    # The prompt tokens of one prefill step: what another request waits behind a long
+    # prompt at most, and how often a deadline or a gone client is checked during a prefill.
+    prefill_chunk_tokens: int = Field(default=PREFILL_CHUNK_TOKENS, ge=1)
+    # Which waiting request gets a free slot: "fair" takes the tenants in turn; "fifo"
+    # takes them in arrival order, one queue for all (the behaviour before, to compare).
+    order: Literal["fair", "fifo"] = "fair"
+
+    def admission(self) -> Admission:
+        """The engine's ``Admission``: the defaults, and each listed tenant's with its own overrides."""
+        default = TenantLimits(self.max_concurrent, self.max_queued_tokens)
+        tenants = {
+            name: TenantLimits(
+                own.max_concurrent if own.max_concurrent is not None else self.max_concurrent,
+                own.max_queued_tokens if own.max_queued_tokens is not None else self.max_queued_tokens,
+            )
+            for name, own in self.tenants.items()
+        }
+        return Admission(default, tenants)
+
+    def engine_args(self) -> dict[str, Any]:
+        """The ``Engine`` keyword arguments these settings give."""
+        return {
+            "admission": self.admission(),
+            "max_active": self.max_active,
+            "prefill_chunk_tokens": self.prefill_chunk_tokens,
+            "order": Order(self.order),
+        }
+
+    def check_tenants(self, known: Iterable[str]) -> None:
+        """Refuse limits for a tenant no key names (a typo would silently leave it the defaults)."""
+        names = set(known)
+        unknown = sorted(set(self.tenants) - names)
+        if unknown:
+            raise ValueError(
+                f"admission.tenants names {unknown}, no tenant of this server; valid: {', '.join(sorted(names))}"
+            )
