@@ -4,6 +4,8 @@ answers, a real redis-server for their event streams, the router in-process."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -278,3 +280,33 @@ def test_only_refused_connections_are_retried_and_no_backend_means_none_up(
     reply = chat(url, DOC)
     assert reply.status_code == 503 and reply.json()["error"]["code"] == "no_backend"
     assert not any(b.up for b in router.backends)
+
+
+# ---------------------------------------------------------------------- quiet logs
+
+
+def test_health_checks_log_at_debug_and_transitions_above(
+    fakes: list[Fake], redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(router_module, "HEALTH_EVERY_S", 0.02)  # fifty rounds a second
+    caplog.set_level(logging.DEBUG)  # every logger, httpx's too
+    router, live = start_router([f.url for f in fakes[:2]], redis_server.url)
+    try:
+        wait_for(lambda: all(b.up for b in router.backends))
+        up = [r.getMessage().split()[0] for r in caplog.records if r.levelno == logging.INFO]
+        assert up.count("event=route_backend_up") == 2  # once each (beside their first info and snapshot)
+        wait_for(lambda: all(b.follower is not None and b.follower.stats.snapshots for b in router.backends))
+        caplog.clear()
+        time.sleep(0.5)
+        loud = [(r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.INFO]
+        assert loud == [] and sum("event=route_health_ok" in r.getMessage() for r in caplog.records) > 10
+        caplog.clear()
+        fakes[0].live.stop()
+        wait_for(lambda: not router.backends[0].up)
+        time.sleep(0.5)  # failing while down: at DEBUG
+        health = [r for r in caplog.records if r.getMessage().startswith(("event=route_health", "event=route_backend"))]
+        loud = [r.getMessage().split()[0] for r in health if r.levelno >= logging.INFO]
+        assert loud == ["event=route_health_failed", "event=route_health_failed", "event=route_backend_down"]
+        assert sum("event=route_health_failed" in r.getMessage() for r in caplog.records) > 10
+    finally:
+        live.stop()

@@ -53,6 +53,7 @@ __all__ = ["RouteConfig", "Router", "create_router"]
 log = logging.getLogger("prefixcache.route")
 
 HEALTH_EVERY_S = 1.0
+HEALTH_TIMEOUT = httpx.Timeout(2.0)
 FORWARD_TIMEOUT = httpx.Timeout(connect=2.0, read=300.0, write=30.0, pool=30.0)
 
 Tokenize = Callable[[str, dict[str, Any]], list[int]]  # (path, body) -> prompt tokens
@@ -89,7 +90,8 @@ class Router:
         self.turn = 0
         self.registry = registry
         self.strictness = Strictness.of(bool(config.backends))
-        self.client: httpx.AsyncClient | None = None
+        self.transport: httpx.AsyncHTTPTransport | None = None
+        self.client: httpx.AsyncClient | None = None  # over ``transport``
         self.requests = Counter(
             "prefixcache_route_requests_total", "Requests forwarded, by backend", ["backend"], registry=registry
         )
@@ -110,7 +112,9 @@ class Router:
     # ------------------------------------------------------------------ health
 
     async def check(self, backend: Backend) -> None:
-        """One health check (and, until it is known, the backend's info)."""
+        """One health check (and, until it is known, the backend's info). A check that
+        passes is logged at DEBUG; the first that fails, and a backend going down or
+        coming back, at WARNING or INFO."""
         try:
             if backend.source is not None:
                 if backend.info is None:
@@ -120,18 +124,35 @@ class Router:
                 if backend.info is not None and info.name != backend.info.name:
                     raise BackendError(f"{backend.url} changed its name to {info.name!r}")
                 backend.attach(info, self.index, self.redis)
-            assert self.client is not None
-            reply = await self.client.get(backend.url + backend.health_path, timeout=2.0)
-            if reply.status_code != 200:
-                raise BackendError(f"{backend.health_path} answered {reply.status_code}")
+            status = await self.probe(backend.url + backend.health_path)
+            if status != 200:
+                raise BackendError(f"{backend.health_path} answered {status}")
         except (BackendError, httpx.HTTPError) as exc:
+            why = str(exc) or type(exc).__name__
+            level = logging.WARNING if backend.up else logging.DEBUG  # a down backend fails every second
+            log.log(level, "event=route_health_failed backend=%s why=%s", backend.name, why)
             backend.failures += 1
             if backend.failures >= DOWN_AFTER or backend.info is None:
-                backend.mark_down(self.index, str(exc) or type(exc).__name__)
+                backend.mark_down(self.index, why)
             return
+        log.debug("event=route_health_ok backend=%s", backend.name)
         if not backend.up:
             log.info("event=route_backend_up backend=%s url=%s", backend.name, backend.url)
         backend.failures, backend.up = 0, True
+
+    async def probe(self, url: str) -> int:
+        """The status ``GET url`` answers.
+
+        NOTE: straight to the transport, below httpx's client, which logs every request
+        it sends at INFO: a line per backend every second. ``check`` logs its own."""
+        assert self.transport is not None
+        request = httpx.Request("GET", url, extensions={"timeout": HEALTH_TIMEOUT.as_dict()})
+        response = await self.transport.handle_async_request(request)
+        try:
+            await response.aread()  # read to the end, so that the connection is kept for the next
+        finally:
+            await response.aclose()
+        return response.status_code
 
     async def watch(self) -> None:
         while True:
@@ -196,7 +217,8 @@ class Router:
 def create_router(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        router.client = httpx.AsyncClient(timeout=FORWARD_TIMEOUT)
+        router.transport = httpx.AsyncHTTPTransport()
+        router.client = httpx.AsyncClient(transport=router.transport, timeout=FORWARD_TIMEOUT)
         await asyncio.gather(*(router.check(b) for b in router.backends))
         watcher = asyncio.create_task(router.watch())
         try:
