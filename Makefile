@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-test
 
-.PHONY: test unit serve serve-vllm lint bench setup clean system-deps vllm-test bench-lmcache-venv bench-vllm
+.PHONY: test unit serve serve-vllm lint bench setup clean system-deps vllm-test bench-lmcache-venv bench-vllm bench-fairness
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -101,6 +101,11 @@ bench: $(STAMP) $(KERNEL)
 	$(BIN)/python benchmarks/bench_tiers.py
 	$(BIN)/python benchmarks/bench_slow_tier.py
 	$(BIN)/python benchmarks/bench_ttft.py
+
+# A light tenant's TTFT while a heavy tenant floods 8,000-token prompts: fair scheduling
+# against the engine before, through the real server (about 20 minutes on 2 cores).
+bench-fairness: $(STAMP)
+	$(BIN)/python benchmarks/bench_fairness.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
