@@ -52,8 +52,9 @@ from prefixcache.hashing import CacheContext
 LOAD_BUFFER_BYTES = 128 << 20  # loads up to this size reuse one buffer; larger ones get a fresh array
 # NOTE: a smaller chunk shortens what another request waits behind a long prompt (one
 # chunk's forward at most) but slows that prompt's own prefill (more, smaller forwards
-# over a growing cache); on a CPU this size keeps that slowdown small while a chunk
-# stays a fraction of a second even deep into a long context.
+# over a growing cache). Measured on a CPU, this size costs a long prompt little against
+# one forward, while a chunk stays a small part of that prompt's prefill even deep into
+# the context; much smaller chunks cost the long prompt markedly more.
 PREFILL_CHUNK_TOKENS = 256
 # NOTE: a decode step costs a small fraction of a prefill chunk; a burst of them per
 # turn keeps a decoding request moving beside a long prefill without making the others
