@@ -9,6 +9,7 @@ generous bounds: the CPU may be shared, and its speed change from minute to minu
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import random
 import statistics
 import threading
@@ -38,6 +39,7 @@ from prefixcache.engine.job import Job
 from prefixcache.server.main import build_service
 from prefixcache.server.settings import AuthSettings, ModelSettings, ServerSettings, Settings
 from prefixcache.server.settings_admission import AdmissionSettings, TenantAdmission
+from support import wait_for
 
 pytestmark = pytest.mark.model  # the real model
 
@@ -301,18 +303,22 @@ def test_the_settings_reach_the_engine(limited: LiveServer) -> None:
 
 
 def test_a_tenant_over_its_share_gets_429_with_retry_after(limited: LiveServer) -> None:
-    body = {
-        "model": MODEL_ID,
-        "messages": [{"role": "user", "content": "Write a very long story about a gardener."}],
-        "max_tokens": 400,
-        "temperature": 0,
-        "stream": True,
-    }
-    acme, url = {"Authorization": "Bearer sk-acme-0123456789"}, limited.url + "/v1/chat/completions"
-    with httpx.Client(timeout=60) as http, http.stream("POST", url, json=body, headers=acme) as r:
-        assert r.status_code == 200
-        next(line for line in r.iter_lines() if line.startswith("data: {"))  # acme's one request is running
-        refused = httpx.post(url, json=body | {"stream": False}, headers=acme, timeout=60)
+    assert limited.engine is not None
+    scheduler = limited.engine.scheduler
+    url = limited.url + "/v1/completions"
+    acme = {"Authorization": "Bearer sk-acme-0123456789"}
+    holding = {"model": MODEL_ID, "prompt": heavy(30, 6000), "max_tokens": 1, "temperature": 0}
+
+    def hold() -> None:  # acme's one request: a long prefill, then its client gives up (a cancel)
+        with contextlib.suppress(httpx.ReadTimeout):
+            httpx.post(url, json=holding, headers=acme, timeout=httpx.Timeout(60, read=15))
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        wait_for(lambda: "acme" in scheduler.load(), 30)
+        refused = httpx.post(url, json=holding | {"prompt": "Hi"}, headers=acme, timeout=60)
+        assert "acme" in scheduler.load(), "the holding request ended too soon for this test"
         assert refused.status_code == 429, refused.text
         assert int(refused.headers["retry-after"]) >= 1
         error = refused.json()["error"]
@@ -326,6 +332,9 @@ def test_a_tenant_over_its_share_gets_429_with_retry_after(limited: LiveServer) 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             answers = list(pool.map(lambda _: ask("sk-globex-0123456789", limited), range(2), timeout=120))
         assert all(a.choices[0].finish_reason in ("stop", "length") for a in answers)
+        assert "acme" in scheduler.load(), "the holding request ended too soon for this test"
+    finally:
+        holder.join(120)
 
 
 def client(key: str, live: LiveServer) -> openai.OpenAI:
