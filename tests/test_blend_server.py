@@ -298,7 +298,7 @@ def test_build_service_opens_the_blend_mode_past_the_gate(lm: LoadedModel, tmp_p
     service = build_service(settings)
     try:
         assert isinstance(service.engine, BlendEngine) and service.engine.blender is not None
-        assert service.engine.gate.passed and describe(settings)["blend"]["tenants"] == ("acme", "globex")
+        assert service.engine.gate.passed and describe(settings)["blend"]["tenants"] == ["acme", "globex"]
         assert service.cache is not None  # the tier split: a quarter to the chunks, the rest to the blocks
         blocks, chunks = service.cache.config.tiers[0], service.engine.blender.store.config.tiers[0]
         assert (blocks.capacity_bytes, chunks.capacity_bytes) == (96 << 20, 32 << 20)

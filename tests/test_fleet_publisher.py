@@ -439,7 +439,7 @@ def test_the_fleet_section_is_checked_and_names_itself() -> None:
         load_settings(env={"PREFIXCACHE_FLEET_PUBLISH": "true"})
     with pytest.raises(ValueError, match=r"unknown setting fleet\.url .*valid: publish, redis_url, name"):
         load_settings(overrides={"fleet": {"url": "redis://r"}})
-    with pytest.raises(ValueError, match="must be redis://"):
+    with pytest.raises(ValueError, match=r"fleet\.redis_url: must be a redis://"):
         load_settings(overrides={"fleet": {"redis_url": "http://r"}})
     with pytest.raises(ValueError, match="needs the cache's events"):
         load_settings(overrides={"fleet": {"publish": True, "redis_url": "redis://r"}, "cache": {"events_capacity": 0}})
