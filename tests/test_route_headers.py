@@ -74,8 +74,9 @@ def tokenize(path: str, body: dict[str, object]) -> list[int]:
     return [1, 2, 3, 4, 5]
 
 
-def start(backend: Echo, redis_url: str | None) -> tuple[Router, LiveServer]:
-    settings = Settings(auth=AuthSettings(api_keys=KEYS, tenant_header=HEADER, tenant_secret=SECRET))
+def start(backend: Echo, redis_url: str | None, backend_key: str = "") -> tuple[Router, LiveServer]:
+    auth = AuthSettings(api_keys=KEYS, tenant_header=HEADER, tenant_secret=SECRET, backend_key=backend_key)
+    settings = Settings(auth=auth)
     if redis_url is not None:
         config = RouteConfig((backend.live.url,), redis_url)
     else:
@@ -168,6 +169,15 @@ def test_a_vllm_backend_gets_neither_key_nor_tenant_header(echo: Echo) -> None:
         got = echo.headers
         assert not {b"authorization", b"x-org", PROOF_HEADER.encode(), b"cookie", b"x-tenant"} & set(got)
         assert got[b"x-forwarded-for"] == b"127.0.0.1" and got[b"x-request-id"] == b"req-1"
+    finally:
+        live.stop()
+
+
+def test_a_vllm_backend_gets_the_routers_own_key_never_the_clients(echo: Echo) -> None:
+    _router, live = start(echo, None, backend_key="vllm-key-of-the-router")
+    try:
+        assert send(live.url, HOSTILE).status_code == 200
+        assert echo.headers[b"authorization"] == b"Bearer vllm-key-of-the-router"
     finally:
         live.stop()
 

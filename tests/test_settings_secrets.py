@@ -208,7 +208,14 @@ def test_every_field_named_like_a_secret_is_marked_secret() -> None:
     ]
     assert not unmarked, f"mark these secret (Annotated[..., SECRET]) or list them in NOT_SECRET: {unmarked}"
     marked = sorted(name for name, hint in fields if is_secret(hint))
-    assert marked == ["auth.admin_key", "auth.api_keys", "auth.tenant_secret", "cache.tiers.url", "fleet.redis_url"]
+    assert marked == [
+        "auth.admin_key",
+        "auth.api_keys",
+        "auth.backend_key",
+        "auth.tenant_secret",
+        "cache.tiers.url",
+        "fleet.redis_url",
+    ]
     assert typing.get_origin(field_hint(Settings, "auth")) is None  # sections themselves are not secret
 
 

@@ -21,8 +21,9 @@ header, ``x-prefixcache-*`` header or anything a backend might one day read neve
 reaches it. ``X-Forwarded-For`` is replaced by the address the router saw, not appended
 to: without a list of proxies it trusts, a chain the client sent is the client's word,
 and a backend that logged or limited by it would believe a forged address. A vLLM
-backend gets no Authorization (its tenants' keys are the router's business; its port is
-for the router alone) and no tenant header (the body's stamp is its identity).
+backend gets no tenant's Authorization (its tenants' keys are the router's business; its
+port is for the router alone), only the router's own ``auth.backend_key`` when one is set
+(vLLM's ``--api-key``), and no tenant header (the body's stamp is its identity).
 
 A content part's ``uuid`` names its media item for vLLM, which then keys the item (its
 processor cache, its prefix-cache blocks, and so the connector's keys) by that string
@@ -107,8 +108,11 @@ def route_secret(settings: Settings, environ: Mapping[str, str] | None = None) -
 class Stamper:
     """The router's rewriting of a request, per backend kind (see the module doc)."""
 
-    def __init__(self, secret: bytes | None, tenants: Iterable[str], tenant_header: str = "") -> None:
+    def __init__(
+        self, secret: bytes | None, tenants: Iterable[str], tenant_header: str = "", backend_key: str = ""
+    ) -> None:
         self._secret = secret
+        self._backend_key = f"Bearer {backend_key}".encode() if backend_key else b""
         self._tenant_header = tenant_header.lower().encode()
         self.salts: dict[str, str] = {}  # read by the ZMQ readers' threads: only ever added to
         if secret is not None:
@@ -119,7 +123,7 @@ class Stamper:
     def of(cls, settings: Settings, secret: bytes | None) -> Stamper:
         auth = settings.auth
         tenants = set(auth.api_keys.values()) if not auth.local_mode else {LOCAL_TENANT}
-        return cls(secret, sorted(tenants), auth.tenant_header)
+        return cls(secret, sorted(tenants), auth.tenant_header, auth.backend_key)
 
     @property
     def stamps(self) -> bool:
@@ -142,6 +146,8 @@ class Stamper:
         if client:
             out[b"x-forwarded-for"] = client.encode()
         out[b"x-forwarded-proto"] = scheme.encode()
+        if vllm and self._backend_key:
+            out[KEY] = self._backend_key
         if self._tenant_header and tenant and not vllm:
             out[self._tenant_header] = tenant.encode("utf-8", "surrogateescape")
             if self._secret is not None:

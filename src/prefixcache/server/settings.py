@@ -162,6 +162,9 @@ class AuthSettings(BaseModel):
     )  # key -> tenant
     admin_key: Annotated[str, SECRET] = Field(default="", repr=False)
     tenant_header: str = ""  # a header set by a trusted gateway that names the tenant; off when empty
+    # What ``prefixcache route`` sends its vLLM backends as ``Authorization: Bearer`` (vLLM's
+    # ``--api-key``): tenants' own keys never go to vLLM; off when empty
+    backend_key: Annotated[str, SECRET] = Field(default="", repr=False)
     # The secret ``prefixcache route`` salts each tenant's vLLM requests with and the vLLM
     # connector verifies them by (``identity.py``); needed with --vllm-backend.
     tenant_secret: Annotated[str, SECRET, AfterValidator(_check_secret)] = Field(default="", repr=False)
