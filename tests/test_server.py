@@ -485,3 +485,19 @@ def test_local_mode_and_queue_full(tmp_path: Path) -> None:
     finally:
         server.stop()
         eng.close()
+
+
+def test_penalties_reach_the_served_answer(live: LiveServer) -> None:
+    """A frequency penalty changes what the server answers, as it does the sampler's pick."""
+    prompt = "apple, apple, apple, apple, apple,"
+
+    def answer(**penalty: float) -> list[str]:
+        got = client(live).completions.create(
+            model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0, extra_body=penalty or None
+        )
+        return got.choices[0].text.split()
+
+    plain, penalized = answer(), answer(frequency_penalty=2.0)
+    assert plain != penalized
+    assert plain.count("apple,") > penalized.count("apple,"), (plain, penalized)
+    assert answer(repetition_penalty=1.0) == plain  # the value that asks for nothing changes nothing

@@ -39,7 +39,7 @@ from prefixcache.engine.requests import (
     Usage,
 )
 from prefixcache.engine.runner import Prefill, Sequence
-from prefixcache.engine.sampling import TextStream, sample
+from prefixcache.engine.sampling import TextStream, TokenCounts, sample
 from prefixcache.hashing import CacheContext
 
 __all__ = ["Job", "LoadBuffer", "Phase", "Runtime"]
@@ -209,11 +209,12 @@ class Job:
         """Sample and feed back tokens, ``decode_burst`` forwards a step; the finish reason.
         The first token goes out in the step that ended the prefill."""
         params, eos, out = self.handle.request.params, self._rt.loaded.eos_ids, self._out
+        history = TokenCounts(self.handle.request.tokens)  # what the penalties count
         budget = 0
         while True:
             if self._interrupted():
                 return "cancelled"
-            token = sample(logits, params, generator)
+            token = sample(logits, params, generator, history)
             if token in eos:
                 return "stop"
             out.append(token)

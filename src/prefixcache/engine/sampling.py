@@ -108,9 +108,11 @@ def sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, history: TokenCounts | None = None
 ) -> int:
     """The next token from the last position's ``logits`` ([vocab]). ``history``, the
-    request's ``TokenCounts``, gets the token added; the penalties need it (without it,
-    as from a caller that keeps no counts, none is applied)."""
-    if params.penalized and history is not None:
+    request's ``TokenCounts``, gets the token added; the penalties need it (a caller that
+    keeps no counts may sample only without penalties: never one silently dropped)."""
+    if params.penalized:
+        if history is None:
+            raise ValueError("penalties need the request's TokenCounts")
         logits = penalize(logits, params, history)
     token = _pick(logits, params, generator)
     if history is not None:
