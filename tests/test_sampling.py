@@ -151,3 +151,16 @@ def test_a_large_frequency_penalty_changes_the_greedy_answer_and_repeats_less() 
     top = Counter(plain).most_common(1)[0][1]
     assert top >= 10, lm.tokenizer.decode(plain)  # unpenalized, the model goes on repeating the prompt
     assert repeats(penalized) < repeats(plain) and Counter(penalized).most_common(1)[0][1] < top
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-300, 1e308])
+@pytest.mark.parametrize("temperature", [0.0, 1e-9, 1.0])
+def test_an_extreme_repetition_penalty_still_samples_a_token(penalty: float, temperature: float) -> None:
+    params = SamplingParams(max_tokens=1, temperature=temperature, repetition_penalty=penalty)
+    logits = torch.tensor([3.0, -2.0, 1.0, 0.5, -7.0])
+    got = penalize(logits, params, history([0, 1, 4], []))
+    assert got.dtype == logits.dtype and bool(torch.isfinite(got).all())
+    token = sample(logits, params, torch.Generator().manual_seed(0), history([0, 1, 4], []))
+    assert 0 <= token < 5
+    if penalty < 1 and temperature < 1:  # the prompt's positive logit, divided by almost 0, wins
+        assert token == 0

@@ -88,8 +88,12 @@ class TokenCounts:
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, history: TokenCounts) -> torch.Tensor:
-    """``logits`` ([vocab]) with the penalties applied (a new tensor)."""
-    scores = logits.clone()
+    """``logits`` ([vocab]) with the penalties applied (a new tensor, of their dtype).
+
+    NOTE: an extreme repetition penalty (5e-324 divides a logit past any float) would
+    give inf and then NaN probabilities; computed in float64 and held to the dtype's
+    finite range, the favoured tokens tie at its top instead."""
+    scores = logits.double()
     vocab, device = scores.shape[-1], scores.device
     pairs = [(t, n) for t, n in history.generated.items() if 0 <= t < vocab]
     ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=device)
@@ -101,7 +105,8 @@ def penalize(logits: torch.Tensor, params: SamplingParams, history: TokenCounts)
     if pairs:
         counts = torch.tensor([n for _, n in pairs], dtype=scores.dtype, device=device)
         scores[ids] -= params.frequency_penalty * counts + params.presence_penalty
-    return scores
+    bound = torch.finfo(logits.dtype).max
+    return torch.nan_to_num(scores, nan=-bound, posinf=bound, neginf=-bound).clamp(-bound, bound).to(logits.dtype)
 
 
 def sample(
