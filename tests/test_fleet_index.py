@@ -81,6 +81,10 @@ def test_a_store_under_an_unknown_parent_is_a_gap_and_a_partial_block_is_not_ind
         index.apply("a", stored([b"2"], b"missing", TOKENS[4:8]), MODEL)
     index.apply("a", stored([b"1", b"t"], None, TOKENS[:6]), MODEL)  # a full block and a 2-token tail
     assert index.stats().blocks == 1
+    for bad in (-1, 2**32, 2**64):  # a backend's event the keys cannot hold: a gap, never a crash
+        with pytest.raises(IndexGap, match="token ids"):
+            index.apply("a", stored([b"3"], None, [bad, *TOKENS[1:4]]), MODEL)
+    assert index.stats().blocks == 1
 
 
 def test_the_follower_applies_in_order_and_reports_gaps_and_incarnations() -> None:
