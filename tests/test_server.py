@@ -313,6 +313,11 @@ def test_admin_routes(live: LiveServer) -> None:
     for empty in ({"tenant": "acme", "messages": []}, {"tenant": "acme", "prompt": ""}):
         refused = admin("/admin/purge", empty)
         assert refused.status_code == 400 and refused.json()["error"]["param"] in ("messages", "prompt"), refused.text
+    for field in ("tenant", "prompt"):  # text no answer can encode: refused by name, never a 500
+        body = json.dumps({"tenant": "acme"} | {field: "a\ud800b"}).encode()  # JSON's escape, as a client sends it
+        headers = {"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"}
+        refused = httpx.post(live.url + "/admin/purge", content=body, headers=headers)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
 
 
 def test_metrics_exposition(live: LiveServer) -> None:

@@ -270,7 +270,7 @@ class PurgeRequest(BaseModel):
     prompt: str | None = Field(default=None, min_length=1)  # purge only sequences that start with this text
     messages: list[Message] | None = Field(default=None, min_length=1)  # ... or with this chat (template)
 
-    _prompt = field_validator("prompt")(_unicode)
+    _text = field_validator("tenant", "prompt")(_unicode)  # the answer names the tenant
 
 
 class LoginRequest(BaseModel):
