@@ -183,3 +183,17 @@ def test_listening_beyond_loopback_without_keys_needs_the_operators_word() -> No
     assert load_settings(env={"PREFIXCACHE_SERVER_HOST": "0.0.0.0", "PREFIXCACHE_SERVER_ALLOW_OPEN_ACCESS": "1"})
     assert load_settings(env={"PREFIXCACHE_SERVER_HOST": "0.0.0.0", "PREFIXCACHE_AUTH_API_KEYS": "sk-a=acme"})
     assert load_settings(env={"PREFIXCACHE_SERVER_HOST": "127.0.0.2"})  # loopback
+
+
+def test_prefixcache_serve_names_a_model_it_cannot_load_without_a_traceback(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    refused = subprocess.run(
+        [str(Path(sys.executable).with_name("prefixcache")), "serve", "--model", str(missing)],
+        env={**os.environ, "PREFIXCACHE_CONFIG": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert str(missing) in refused.stderr and "config.json" in refused.stderr
+    assert "Traceback" not in refused.stderr

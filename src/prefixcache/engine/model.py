@@ -55,12 +55,16 @@ class LoadedModel:
         return frozenset(ids if isinstance(ids, list) else [ids])
 
 
+class ModelError(ValueError):
+    """A model that cannot be loaded as asked: its name, device or dtype (a clear error at start)."""
+
+
 def pick_device(name: str = "auto") -> torch.device:
     """``auto`` is cuda when present, else cpu; anything else is taken as given."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for but CUDA is not available")
+        raise ModelError(f"device {name!r} asked for but CUDA is not available")
     return torch.device(name)
 
 
@@ -68,7 +72,7 @@ def dtype_of(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(_DTYPES)}") from None
+        raise ModelError(f"unknown dtype {name!r}; valid: {', '.join(_DTYPES)}") from None
 
 
 def bundled_gguf() -> Path:
@@ -138,7 +142,7 @@ def resolve_model(name: str, models_dir: Path) -> Path:
         return folder
     path = Path(name).expanduser()
     if not (path / "config.json").is_file():
-        raise ValueError(
+        raise ModelError(
             f"model {name!r} is neither {DEFAULT_MODEL!r} nor a local transformers folder with config.json"
         )
     return path

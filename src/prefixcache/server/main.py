@@ -21,6 +21,7 @@ from prefixcache.blend.serve_engine import BlendEngine
 from prefixcache.blend.serve_gate import open_blender
 from prefixcache.cache import PrefixCache
 from prefixcache.engine import Engine, load_model
+from prefixcache.engine.model import ModelError
 from prefixcache.server.app import create_app
 from prefixcache.server.settings import LOCAL_TENANT, Settings, describe, load_settings
 from prefixcache.server.transport import uvicorn_config
@@ -117,7 +118,15 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             "isolation = 'shared' with several tenants (auth.allow_cross_tenant_reuse): every tenant reuses, "
             "and so can detect, the prefixes any other tenant sent"
         )
-    service = build_service(settings)
+    if settings.auth.tenant_header and not settings.auth.tenant_secret:
+        log.warning(
+            "auth.tenant_header with no auth.tenant_secret: any client that reaches this port directly names its "
+            "tenant; set tenant_secret (the gateway's proof), or listen where only the gateway reaches"
+        )
+    try:
+        service = build_service(settings)
+    except (ModelError, FileNotFoundError) as exc:  # the model or a tier's folder: a clear error, no traceback
+        parser.error(str(exc))
     host, port = settings.server.host, settings.server.port
     url = f"http://{host}:{port}"
     model = settings.model.served_id
