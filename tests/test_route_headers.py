@@ -25,7 +25,7 @@ from prefixcache.identity import PROOF_HEADER, tenant_proof
 from prefixcache.server.auth import Auth
 from prefixcache.server.errors import APIError
 from prefixcache.server.sessions import Sessions
-from prefixcache.server.settings import AuthSettings, Settings
+from prefixcache.server.settings import AuthSettings, ServerSettings, Settings
 from redis_server import RedisServer, free_port
 from support import wait_for
 
@@ -74,9 +74,11 @@ def tokenize(path: str, body: dict[str, object]) -> list[int]:
     return [1, 2, 3, 4, 5]
 
 
-def start(backend: Echo, redis_url: str | None, backend_key: str = "") -> tuple[Router, LiveServer]:
+def start(
+    backend: Echo, redis_url: str | None, backend_key: str = "", proxies: tuple[str, ...] = ()
+) -> tuple[Router, LiveServer]:
     auth = AuthSettings(api_keys=KEYS, tenant_header=HEADER, tenant_secret=SECRET, backend_key=backend_key)
-    settings = Settings(auth=auth)
+    settings = Settings(auth=auth, server=ServerSettings(trusted_proxies=proxies))
     if redis_url is not None:
         config = RouteConfig((backend.live.url,), redis_url)
     else:
@@ -169,6 +171,18 @@ def test_a_vllm_backend_gets_neither_key_nor_tenant_header(echo: Echo) -> None:
         got = echo.headers
         assert not {b"authorization", b"x-org", PROOF_HEADER.encode(), b"cookie", b"x-tenant"} & set(got)
         assert got[b"x-forwarded-for"] == b"127.0.0.1" and got[b"x-request-id"] == b"req-1"
+    finally:
+        live.stop()
+
+
+def test_behind_a_trusted_proxy_the_router_names_the_client_that_proxy_saw(echo: Echo) -> None:
+    _router, live = start(echo, None, proxies=("127.0.0.0/8",))
+    try:
+        chain = [(b"Authorization", b"Bearer sk-acme"), (b"X-Forwarded-For", b"6.6.6.6, 203.0.113.7")]
+        chain.append((b"X-Forwarded-Proto", b"https"))
+        assert send(live.url, chain).status_code == 200
+        got = echo.headers  # the right-most hop the trusted proxy appended; the client's own word dropped
+        assert got[b"x-forwarded-for"] == b"203.0.113.7" and got[b"x-forwarded-proto"] == b"https"
     finally:
         live.stop()
 

@@ -44,7 +44,7 @@ from prefixcache.fleet.zmq import VllmSource
 from prefixcache.server.apidoc import install_openapi
 from prefixcache.server.auth import Auth
 from prefixcache.server.errors import APIError, BodyLimit, install_error_handlers
-from prefixcache.server.sessions import Sessions
+from prefixcache.server.sessions import Sessions, TrustedProxies
 from prefixcache.server.settings import Settings
 from prefixcache.tenancy import PUBLIC
 
@@ -81,6 +81,7 @@ class Router:
             raise ValueError(NO_SECRET)
         self.stamper = Stamper.of(settings, secret)
         self.auth = Auth(settings.auth, Sessions(settings.auth.dashboard_session_s))
+        self.proxies = TrustedProxies(settings.server.trusted_proxies)  # whose X-Forwarded-* the router believes
         self.shared_mode = settings.cache.isolation == "shared"
         self.index = GlobalIndex(rank=config.scorer.credit)
         self.redis = redis.Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
@@ -270,7 +271,11 @@ def create_router(router: Router) -> FastAPI:
         assert router.client is not None
         tried: set[str] = set()
         held: Held | None = None  # the last 503, relayed if no other backend is left
-        client = request.client.host if request.client is not None else None
+        # NOTE: the client as the router knows it: the peer, or behind a proxy it trusts
+        # (server.trusted_proxies) the address that proxy saw; what else a client wrote is dropped
+        peer, said = request.client.host if request.client is not None else None, request.headers
+        client = router.proxies.client(peer, said.get("x-forwarded-for")) or None
+        secure = router.proxies.secure(request.url.scheme, peer, said.get("x-forwarded-proto"))
         while True:
             order = router.rank(tenant, tokens, tried)
             if not order:
@@ -282,7 +287,7 @@ def create_router(router: Router) -> FastAPI:
             backend, overlap, left = order[0]
             tried.add(backend.url)
             vllm = backend.source is not None
-            headers = router.stamper.headers(request.headers.raw, tenant, vllm, client, request.url.scheme)
+            headers = router.stamper.headers(request.headers.raw, tenant, vllm, client, "https" if secure else "http")
             content: bytes | None = None
             if body is not None:
                 if vllm:

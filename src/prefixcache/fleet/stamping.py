@@ -18,9 +18,10 @@
 
 Headers are an allowlist, not a blocklist: a client's ``Cookie``, ``X-Tenant``, tenant
 header, ``x-prefixcache-*`` header or anything a backend might one day read never
-reaches it. ``X-Forwarded-For`` is replaced by the address the router saw, not appended
-to: without a list of proxies it trusts, a chain the client sent is the client's word,
-and a backend that logged or limited by it would believe a forged address. A vLLM
+reaches it. ``X-Forwarded-For`` is replaced by the one address the router knows the
+client by (the peer's, or what a proxy of ``server.trusted_proxies`` saw), not appended
+to: a chain the client wrote is the client's word, and a backend that logged or limited
+by it would believe a forged address. A vLLM
 backend gets no tenant's Authorization (its tenants' keys are the router's business; its
 port is for the router alone), only the router's own ``auth.backend_key`` when one is set
 (vLLM's ``--api-key``), and no tenant header (the body's stamp is its identity).
