@@ -84,8 +84,8 @@ def run_route(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = RouteConfig(tuple(args.backend), redis_url, Routing(args.routing), scorer, vllm, secret)
     router = Router(config, settings, Tokenizer(settings.model), CollectorRegistry())
     app = create_router(router)
-    # NOTE: the router is the edge: it believes no client's X-Forwarded-* (uvicorn would, from
-    # 127.0.0.1), and sets them itself for the backends (stamping)
-    served = uvicorn_config(app, settings, host=args.host, port=args.port, proxy_headers=False)
+    # NOTE: the router believes no client's X-Forwarded-* (uvicorn_config turns uvicorn's own
+    # off; only server.trusted_proxies are believed) and sets them itself for the backends (stamping)
+    served = uvicorn_config(app, settings, host=args.host, port=args.port)
     uvicorn.Server(served).run()
     return 0
