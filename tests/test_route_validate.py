@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import pytest
 
 from prefixcache.fleet.keys import TokenRangeError, chain_keys, root_key, token_bytes
+from prefixcache.fleet.relay import failed
 from prefixcache.fleet.validate import check_vllm
 from prefixcache.server.errors import MAX_DEPTH, APIError, too_deep
 
@@ -76,3 +78,21 @@ def test_vllm_never_gets_token_ids_out_of_range(prompt: Any) -> None:
 )
 def test_anything_else_goes_to_vllm_for_it_to_judge(body: dict[str, Any]) -> None:
     check_vllm(body)
+
+
+@pytest.mark.parametrize(
+    ("exc", "retry", "down", "lost", "status"),
+    [
+        (httpx.ConnectError("refused"), True, True, False, 502),
+        (httpx.ConnectTimeout("slow"), True, True, False, 502),
+        (httpx.RemoteProtocolError("closed"), True, True, True, 502),  # the backend stopped: once more elsewhere
+        (httpx.ReadError("reset"), True, True, True, 502),
+        (httpx.ReadTimeout("late"), False, False, False, 504),  # still working there: never again elsewhere
+        (httpx.PoolTimeout("busy"), False, False, False, 503),
+    ],
+)
+def test_what_a_failed_send_means_for_the_request(
+    exc: httpx.HTTPError, retry: bool, down: bool, lost: bool, status: int
+) -> None:
+    got = failed(exc, "b1")
+    assert (got.retry, got.down, got.lost, got.error.status) == (retry, down, lost, status)

@@ -9,12 +9,15 @@ next backend only with what never started on this one, and tells the client the 
 | 429 (queue or tenant's share full)            | relayed, with its Retry-After              |
 | 504, 4xx, 2xx, any other status               | relayed as it came, reason and all         |
 | no answer in time after the request was sent  | 504 (the backend may still be working)     |
-| connection lost after the request was sent    | 502                                        |
+| connection lost with no answer (the backend   | backend marked down; the next one is tried |
+|   died or broke it)                            |   once; a second loss is a 502             |
 | no backend up (none left to try)              | 503 ``no_backend``                         |
 
-NOTE: a request that reached a backend is never sent to another: a 504 means the work
-ran to its deadline there, and running it again elsewhere would let one heavy prompt
-hold every backend in turn while its client waits for all of them.
+NOTE: a request that reached a backend still working on it is never sent to another: a
+504 means the work ran to its deadline there, and running it again elsewhere would let
+one heavy prompt hold every backend in turn while its client waits for all of them. A
+lost connection is a backend that stopped (killed, restarted): its work is gone with it,
+so the request goes on once (a request that itself kills backends takes at most two).
 """
 
 from __future__ import annotations
@@ -42,9 +45,10 @@ NOT_RELAYED = frozenset({b"content-length", b"date", b"server"})
 class Failed:
     """A request a backend did not answer."""
 
-    retry: bool  # it never reached the backend: the next one may take it
+    retry: bool  # nothing of it runs on the backend any more: the next one may take it
     down: bool  # the backend cannot be reached: out until its health checks pass
     error: APIError  # the client's answer when it is not retried
+    lost: bool = False  # the connection broke with no answer: retried once per request
 
 
 def failed(exc: httpx.HTTPError, backend: str) -> Failed:
@@ -59,7 +63,10 @@ def failed(exc: httpx.HTTPError, backend: str) -> Failed:
         error = APIError(504, f"backend {backend} sent no answer in time", "timeout_error", "timeout")
         return Failed(retry=False, down=False, error=error)
     reason = f"backend {backend} failed before answering ({type(exc).__name__})"
-    return Failed(retry=False, down=False, error=APIError(502, reason, "server_error", "bad_gateway"))
+    error = APIError(502, reason, "server_error", "bad_gateway")
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
+        return Failed(retry=True, down=True, error=error, lost=True)
+    return Failed(retry=False, down=False, error=error)
 
 
 @dataclass(frozen=True, slots=True)

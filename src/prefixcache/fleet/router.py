@@ -271,6 +271,7 @@ def create_router(router: Router) -> FastAPI:
         assert router.client is not None
         tried: set[str] = set()
         held: Held | None = None  # the last 503, relayed if no other backend is left
+        lost = False  # a backend already dropped this request's connection (relay.failed)
         # NOTE: the client as the router knows it: the peer, or behind a proxy it trusts
         # (server.trusted_proxies) the address that proxy saw; what else a client wrote is dropped
         peer, said = request.client.host if request.client is not None else None, request.headers
@@ -303,8 +304,9 @@ def create_router(router: Router) -> FastAPI:
                 failure = failed(exc, backend.name)
                 if failure.down:
                     backend.mark_down(router.index, f"forward: {type(exc).__name__}")
-                if not failure.retry:
+                if not failure.retry or (failure.lost and lost):
                     raise failure.error from None
+                lost = lost or failure.lost
                 continue
             if reply.status_code in RETRY_STATUS:
                 backend.pending -= left
