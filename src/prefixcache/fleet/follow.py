@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from prefixcache.fleet.index import GlobalIndex, IndexGap
+from prefixcache.fleet.keys import TokenRangeError
 from prefixcache.fleet.wire import Entry, Snapshot
 
 __all__ = ["Follower", "FollowerStats", "Verdict"]
@@ -70,8 +71,8 @@ class Follower:
         try:
             for event in entry.batch.events:
                 self.index.apply(self.backend, event, self.model)
-        except IndexGap as exc:
-            log.warning("event=route_index_gap backend=%s detail=%s", self.backend, exc)
+        except (IndexGap, TokenRangeError) as exc:  # a store the index cannot place or key
+            log.warning("event=route_index_gap backend=%s detail=%s", self.backend, exc or type(exc).__name__)
             self.stats.resyncs += 1
             self.inc = None  # the index of this backend is unreliable until a snapshot
             return Verdict.RESYNC
@@ -85,7 +86,7 @@ class Follower:
         try:
             for event in snapshot.events:
                 self.index.apply(self.backend, event, self.model)
-        except IndexGap as exc:  # a snapshot is parents-first: this is the backend's bug
+        except (IndexGap, TokenRangeError) as exc:  # a snapshot is parents-first and in range: the backend's bug
             self.index.clear(self.backend)
             self.inc = None
             raise IndexGap(f"{self.backend}: bad snapshot: {exc}") from None

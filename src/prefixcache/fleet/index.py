@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from prefixcache.fleet.keys import TokenRangeError, chain_keys, root_key
+from prefixcache.fleet.keys import chain_keys, root_key
 from prefixcache.fleet.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
 __all__ = ["EXPECTED", "EXPECT_S", "GlobalIndex", "IndexGap", "IndexStats"]
@@ -97,10 +97,7 @@ class GlobalIndex:
             parent = held.key
         if ev.block_size < 1 or len(ev.token_ids) > ev.block_size * len(ev.block_hashes):
             raise IndexGap(f"{backend}: a store whose tokens do not fit its blocks")
-        try:
-            keys = chain_keys(parent, ev.token_ids, ev.block_size)
-        except TokenRangeError:
-            raise IndexGap(f"{backend}: a store whose token ids no key can hold") from None
+        keys = chain_keys(parent, ev.token_ids, ev.block_size)
         medium = ev.medium or ""
         for h, key in zip(ev.block_hashes, keys, strict=False):  # a partial last block has no key
             held = blocks.get(h)
