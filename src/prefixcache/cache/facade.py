@@ -35,7 +35,7 @@ from prefixcache.cache.tierevents import resident as resident_events
 from prefixcache.cache.tree import Block, Lookup, Pin, path_to
 from prefixcache.cache.writer import Writer
 from prefixcache.config import CacheConfig, KVLayout, TierConfig
-from prefixcache.events import Drained, EpochBumped, Event
+from prefixcache.events import Drained, EpochBumped, Event, RemovalReason
 from prefixcache.hashing import ONESHOT, CacheContext, HashFactory, Segment, get_hash
 from prefixcache.policies import make_policy
 from prefixcache.storage import codec
@@ -353,6 +353,12 @@ class PrefixCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def removed(self, reason: RemovalReason) -> int:
+        """Blocks that left the cache for ``reason`` since start: one counter, cheaper than
+        ``stats()`` for a caller that asks after every request (the simulator)."""
+        with self._lock:
+            return self._ledger.counters.removals[reason]
 
     @property
     def used_tokens(self) -> int:
