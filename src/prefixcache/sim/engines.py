@@ -106,14 +106,13 @@ class CacheStepper:
         self.cache = PrefixCache(engine_config(cfg, summary), clock=lambda: self._now)
         if registry is not None:
             registry.register(CacheCollector(self.cache))
-        self._removals = self.cache._ledger.counters.removals  # NOTE: live counters; stats() builds a snapshot
         self._dense: dict[int, int] = {}
         self._output = include_output and summary.native_block_size is None
         self._contexts: dict[tuple[str, str], CacheContext] = {}
 
     @property
     def evictions(self) -> int:
-        return self._removals[RemovalReason.EVICTED]
+        return self.cache.removed(RemovalReason.EVICTED)  # NOTE: one counter; stats() builds a snapshot
 
     def step(self, req: Request) -> int:
         self._now = req.timestamp
