@@ -23,6 +23,6 @@ __all__ = [
     "rotary_of",
 ]
 
-from prefixcache.blend.chunks import ChunkKV, ChunkStats, ChunkStore, Pinned
+from prefixcache.blend.chunks import CHUNK_EXTRA, ChunkKV, Chunks, chunk_context
 
-__all__ += ["ChunkKV", "ChunkStats", "ChunkStore", "Pinned"]
+__all__ += ["CHUNK_EXTRA", "ChunkKV", "Chunks", "chunk_context"]

@@ -4,7 +4,7 @@ prefix, the segments a blended prefill runs, and the chunks kept for later promp
     prompt tokens  [ exact prefix (PrefixCache) | line | \\n | line | ... | suffix ]
                                                    |
                    every line after the prefix of min..max_chunk_tokens is a candidate:
-                     1. the chunk store, by content hash (own namespace, then public)
+                     1. the cache, by content (chunk context: own namespace, then public)
                      2. else the embedding fallback: the nearest chunks of the tenant's
                         ANN partition, then token alignment decides the reused spans
                    ──> [Reused prefix] Fresh | Reused | Fresh | Reused ... | Fresh suffix
@@ -16,43 +16,43 @@ of a message (a RAG document, a tool description), whichever message it is in an
 wherever the prompt puts it. Lines stop before the prompt's last token, whose logits
 start decoding, so a blended prompt always ends with a fresh segment.
 
-Isolation is the chunk store's (a get looks in the tenant's namespace and the public
-one) and the index's (a query opens the tenant's partition and the public one); a
-fallback candidate is fetched from the store with the requester's own context, so a
-chunk of another tenant can be neither found nor loaded.
+Chunks are blocks of the one ``PrefixCache`` under a chunk root (``chunks``): a line's
+chunk is what the cache stores of it (the whole line with ``partial_blocks``, else its
+whole-block prefix), and a hit covers a whole chunk; the rest of a line is prefilled
+fresh. Isolation is the cache's (a get finds the tenant's own chunks and public ones)
+and the index's (a query opens the tenant's partition and the public one); a fallback
+candidate is loaded from the cache with the requester's own context, so a chunk of
+another tenant can be neither found nor loaded. The fallback's book (``known``)
+follows the cache's removals: a chunk evicted, expired, purged or invalidated leaves it.
 
 NOTE: one ``Blender`` serves one engine's worker thread; the admin routes purge and bump
-from others, so the table of chunk tokens the fallback resolves hits with has a lock
-(held for dict operations only; the store and the index lock themselves).
+from others: the book locks itself, and the cache and the index lock themselves.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from prefixcache.blend.align import align
-from prefixcache.blend.ann import ChunkEntry, ChunkIndex
-from prefixcache.blend.chunks import ChunkStore
+from prefixcache.blend.ann import ChunkIndex
+from prefixcache.blend.chunks import Chunks
 from prefixcache.blend.embed import Embedder
+from prefixcache.blend.known import KnownChunks
 from prefixcache.blend.plan import Epic, Fresh, Reused, Segment
 from prefixcache.blend.prefill import BlendResult, prefill_chunk
 from prefixcache.blend.serve_types import BlendConfig, BlendUsage, Outcome
 from prefixcache.engine.kv import to_numpy, to_torch
 from prefixcache.engine.model import LoadedModel, dtype_of
 from prefixcache.hashing import CacheContext
-from prefixcache.tenancy import PUBLIC
 
 __all__ = ["Blender", "Found", "Line", "Lookup", "account"]
 
 log = logging.getLogger(__name__)
 
-KNOWN_CHUNKS = 4096  # chunk keys the fallback can resolve to tokens; the oldest leave the index too
 CANDIDATES = 3  # nearest chunks tried per line by the fallback
 
 
@@ -80,7 +80,7 @@ class Found:
 
 @dataclass(frozen=True, slots=True)
 class Lookup:
-    """What the chunk store holds for a prompt's lines: the reused pieces in prompt
+    """What the cache holds for a prompt's lines: the reused pieces in prompt
     order, and the lines to store after the request (missed, or only similar)."""
 
     found: tuple[Found, ...]
@@ -97,7 +97,7 @@ class Blender:
         self,
         config: BlendConfig,
         loaded: LoadedModel,
-        store: ChunkStore,
+        chunks: Chunks,
         embedder: Embedder | None = None,
         index: ChunkIndex | None = None,
     ) -> None:
@@ -105,17 +105,16 @@ class Blender:
             raise ValueError("the embedding fallback needs both an embedder and an index")
         self.config = config
         self.loaded = loaded
-        self.store = store
+        self.chunks = chunks
         self.embedder = embedder
         self.index = index
+        self.known = KnownChunks(chunks, index)
         self._dtype = dtype_of(loaded.kv.dtype)
         tokenizer = loaded.tokenizer
         self._special = frozenset(int(i) for i in tokenizer.all_special_ids) | frozenset(
             int(i) for i in tokenizer.get_added_vocab().values()
         )
         self._breaks: dict[int, bool] = {}  # token id -> ends a line (newline or special)
-        self._known: OrderedDict[bytes, tuple[str, tuple[int, ...]]] = OrderedDict()  # key -> namespace, tokens
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ lines
 
@@ -150,8 +149,8 @@ class Blender:
         exact = similar = 0
         for line in self.lines(tokens, begin):
             piece = tuple(int(t) for t in tokens[line.start : line.end])
-            chunk = self.store.get(ctx, piece)
-            if chunk is not None:
+            chunk = self.chunks.get(ctx, piece)
+            if chunk is not None:  # the whole line, or its whole-block prefix: the rest is fresh
                 found.append(Found(line.start, to_torch(chunk.kv, self._dtype), 0))
                 exact += 1
                 continue
@@ -168,25 +167,19 @@ class Blender:
         if self.embedder is None or self.index is None:
             return []
         vector = self.embedder.embed([self._text(piece)])[0]
-        namespace = self.store.namespace(ctx)
-        hits = self.index.query(
-            vector, namespace, ctx.model, self.store.epoch(ctx), CANDIDATES, self.config.min_similarity
-        )
-        for hit in hits:
-            with self._lock:
-                known = self._known.get(hit.chunk_id)
-            if known is None or known[0] != namespace:
+        for key, known in self.known.candidates(ctx, vector, CANDIDATES, self.config.min_similarity):
+            spans = align(piece, known.tokens, self.config.min_span_tokens)
+            if not spans:
                 continue
-            chunk = self.store.get(ctx, known[1])  # the requester's own context: isolation holds
-            if chunk is None:
+            chunk = self.chunks.get(ctx, known.tokens)  # the requester's own context: isolation holds
+            if chunk is None or chunk.tokens < len(known.tokens):
+                self.known.forget(key)  # removed since it was checked
                 continue
-            spans = align(piece, known[1], self.config.min_span_tokens)
-            if spans:
-                kv = to_torch(chunk.kv, self._dtype)
-                return [
-                    Found(start + s.prompt_start, kv[:, :, :, s.chunk_start : s.chunk_end], s.chunk_start)
-                    for s in sorted(spans, key=lambda s: s.prompt_start)
-                ]
+            kv = to_torch(chunk.kv, self._dtype)
+            return [
+                Found(start + s.prompt_start, kv[:, :, :, s.chunk_start : s.chunk_end], s.chunk_start)
+                for s in sorted(spans, key=lambda s: s.prompt_start)
+            ]
         return []
 
     # ------------------------------------------------------------------ segments
@@ -216,54 +209,40 @@ class Blender:
     # ------------------------------------------------------------------ keep
 
     def remember(self, ctx: CacheContext, tokens: Sequence[int], lines: Sequence[Line]) -> int:
-        """Prefill each line alone, store it and index its embedding; how many were stored."""
+        """Prefill each line's chunk alone, store it in the cache (its slower tiers through
+        the writer) and index its embedding; how many were stored whole."""
         stored = 0
         for line in lines:
             piece = tuple(int(t) for t in tokens[line.start : line.end])
-            if self.store.contains(ctx, piece):
+            chunk = piece[: self.chunks.reusable(len(piece))]  # NOTE: what the cache would not keep is not computed
+            if not chunk or self.chunks.contains(ctx, chunk):
                 continue
-            kv = to_numpy(prefill_chunk(self.loaded, piece))
-            if self.store.put(ctx, piece, kv):
+            self.chunks.put(ctx, chunk, to_numpy(prefill_chunk(self.loaded, chunk)))
+            if self.chunks.contains(ctx, chunk):  # whole: room was made for every block of it
                 stored += 1
-                self._index(ctx, piece)
+                vector = None if self.embedder is None else self.embedder.embed([self._text(chunk)])[0]
+                self.known.add(ctx, chunk, vector)
         return stored
 
-    def _index(self, ctx: CacheContext, piece: tuple[int, ...]) -> None:
-        if self.embedder is None or self.index is None:
-            return
-        key = self.store.key(ctx, piece)
-        namespace = self.store.namespace(ctx)
-        vector = self.embedder.embed([self._text(piece)])[0]
-        if not self.index.insert(ChunkEntry(key, namespace, ctx.model, self.store.epoch(ctx)), vector):
-            return
-        with self._lock:
-            self._known[key] = (namespace, piece)
-            self._known.move_to_end(key)
-            evicted = [self._known.popitem(last=False) for _ in range(len(self._known) - KNOWN_CHUNKS)]
-        for old, (old_namespace, _) in evicted:
-            self.index.remove(old, old_namespace)
+    def purge(self, tenant: str) -> int:
+        """The fallback's side of purging ``tenant``: its chunks leave the index. Returns
+        how many of them the cache held. The cache's ``purge(tenant)``, which the admin
+        route runs after this, removes them, with every other block the tenant stored."""
+        return self.known.forget_tenant(tenant)
 
-    def purge(self, tenant: str | None = None) -> int:
-        """Remove ``tenant``'s chunks (or all) from the store and the fallback's index."""
-        removed = self.store.purge(tenant)
-        if self.index is None:
-            return removed
-        with self._lock:
-            namespaces = {ns for ns, _ in self._known.values()}
-            if tenant is not None:
-                namespaces = {self.store.namespace(CacheContext(tenant=tenant))} - {PUBLIC}
-            self._known = OrderedDict((k, v) for k, v in self._known.items() if v[0] not in namespaces)
-        for namespace in namespaces:
-            self.index.purge(namespace)
-        return removed
+    def purge_prefix(self, tokens: Sequence[int], ctx: CacheContext) -> int:
+        """Remove every chunk ``ctx`` can see whose tokens start with ``tokens`` (in the
+        chunk context: prompts' blocks are the cache's ``purge_prefix``), from the cache
+        and the index. Returns the chunk tokens removed, as ``PrefixCache.purge_prefix``."""
+        self.known.forget_prefix(ctx, tokens)
+        return self.chunks.purge_prefix(ctx, tokens)
 
     def bump_epoch(self, model: str) -> int:
-        """A new epoch for ``model``'s chunks; the index drops the old one's entries."""
-        old = self.store.epoch(CacheContext(tenant="operator", model=model, tokenizer=model))
-        epoch = self.store.bump_epoch(model)
-        if self.index is not None:
-            self.index.drop_epoch(model, old)
-        return epoch
+        """The index's side of a new epoch for ``model``: its entries leave, and late
+        inserts of the old epoch are refused. The cache's ``bump_epoch`` (which the admin
+        route runs too) invalidates the chunks themselves, with every block of the model.
+        Returns the index's new epoch."""
+        return self.known.bump(model)
 
 
 def account(

