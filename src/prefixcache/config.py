@@ -15,7 +15,6 @@ from urllib.parse import urlsplit
 
 from prefixcache.hashing import get_hash
 from prefixcache.policies import check_policy
-from prefixcache.storage.codec import WIRE_DTYPES
 
 ISOLATION_MODES = ("shared", "namespace", "partitioned")
 DEFAULT_CAPACITY_TOKENS = 1 << 20
@@ -23,7 +22,11 @@ TIER_KINDS = ("device", "memory", "disk", "redis")
 WRITE_MODES = ("back", "through", "selective")
 WRITERS = ("background", "inline", "deferred")
 LEVELS = {"device": "L0", "memory": "L1"}  # every other kind (disk, redis) is L2
-KV_DTYPES = {label: dtype.itemsize for label, dtype in WIRE_DTYPES.items()}  # bytes per value
+# NOTE: the KV dtypes a layout may name, and their bytes per value: the ones the frame
+# codec writes (``storage/header.py`` WIRE_DTYPES; tests/test_layers.py holds the two
+# alike). Written here, not read from storage, so that configuration sits below storage.
+KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+GiB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +203,16 @@ class TierConfig:
         memory, ``L1`` host RAM, ``L2`` disk and Redis (by kind, not position, so that a
         deployment without a device tier has no "L0" that is really host RAM)."""
         return LEVELS.get(self.kind, "L2")
+
+
+def local_tiers(disk: str) -> tuple[TierConfig, ...]:
+    """The tiers of one machine's cache that survives a restart: L1 host memory (2 GiB)
+    writing every block through to an L2 disk (20 GiB) under ``disk``. What ``serve``'s
+    ``[cache]`` and the vLLM connector default to, each with its own folder."""
+    return (
+        TierConfig(kind="memory", capacity_bytes=2 * GiB, write="through"),
+        TierConfig(kind="disk", capacity_bytes=20 * GiB, path=disk, write="through"),
+    )
 
 
 @dataclass(frozen=True, slots=True)

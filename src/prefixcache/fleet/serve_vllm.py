@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prefixcache.config import local_tiers
 from prefixcache.fleet.supervisor import Child, supervise
 from prefixcache.identity import SECRET_ENV
 
@@ -105,12 +106,9 @@ def backend_key(settings: Settings, secret: str) -> str:
 def connector_config(settings: Settings, disk: str) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config``: the connector over memory and disk, isolating
     tenants as the settings' ``[cache]`` does."""
-    from prefixcache.integrations.vllm.settings import VLLM_CACHE
-
     tiers = [
-        {"kind": t.kind, "capacity_bytes": t.capacity_bytes, "write": t.write}
-        | ({"path": disk} if t.kind == "disk" else {})
-        for t in VLLM_CACHE.tiers
+        {"kind": t.kind, "capacity_bytes": t.capacity_bytes, "write": t.write} | ({"path": t.path} if t.path else {})
+        for t in local_tiers(disk)  # the connector's default tiers (VLLM_CACHE), on this disk
     ]
     return {
         "kv_connector": "PrefixCacheConnector",

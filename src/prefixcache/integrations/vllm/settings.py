@@ -24,7 +24,7 @@ from typing import Any
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from prefixcache.config import CacheConfig, TierConfig, valid_names
+from prefixcache.config import CacheConfig, local_tiers, valid_names
 from prefixcache.identity import MIN_SECRET_BYTES, SECRET_ENV, Unverified
 from prefixcache.integrations.vllm.scope import files_fingerprint
 
@@ -32,13 +32,7 @@ __all__ = ["VLLM_CACHE", "ConnectorSettings", "model_key", "parse_settings", "re
 
 log = logging.getLogger("prefixcache.vllm")
 
-GiB = 1 << 30
-VLLM_CACHE = CacheConfig(
-    tiers=(
-        TierConfig(kind="memory", capacity_bytes=2 * GiB, write="through"),
-        TierConfig(kind="disk", capacity_bytes=20 * GiB, path=".prefixcache/vllm-disk", write="through"),
-    ),
-)
+VLLM_CACHE = CacheConfig(tiers=local_tiers(".prefixcache/vllm-disk"))  # the rest: CacheConfig's defaults
 
 
 class ConnectorSettings(BaseModel):
