@@ -1,413 +1,365 @@
-"""The chunk store (blend/chunks.py): content keys, namespaces, epochs, tiers, pins.
-
-A state machine drives put / get / pin / bump / purge / clock steps across tenants and
-isolation modes and checks, after every step, against a reference of what was put:
-soundness (a get returns exactly a KV put for the same context and tokens in a visible
-namespace, or None), isolation (never another tenant's), epochs (nothing from before a
-bump), capacity (no tier above its bytes), pins (a pinned chunk stays), and, when the
-disk tier can hold everything, completeness (what was put and not removed is found).
+"""Chunks are blocks (blend/chunks.py, blend/known.py): a chunk is a block chain of the
+one ``PrefixCache`` under a chunk root, so the cache's rules hold for chunks with no
+second book: keys never equal a prompt's, tenants are isolated and public chunks are
+the cache's, epochs, purges and TTL apply, a bad frame is a miss, a restarted disk and
+a shared Redis find chunks, writes to slow tiers never run on the caller's thread; a
+hit is a whole chunk; and the embedding fallback's book follows what the cache removes.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from prefixcache import CacheConfig, CacheContext
-from prefixcache.blend.chunk_keys import CHUNK_TAG, ChunkKeys, Epochs
-from prefixcache.blend.chunks import ChunkStore
+from prefixcache.blend.ann import AnnConfig, ChunkIndex
+from prefixcache.blend.chunks import Chunks, chunk_context
+from prefixcache.blend.known import KnownChunks
+from prefixcache.cache import PrefixCache
 from prefixcache.config import KVLayout, PublishConfig, TierConfig
-from prefixcache.hashing import KeyChain, get_hash, root_encoding, root_hasher, token_bytes
-from prefixcache.tenancy import PUBLIC
+from prefixcache.hashing import root_encoding
+from prefixcache.storage import codec
+from prefixcache.storage.base import TierStore
+from prefixcache.storage.memory import MemoryStore
+from prefixcache.storage.open import open_store
 from support import Clock
 
 LAYOUT = KVLayout(layers=1, kv_heads=1, head_dim=2, dtype="float32")
-MAX_TOKENS = 8
-TENANTS = ("a", "b", "c")
-MODELS = ("m1", "m2")
-CHUNKS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [1, 2, 3, 4], [10, 11, 12, 13, 14, 15, 16, 17]]
+BS = 4
+SLOT = MemoryStore.slot_for(codec.encoded_size(LAYOUT.shape(BS), LAYOUT.dtype, 16))
+DOC = list(range(100, 110))  # 10 tokens: two whole blocks and a tail of 2
+OTHER = list(range(200, 212))  # 12 tokens: three whole blocks
 
 
 def kv_of(tokens: list[int], tag: float) -> np.ndarray:
-    """A chunk's KV that names the put it came from (``tag``), so a get tells whose it is."""
+    """A chunk's KV that names the put it came from (``tag``) and each token's position."""
     kv = np.full(LAYOUT.shape(len(tokens)), tag, dtype=np.float32)
     kv[..., 1] = np.arange(len(tokens), dtype=np.float32)
     return kv
 
 
-def _encoded(tokens: int) -> int:
-    from prefixcache.storage import codec
-
-    return codec.encoded_size(LAYOUT.shape(tokens), LAYOUT.dtype, 16)
+def tag_of(kv: np.ndarray) -> float:
+    return float(kv.reshape(-1)[0])
 
 
-SLOT = -(-_encoded(MAX_TOKENS) // 16) * 16
+def memory(slots: int = 64, write: str = "back") -> TierConfig:
+    return TierConfig(kind="memory", capacity_bytes=slots * SLOT, write=write)
 
 
-def config(tmp: Path, isolation: str = "namespace", memory_slots: int = 2, disk_bytes: int = 1 << 20, **kw: object):
-    tiers = (
-        TierConfig(kind="memory", capacity_bytes=memory_slots * SLOT),
-        TierConfig(kind="disk", capacity_bytes=disk_bytes, path=str(tmp), fsync="none"),
-    )
-    return CacheConfig(tiers=tiers, kv_layout=LAYOUT, isolation=isolation, **kw)  # type: ignore[arg-type]
+def disk(tmp: Path, **kw: Any) -> TierConfig:
+    return TierConfig(kind="disk", capacity_bytes=1 << 20, path=str(tmp / "disk"), fsync="none", **kw)
 
 
-# ---------------------------------------------------------------------------- keys
+def open_chunks(*tiers: TierConfig, clock: Clock | None = None, **kw: Any) -> Chunks:
+    config = CacheConfig(block_size=BS, kv_layout=LAYOUT, tiers=tiers or (memory(),), **kw)
+    cache = PrefixCache(config, clock=clock) if clock is not None else PrefixCache(config)
+    return Chunks(cache, max_chunk_tokens=64)
 
 
-def test_chunk_keys_cover_the_context_and_never_equal_block_keys() -> None:
-    keys = ChunkKeys("seed", get_hash("xxh3_128"))
-    data = token_bytes([5, 6, 7, 8])
-    zero = Epochs(0, 0)
-    base = keys.key(CacheContext("t", "m"), data, "t", zero)
-    others = [
-        keys.key(CacheContext("t", "m2"), data, "t", zero),
-        keys.key(CacheContext("t", "m", adapter="lora"), data, "t", zero),
-        keys.key(CacheContext("t", "m", tokenizer="tok"), data, "t", zero),
-        keys.key(CacheContext("t", "m", extra=(b"img",)), data, "t", zero),
-        keys.key(CacheContext("t", "m"), data, "u", zero),
-        keys.key(CacheContext("t", "m"), data, "t", Epochs(1, 0)),
-        keys.key(CacheContext("t", "m"), token_bytes([5, 6, 7]), "t", zero),
-        ChunkKeys("seed2", get_hash("xxh3_128")).key(CacheContext("t", "m"), data, "t", zero),
-    ]
-    assert len({base, *others}) == len(others) + 1
-    # the same tokens as a block of a prompt: another hash domain, another key
-    enc = root_encoding("seed", CacheContext("t", "m"), "t", 0, 0)
-    block = KeyChain(root_hasher(get_hash("xxh3_128"), enc), data, root_enc=enc).at(4)
-    assert block != base and not enc.startswith(CHUNK_TAG)
+# ---------------------------------------------------------------------------- keys and the whole-chunk rule
 
 
-def test_key_is_the_same_wherever_the_chunk_appears(tmp_path: Path) -> None:
-    store = ChunkStore(config(tmp_path), max_chunk_tokens=MAX_TOKENS)
-    ctx = CacheContext("a", "m1")
-    assert store.key(ctx, [4, 5, 6]) == store.key(ctx, np.array([4, 5, 6]))
-    assert store.key(ctx, [4, 5, 6]) != store.key(CacheContext("b", "m1"), [4, 5, 6])
-    assert store.key(ctx, [4, 5, 6], public=True) == store.key(CacheContext("b", "m1"), [4, 5, 6], public=True)
-    store.close()
+def test_a_chunk_root_is_another_context_than_the_prompt() -> None:
+    ctx = CacheContext("a", "m", extra=(b"img",))
+    chunk = chunk_context(ctx)
+    assert (chunk.tenant, chunk.model, chunk.adapter, chunk.tokenizer) == (ctx.tenant, ctx.model, None, "")
+    assert chunk.extra[:1] == ctx.extra and chunk != ctx
+    assert root_encoding("s", chunk, "a", 0, 0) != root_encoding("s", ctx, "a", 0, 0)
+    chunks = open_chunks()
+    cache = chunks.cache
+    chunks.put(ctx, OTHER, kv_of(OTHER, 1.0))
+    assert cache.peek(OTHER, ctx).cached_tokens == 0  # the same tokens as a prompt: never the chunk's KV
+    cache.insert(DOC, ctx, kv=kv_of(DOC, 2.0))
+    assert not chunks.contains(ctx, DOC) and chunks.get(ctx, DOC) is None
+    assert chunks.contains(ctx, OTHER)
+    cache.close()
 
 
-# ---------------------------------------------------------------------------- the state machine
+def test_a_hit_is_the_whole_line_or_its_whole_block_prefix() -> None:
+    chunks = open_chunks()
+    ctx = CacheContext("a", "m")
+    assert chunks.reusable(len(DOC)) == 8  # no partial blocks: the tail of 2 is not kept
+    assert chunks.put(ctx, DOC, kv_of(DOC, 3.0)) == 8
+    got = chunks.get(ctx, DOC)
+    assert got is not None and got.tokens == 8
+    assert np.array_equal(got.kv, kv_of(DOC, 3.0)[:, :, :, :8])
+    assert chunks.get(ctx, DOC[:5]) is not None  # its whole block prefix is a chunk too (KV from 0)
+    assert chunks.get(ctx, DOC[:3]) is None  # not one whole block
+    assert chunks.put(ctx, DOC[:3], kv_of(DOC[:3], 1.0)) == 0
+    chunks.cache.close()
+
+    partial = open_chunks(partial_blocks=True)
+    assert partial.put(ctx, DOC, kv_of(DOC, 4.0)) == 10
+    got = partial.get(ctx, DOC)
+    assert got is not None and got.tokens == 10 and np.array_equal(got.kv, kv_of(DOC, 4.0))
+    cut = partial.get(ctx, [*DOC[:9], 7])  # shares 9 tokens, cut inside the tail: its whole blocks only
+    assert cut is not None and cut.tokens == 8
+    partial.cache.close()
 
 
-class ChunkMachine(RuleBasedStateMachine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.clock = Clock()
-        self.tag = 0.0
-        self.epochs: dict[str, int] = dict.fromkeys(MODELS, 0)
-        # (namespace, model, epoch, chunk index) -> tags of the puts that may be stored there
-        self.allowed: dict[tuple[str, str, int, int], set[float]] = {}
-        self.owner: dict[tuple[str, str, int, int], str] = {}
-        self.pins: list[tuple[object, tuple[str, str, int, int]]] = []
-
-    @initialize(
-        isolation=st.sampled_from(["shared", "namespace", "partitioned"]),
-        memory_slots=st.integers(1, 4),
-        big_disk=st.booleans(),
-        policy=st.sampled_from(["lru", "fifo", "sieve", "s3fifo"]),
-        ttl=st.sampled_from([None, 5.0]),
-    )
-    def start(self, isolation: str, memory_slots: int, big_disk: bool, policy: str, ttl: float | None) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="chunks-"))
-        self.isolation = isolation
-        self.complete = big_disk
-        disk = 1 << 20 if big_disk else 3 * SLOT
-        cfg = config(self.dir, isolation, memory_slots, disk, policy=policy, ttl_seconds=ttl)
-        self.store = ChunkStore(cfg, max_chunk_tokens=MAX_TOKENS, clock=self.clock)
-        self.ttl = ttl
-        self.used: dict[tuple[str, str, int, int], float] = {}
-
-    def teardown(self) -> None:
-        if hasattr(self, "store"):
-            for handle, _ in self.pins:
-                handle.__exit__(None, None, None)  # type: ignore[attr-defined]
-            self.store.close()
-            shutil.rmtree(self.dir, ignore_errors=True)
-
-    def ns(self, tenant: str, public: bool = False) -> str:
-        return PUBLIC if public or self.isolation == "shared" else tenant
-
-    def ref_key(self, tenant: str, model: str, chunk: int, public: bool = False) -> tuple[str, str, int, int]:
-        return (self.ns(tenant, public), model, self.epochs[model], chunk)
-
-    def live(self, key: tuple[str, str, int, int]) -> bool:
-        if self.ttl is not None and self.clock.now - self.used.get(key, -1e9) >= self.ttl:
-            return False
-        return bool(self.allowed.get(key))
-
-    @rule(
-        tenant=st.sampled_from(TENANTS),
-        model=st.sampled_from(MODELS),
-        chunk=st.integers(0, len(CHUNKS) - 1),
-        public=st.booleans(),
-    )
-    def put(self, tenant: str, model: str, chunk: int, public: bool) -> None:
-        self.tag += 1.0
-        key = self.ref_key(tenant, model, chunk, public)
-        if not self.live(key):
-            self.allowed.pop(key, None)
-        kv = kv_of(CHUNKS[chunk], self.tag)
-        stored = self.store.put(CacheContext(tenant, model), CHUNKS[chunk], kv, public=public)
-        if stored:
-            self.allowed.setdefault(key, set()).add(self.tag)
-            self.owner.setdefault(key, PUBLIC if public else tenant)
-        if stored or self.live(key):
-            self.used[key] = self.clock.now
-
-    @rule(tenant=st.sampled_from(TENANTS), model=st.sampled_from(MODELS), chunk=st.integers(0, len(CHUNKS) - 1))
-    def get(self, tenant: str, model: str, chunk: int) -> None:
-        got = self.store.get(CacheContext(tenant, model), CHUNKS[chunk])
-        own, public = self.ref_key(tenant, model, chunk), self.ref_key(tenant, model, chunk, public=True)
-        visible = [k for k in dict.fromkeys((own, public)) if self.live(k)]
-        if got is None:
-            if self.complete and self.ttl is None:
-                assert not visible, f"{visible} were put and not removed, yet missed"
-            return
-        tag = float(got.kv.reshape(-1)[0])
-        assert got.kv.shape == LAYOUT.shape(len(CHUNKS[chunk]))
-        assert np.array_equal(got.kv, kv_of(CHUNKS[chunk], tag))
-        source = [k for k in visible if tag in self.allowed[k]]
-        assert source, f"tenant {tenant} got the KV of put {tag}, not one it may see"
-        for key in (own, public):
-            if self.live(key):
-                self.used[key] = self.clock.now
-
-    @rule(tenant=st.sampled_from(TENANTS), model=st.sampled_from(MODELS), chunk=st.integers(0, len(CHUNKS) - 1))
-    def pin(self, tenant: str, model: str, chunk: int) -> None:
-        if len(self.pins) >= 2:
-            handle, _ = self.pins.pop(0)
-            handle.__exit__(None, None, None)  # type: ignore[attr-defined]
-        handle = self.store.pin(CacheContext(tenant, model), [CHUNKS[chunk]])
-        pinned = handle.__enter__()
-        if pinned.keys[0] is not None:
-            own = self.ref_key(tenant, model, chunk)
-            key = own if self.live(own) else self.ref_key(tenant, model, chunk, public=True)
-            self.pins.append((handle, key))
-        else:
-            handle.__exit__(None, None, None)
-
-    @rule(model=st.sampled_from(MODELS))
-    def bump(self, model: str) -> None:
-        self.store.bump_epoch(model)
-        self.epochs[model] += 1
-
-    @rule(tenant=st.sampled_from((*TENANTS, None)))
-    def purge(self, tenant: str | None) -> None:
-        self.store.purge(tenant)
-        for key in list(self.allowed):
-            if tenant is None or tenant in (key[0], self.owner.get(key)):
-                del self.allowed[key]
-                self.owner.pop(key, None)
-
-    @rule(seconds=st.sampled_from([1.0, 3.0, 6.0]))
-    def tick(self, seconds: float) -> None:
-        self.clock.now += seconds
-        for key in [k for k in self.allowed if not self.live(k)]:
-            del self.allowed[key]
-            self.owner.pop(key, None)
-
-    @invariant()
-    def capacity(self) -> None:
-        if not hasattr(self, "store"):
-            return
-        stats = self.store.stats()
-        for used, store in zip(stats.tier_bytes, self.store._stores, strict=True):
-            assert 0 <= used <= store.capacity_bytes
-            assert store.used_bytes <= store.capacity_bytes
-
-    @invariant()
-    def pinned_stay(self) -> None:
-        for _, key in getattr(self, "pins", []):
-            namespace, model, epoch, chunk = key
-            if self.live(key) and epoch == self.epochs[model]:
-                tenant = namespace if namespace != PUBLIC else "a"
-                if namespace == PUBLIC and self.isolation != "shared":
-                    continue  # pinned through the public namespace: checked by its own tenant's get
-                assert self.store.contains(CacheContext(tenant, model), CHUNKS[chunk])
-
-
-ChunkMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-TestChunkMachine = ChunkMachine.TestCase
-
-
-# ---------------------------------------------------------------------------- tiers
-
-
-def test_corrupt_frame_on_disk_is_a_miss(tmp_path: Path) -> None:
-    cfg = CacheConfig(tiers=(TierConfig(kind="disk", capacity_bytes=1 << 20, path=str(tmp_path)),), kv_layout=LAYOUT)
-    ctx, tokens = CacheContext("a", "m1"), [1, 2, 3, 4]
-    with ChunkStore(cfg, max_chunk_tokens=MAX_TOKENS) as store:
-        assert store.put(ctx, tokens, kv_of(tokens, 7.0))
-        key = store.key(ctx, tokens).hex()
-        (path,) = [p for p in (tmp_path / "chunks").rglob("*") if p.is_file() and key in p.name]
-        raw = bytearray(path.read_bytes())
-        raw[-1] ^= 0xFF  # a flipped bit in the payload
-        path.write_bytes(bytes(raw))
-        assert store.get(ctx, tokens) is None
-        stats = store.stats()
-        assert stats.misses == 1 and stats.chunks == 0 and stats.removed["lost"] == 1
-        assert store.put(ctx, tokens, kv_of(tokens, 8.0))  # written again, served again
-        got = store.get(ctx, tokens)
-        assert got is not None and np.array_equal(got.kv, kv_of(tokens, 8.0))
-
-
-def test_a_restarted_store_finds_its_chunks_on_disk(tmp_path: Path) -> None:
-    cfg = config(tmp_path, memory_slots=2)
-    ctx, tokens = CacheContext("a", "m1"), [4, 5, 6, 7, 8]
-    with ChunkStore(cfg, max_chunk_tokens=MAX_TOKENS) as store:
-        assert store.put(ctx, tokens, kv_of(tokens, 3.0))
-        assert store.put(ctx, [9], kv_of([9], 4.0))
-    with ChunkStore(cfg, max_chunk_tokens=MAX_TOKENS) as store:
-        assert store.get(CacheContext("b", "m1"), tokens) is None  # another tenant: another key
-        assert store.get(CacheContext("a", "m2"), tokens) is None
-        got = store.get(ctx, tokens)
-        assert got is not None and got.tier == "disk" and np.array_equal(got.kv, kv_of(tokens, 3.0))
-        again = store.get(ctx, tokens)
-        assert again is not None and again.tier == "memory"  # adopted and promoted
-        assert store.purge() == 2  # the adopted chunk and the orphan still unclaimed
-    with ChunkStore(cfg, max_chunk_tokens=MAX_TOKENS) as store:
-        assert store.get(ctx, tokens) is None and store.get(ctx, [9]) is None
-
-
-def test_partial_frame_left_after_a_restart_is_a_miss(tmp_path: Path) -> None:
-    cfg = config(tmp_path)
-    ctx, tokens = CacheContext("a", "m1"), [1, 2, 3]
-    with ChunkStore(cfg, max_chunk_tokens=MAX_TOKENS) as store:
-        store.put(ctx, tokens, kv_of(tokens, 1.0))
-        key = store.key(ctx, tokens).hex()
-    (path,) = [p for p in (tmp_path / "chunks").rglob("*") if p.is_file() and key in p.name]
-    raw = bytearray(path.read_bytes())
-    raw[-5] ^= 0x01
-    path.write_bytes(bytes(raw))
-    with ChunkStore(cfg, max_chunk_tokens=MAX_TOKENS) as store:
-        assert store.get(ctx, tokens) is None
-        assert store.get(ctx, tokens) is None
-
-
-def test_two_stores_share_a_chunk_through_redis(tmp_path: Path, redis_server) -> None:  # type: ignore[no-untyped-def]
-    tiers = (
-        TierConfig(kind="memory", capacity_bytes=4 * SLOT),
-        TierConfig(kind="redis", capacity_bytes=1 << 20, url=redis_server.url),
-    )
-    cfg = CacheConfig(tiers=tiers, kv_layout=LAYOUT)
-    ctx, tokens = CacheContext("a", "m1"), [10, 11, 12]
-    with ChunkStore(cfg, max_chunk_tokens=MAX_TOKENS) as one, ChunkStore(cfg, max_chunk_tokens=MAX_TOKENS) as two:
-        assert one.put(ctx, tokens, kv_of(tokens, 5.0))
-        assert not two.contains(ctx, tokens)  # not known here until a get finds it
-        assert two.get(CacheContext("b", "m1"), tokens) is None
-        got = two.get(ctx, tokens)
-        assert got is not None and got.tier == "redis" and np.array_equal(got.kv, kv_of(tokens, 5.0))
-        local = two.get(ctx, tokens)
-        assert local is not None and local.tier == "memory"
-        one.bump_epoch("m1")
-        assert one.get(ctx, tokens) is None
-
-
-# ---------------------------------------------------------------------------- pins, epochs, purge, ttl
-
-
-def test_pinned_chunks_are_never_evicted(tmp_path: Path) -> None:
-    cfg = CacheConfig(tiers=(TierConfig(kind="memory", capacity_bytes=2 * SLOT),), kv_layout=LAYOUT)
-    ctx = CacheContext("a", "m1")
-    with ChunkStore(cfg, max_chunk_tokens=MAX_TOKENS) as store:
-        store.put(ctx, CHUNKS[0], kv_of(CHUNKS[0], 1.0))
-        store.put(ctx, CHUNKS[1], kv_of(CHUNKS[1], 2.0))
-        with store.pin(ctx, [CHUNKS[0], CHUNKS[1], CHUNKS[2]]) as pinned:
-            assert pinned.keys[0] is not None and pinned.keys[1] is not None and pinned.keys[2] is None
-            assert not store.put(ctx, CHUNKS[2], kv_of(CHUNKS[2], 3.0))  # no room that is not pinned
-            assert store.stats().pinned == 2
-        assert store.put(ctx, CHUNKS[2], kv_of(CHUNKS[2], 3.0))
-        assert store.stats().removed["capacity"] == 1
-
-
-def test_a_bump_hides_and_reclaims_at_once_even_when_pinned(tmp_path: Path) -> None:
-    with ChunkStore(config(tmp_path), max_chunk_tokens=MAX_TOKENS) as store:
-        plain, lora = CacheContext("a", "m1"), CacheContext("a", "m1", adapter="lora")
-        store.put(plain, CHUNKS[0], kv_of(CHUNKS[0], 1.0))
-        store.put(lora, CHUNKS[0], kv_of(CHUNKS[0], 2.0))
-        store.bump_epoch("m1", "lora")
-        assert store.get(lora, CHUNKS[0]) is None and store.get(plain, CHUNKS[0]) is not None
-        with store.pin(plain, [CHUNKS[0]]):
-            store.bump_epoch("m1")
-            assert store.get(plain, CHUNKS[0]) is None
-            assert store.put(plain, CHUNKS[0], kv_of(CHUNKS[0], 3.0))  # the new epoch's key
-        assert store.stats().removed["stale"] == 2
-        assert not store.put(plain, CHUNKS[0], kv_of(CHUNKS[0], 4.0))  # stored already: nothing written
-        got = store.get(plain, CHUNKS[0])
-        assert got is not None and float(got.kv.reshape(-1)[0]) == 3.0
-
-
-def test_purge_a_tenant_leaves_the_others(tmp_path: Path) -> None:
-    with ChunkStore(config(tmp_path), max_chunk_tokens=MAX_TOKENS) as store:
-        for tenant in TENANTS:
-            store.put(CacheContext(tenant, "m1"), CHUNKS[1], kv_of(CHUNKS[1], 1.0))
-        assert store.purge("b") == 1
-        assert store.get(CacheContext("b", "m1"), CHUNKS[1]) is None
-        assert store.get(CacheContext("a", "m1"), CHUNKS[1]) is not None
-        assert store.stats().removed["purge"] == 1
-
-
-def test_ttl_expires_unused_chunks(tmp_path: Path) -> None:
-    clock = Clock()
-    cfg = config(tmp_path, ttl_seconds=10.0)
-    with ChunkStore(cfg, max_chunk_tokens=MAX_TOKENS, clock=clock) as store:
-        ctx = CacheContext("a", "m1")
-        store.put(ctx, CHUNKS[0], kv_of(CHUNKS[0], 1.0))
-        clock.now = 8.0
-        assert store.get(ctx, CHUNKS[0]) is not None  # a hit renews it
-        clock.now = 15.0
-        assert store.contains(ctx, CHUNKS[0])
-        clock.now = 18.0
-        assert store.get(ctx, CHUNKS[0]) is None
-        assert store.stats().removed["ttl"] == 1
+def test_bad_arguments_are_errors() -> None:
+    chunks = open_chunks()
+    ctx = CacheContext("a", "m")
+    with pytest.raises(ValueError, match="kv has shape"):
+        chunks.put(ctx, DOC, kv_of(DOC[:4], 1.0))
+    with pytest.raises(ValueError, match="max_chunk_tokens"):
+        chunks.get(ctx, list(range(65)))
+    with pytest.raises(ValueError, match="at least one token"):
+        chunks.get(ctx, [])
+    with pytest.raises(ValueError, match="tiers"):
+        Chunks(PrefixCache(CacheConfig()))
+    chunks.cache.close()
 
 
 # ---------------------------------------------------------------------------- isolation
 
 
-def test_public_only_when_declared_or_published(tmp_path: Path) -> None:
-    cfg = config(tmp_path, publish=PublishConfig(min_tenants=2, min_tokens=1))
-    with ChunkStore(cfg, max_chunk_tokens=MAX_TOKENS) as store:
-        a, b, c = (CacheContext(t, "m1") for t in TENANTS)
-        store.put(a, CHUNKS[0], kv_of(CHUNKS[0], 1.0))
-        store.get(a, CHUNKS[0])
-        store.put(a, CHUNKS[0], kv_of(CHUNKS[0], 1.0))
-        assert store.get(c, CHUNKS[0]) is None  # one tenant alone never publishes
-        store.put(b, CHUNKS[0], kv_of(CHUNKS[0], 2.0))  # a second tenant: published
-        got = store.get(c, CHUNKS[0])
-        assert got is not None and got.public
-        store.put(a, CHUNKS[1], kv_of(CHUNKS[1], 3.0), public=True)  # declared by an operator
-        got = store.get(b, CHUNKS[1])
-        assert got is not None and got.public and float(got.kv.reshape(-1)[0]) == 3.0
+def test_tenants_never_see_each_others_chunks() -> None:
+    chunks = open_chunks(isolation="namespace")
+    a, b = CacheContext("a", "m"), CacheContext("b", "m")
+    chunks.put(a, OTHER, kv_of(OTHER, 1.0))
+    assert chunks.get(b, OTHER) is None and not chunks.contains(b, OTHER)
+    chunks.put(b, OTHER, kv_of(OTHER, 2.0))
+    got_a, got_b = chunks.get(a, OTHER), chunks.get(b, OTHER)
+    assert got_a is not None and got_b is not None and (tag_of(got_a.kv), tag_of(got_b.kv)) == (1.0, 2.0)
+    chunks.cache.close()
+
+    shared = open_chunks(isolation="shared")
+    shared.put(a, OTHER, kv_of(OTHER, 3.0))
+    got = shared.get(b, OTHER)
+    assert got is not None and tag_of(got.kv) == 3.0  # shared mode: one namespace, as for prompts
+    shared.cache.close()
 
 
-def test_partitioned_tenants_do_not_evict_each_other(tmp_path: Path) -> None:
-    tiers = (TierConfig(kind="memory", capacity_bytes=4 * SLOT),)
-    cfg = CacheConfig(tiers=tiers, kv_layout=LAYOUT, isolation="partitioned", capacity_tokens=100, quotas={"a": 50})
-    with ChunkStore(cfg, max_chunk_tokens=MAX_TOKENS) as store:
-        b = CacheContext("b", "m1")
-        store.put(b, CHUNKS[2], kv_of(CHUNKS[2], 9.0))
-        for i, chunk in enumerate(CHUNKS):
-            store.put(CacheContext("a", "m1"), chunk, kv_of(chunk, float(i)))
-        assert store.get(b, CHUNKS[2]) is not None  # a's five puts stayed in a's half
-        assert sum(store.contains(CacheContext("a", "m1"), chunk) for chunk in CHUNKS) == 2
+def test_partitioned_tenants_do_not_evict_each_others_chunks() -> None:
+    chunks = open_chunks(memory(12), isolation="partitioned", quotas={"a": 24})
+    b = CacheContext("b", "m")
+    chunks.put(b, OTHER, kv_of(OTHER, 9.0))
+    for i in range(6):
+        chunks.put(CacheContext("a", "m"), [i * 50 + t for t in range(8)], kv_of(list(range(8)), float(i)))
+    assert chunks.get(b, OTHER) is not None  # a's puts stayed within a's quota
+    chunks.cache.close()
 
 
-def test_bad_arguments_are_errors(tmp_path: Path) -> None:
-    with ChunkStore(config(tmp_path), max_chunk_tokens=MAX_TOKENS) as store:
-        ctx = CacheContext("a", "m1")
-        with pytest.raises(ValueError, match="shape"):
-            store.put(ctx, [1, 2], kv_of([1, 2, 3], 1.0))
-        with pytest.raises(ValueError, match="max_chunk_tokens"):
-            store.put(ctx, list(range(MAX_TOKENS + 1)), kv_of(list(range(MAX_TOKENS + 1)), 1.0))
-        with pytest.raises(ValueError, match="at least one token"):
-            store.get(ctx, [])
+def test_public_chunks_are_declared_or_published_by_enough_tenants() -> None:
+    chunks = open_chunks(publish=PublishConfig(min_tenants=2, min_tokens=1))
+    a, b, c = (CacheContext(t, "m") for t in "abc")
+    chunks.put(a, OTHER, kv_of(OTHER, 1.0))
+    chunks.put(a, OTHER, kv_of(OTHER, 1.0))
+    assert chunks.get(c, OTHER) is None  # one tenant alone never publishes
+    chunks.put(b, OTHER, kv_of(OTHER, 2.0))  # a second tenant: published
+    got = chunks.get(c, OTHER)
+    assert got is not None and got.tokens == 12
+    chunks.cache.close()
+
+    declared = open_chunks(isolation="namespace", partial_blocks=True)
+    declared.declare_public(a, DOC)
+    declared.put(a, DOC, kv_of(DOC, 3.0))
+    got = declared.get(b, DOC)
+    assert got is not None and got.tokens == 8 and tag_of(got.kv) == 3.0  # the public copy: whole blocks only
+    got = declared.get(a, DOC)
+    assert got is not None and got.tokens == 10  # a's own copy is whole
+    declared.cache.close()
+
+
+# ---------------------------------------------------------------------------- epochs, purge, ttl, pins
+
+
+def test_an_epoch_bump_invalidates_chunks_with_the_blocks() -> None:
+    chunks = open_chunks()
+    plain, lora = CacheContext("a", "m"), CacheContext("a", "m", adapter="lora")
+    chunks.put(plain, OTHER, kv_of(OTHER, 1.0))
+    chunks.put(lora, OTHER, kv_of(OTHER, 2.0))
+    chunks.cache.bump_epoch("m", "lora")
+    assert chunks.get(lora, OTHER) is None and chunks.get(plain, OTHER) is not None
+    with chunks.match(plain, OTHER) as pinned:
+        assert pinned.cached_tokens == 12
+        chunks.cache.bump_epoch("m")
+        assert chunks.get(plain, OTHER) is None  # at once, even while pinned
+        assert chunks.put(plain, OTHER, kv_of(OTHER, 3.0)) == 12  # the new epoch's chain
+    got = chunks.get(plain, OTHER)
+    assert got is not None and tag_of(got.kv) == 3.0
+    chunks.cache.close()
+
+
+def test_purge_and_purge_prefix_remove_chunks() -> None:
+    chunks = open_chunks()
+    cache = chunks.cache
+    a, b = CacheContext("a", "m"), CacheContext("b", "m")
+    for ctx in (a, b):
+        chunks.put(ctx, OTHER, kv_of(OTHER, 1.0))
+        chunks.put(ctx, DOC, kv_of(DOC, 1.0))
+    assert cache.purge("b") > 0
+    assert chunks.get(b, OTHER) is None and chunks.get(a, OTHER) is not None
+    cache.purge_prefix(OTHER[:6], a)  # a prompt's prefix: chunks are another context
+    assert chunks.contains(a, OTHER)
+    assert chunks.purge_prefix(a, OTHER[:6]) == 8  # the block holding the prefix's end, and below
+    assert not chunks.contains(a, OTHER) and chunks.get(a, OTHER) is None and chunks.contains(a, DOC)
+    assert chunks.purge_prefix(a, list(range(99))) == 0  # longer than any chunk
+    cache.close()
+
+
+def test_ttl_expires_unused_chunks() -> None:
+    clock = Clock()
+    chunks = open_chunks(clock=clock, ttl_seconds=10.0)
+    ctx = CacheContext("a", "m")
+    chunks.put(ctx, OTHER, kv_of(OTHER, 1.0))
+    clock.now = 8.0
+    assert chunks.get(ctx, OTHER) is not None  # a hit renews it
+    clock.now = 15.0
+    assert chunks.contains(ctx, OTHER)
+    clock.now = 18.5
+    assert chunks.get(ctx, OTHER) is None
+    chunks.cache.close()
+
+
+def test_a_pinned_chunk_is_never_evicted() -> None:
+    chunks = open_chunks(memory(3))
+    ctx = CacheContext("a", "m")
+    chunks.put(ctx, OTHER, kv_of(OTHER, 1.0))
+    with chunks.match(ctx, OTHER) as pin:
+        assert pin.cached_tokens == 12
+        assert chunks.put(ctx, DOC, kv_of(DOC, 2.0)) == 0  # no room that is not pinned
+        assert chunks.get(ctx, OTHER) is not None
+    assert chunks.put(ctx, DOC, kv_of(DOC, 2.0)) == 8  # released: evicted for it
+    assert not chunks.contains(ctx, OTHER)
+    chunks.cache.close()
+
+
+# ---------------------------------------------------------------------------- tiers
+
+
+def test_a_corrupt_frame_on_disk_is_a_miss(tmp_path: Path) -> None:
+    chunks = open_chunks(disk(tmp_path))
+    ctx = CacheContext("a", "m")
+    chunks.put(ctx, OTHER, kv_of(OTHER, 7.0))
+    assert chunks.cache.flush(10)
+    with chunks.match(ctx, OTHER) as m:
+        last = m.block_keys[-1].hex()
+    (path,) = [p for p in (tmp_path / "disk").rglob("*") if p.is_file() and p.name.startswith(last)]
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # a flipped bit in the last block's payload
+    path.write_bytes(bytes(raw))
+    assert chunks.get(ctx, OTHER) is None  # the load came back short: never a shorter chunk
+    assert chunks.put(ctx, OTHER, kv_of(OTHER, 8.0)) == 4  # the lost block, written again
+    chunks.cache.flush(10)
+    got = chunks.get(ctx, OTHER)
+    assert got is not None and np.all(got.kv[..., :8, 0] == 7.0) and np.all(got.kv[..., 8:, 0] == 8.0)
+    chunks.cache.close()
+
+
+def test_a_restarted_cache_finds_its_chunks_on_disk(tmp_path: Path) -> None:
+    ctx = CacheContext("a", "m")
+    first = open_chunks(memory(write="through"), disk(tmp_path))
+    first.put(ctx, OTHER, kv_of(OTHER, 3.0))
+    assert first.cache.close(10)
+    again = open_chunks(memory(write="through"), disk(tmp_path))
+    assert again.get(CacheContext("b", "m"), OTHER) is None  # another tenant: another chain
+    got = again.get(ctx, OTHER)
+    assert got is not None and got.tier_tokens.get("disk") == 12 and np.array_equal(got.kv, kv_of(OTHER, 3.0))
+    got = again.get(ctx, OTHER)
+    assert got is not None and got.tier_tokens.get("memory") == 12  # adopted and promoted
+    again.cache.close()
+
+
+def test_a_chunk_write_to_disk_never_runs_on_the_callers_thread(tmp_path: Path) -> None:
+    writers: set[int] = set()
+
+    def slow_disk(tier: TierConfig, frame: int, seed: str) -> TierStore:
+        store = open_store(tier, frame, seed)
+        if tier.kind == "disk":
+            real = store.put
+
+            def put(key: bytes, data: Any) -> None:
+                writers.add(threading.get_ident())
+                time.sleep(0.2)  # an fsync on a slow disk
+                real(key, data)
+
+            store.put = put  # type: ignore[method-assign]
+        return store
+
+    config = CacheConfig(block_size=BS, kv_layout=LAYOUT, tiers=(memory(write="through"), disk(tmp_path)))
+    cache = PrefixCache(config, store_factory=slow_disk)
+    chunks, ctx = Chunks(cache), CacheContext("a", "m")
+    started = time.monotonic()
+    assert chunks.put(ctx, OTHER, kv_of(OTHER, 1.0)) == 12
+    assert time.monotonic() - started < 0.2  # three blocks to a disk that takes 0.2 s each: not waited for
+    assert chunks.get(ctx, OTHER) is not None  # served from memory meanwhile
+    assert cache.flush(10)
+    assert writers and threading.get_ident() not in writers
+    cache.close()
+
+
+def test_two_caches_share_a_chunk_through_redis(redis_server: Any) -> None:
+    redis = TierConfig(kind="redis", capacity_bytes=1 << 20, url=redis_server.url)
+    one, two = open_chunks(memory(write="through"), redis), open_chunks(memory(write="through"), redis)
+    ctx = CacheContext("a", "m")
+    one.put(ctx, OTHER, kv_of(OTHER, 5.0))
+    assert one.cache.flush(10)
+    assert two.get(CacheContext("b", "m"), OTHER) is None
+    got = two.get(ctx, OTHER)
+    assert got is not None and got.tier_tokens.get("redis") == 12 and np.array_equal(got.kv, kv_of(OTHER, 5.0))
+    one.cache.close()
+    two.cache.close()
+
+
+# ---------------------------------------------------------------------------- the fallback's book
+
+
+def vector(i: int) -> np.ndarray:
+    v = np.zeros(8, dtype=np.float32)
+    v[i % 8] = 1.0
+    return v
+
+
+def book(chunks: Chunks, sweep: int = 0) -> KnownChunks:
+    return KnownChunks(chunks, ChunkIndex(AnnConfig(dim=8)), sweep=sweep)
+
+
+def test_an_evicted_chunk_leaves_the_index() -> None:
+    chunks = open_chunks(memory(6))
+    known, ctx = book(chunks), CacheContext("a", "m")
+    lines = [[i * 50 + t for t in range(8)] for i in range(4)]  # two blocks each: three fit
+    chunks.put(ctx, lines[0], kv_of(lines[0], 0.0))
+    assert known.add(ctx, lines[0], vector(0))
+    assert [k.tokens for _, k in known.candidates(ctx, vector(0), 3, 0.5)] == [tuple(lines[0])]
+    for i in (1, 2, 3):
+        chunks.put(ctx, lines[i], kv_of(lines[i], float(i)))
+        known.add(ctx, lines[i], vector(i))
+    assert not chunks.contains(ctx, lines[0])  # the oldest went for the fourth
+    assert len(known.index or []) == 4  # still indexed: nobody asked yet
+    assert known.candidates(ctx, vector(0), 3, 0.5) == []  # asked: checked against the cache, gone
+    assert len(known) == 3 and len(known.index or []) == 3
+
+
+def test_a_sweep_drops_removed_chunks_nobody_asks_about() -> None:
+    chunks = open_chunks()
+    known, ctx = book(chunks, sweep=2), CacheContext("a", "m")
+    for i in range(3):
+        line = [i * 50 + t for t in range(8)]
+        chunks.put(ctx, line, kv_of(line, float(i)))
+        known.add(ctx, line, vector(i))
+    chunks.cache.purge("a")
+    assert known.sweep(2) == 2 and len(known) == 1 and known.sweep(2) == 1 and len(known.index or []) == 0
+
+
+def test_bump_purge_and_purge_prefix_clear_the_index() -> None:
+    chunks = open_chunks()
+    known, a, b = book(chunks), CacheContext("a", "m"), CacheContext("b", "m")
+    for ctx in (a, b):
+        chunks.put(ctx, OTHER, kv_of(OTHER, 1.0))
+        known.add(ctx, OTHER, vector(1))
+    assert known.forget_tenant("b") == 1 and len(known) == 1
+    assert chunks.contains(b, OTHER)  # the book's side only: the cache's purge(tenant) removes it
+    assert known.forget_prefix(a, OTHER[:3]) == 1 and len(known) == 0
+    known.add(a, OTHER, vector(1))
+    old = known.epoch("m")
+    chunks.cache.bump_epoch("m")
+    assert known.bump("m") == old + 1 and len(known) == 0 and len(known.index or []) == 0
+    assert not chunks.contains(a, OTHER)  # the cache's bump invalidated the chunk itself
+    assert known.candidates(a, vector(1), 3, 0.5) == []
