@@ -11,19 +11,18 @@ configuration's own ``CacheConfig``, derived for the trace by ``engine_config``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Protocol
 
-import xxhash
 from prometheus_client import CollectorRegistry
 
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig
 from prefixcache.events import RemovalReason
-from prefixcache.hashing import CacheContext, token_bytes
+from prefixcache.hashing import CacheContext
 from prefixcache.ops.collector import CacheCollector
+from prefixcache.sim.blocks import block_digests, root_key
 from prefixcache.sim.results import ReplayConfig
 from prefixcache.sim.summary import TraceSummary
 from prefixcache.sim.traces import Request
@@ -212,7 +211,7 @@ class KernelStepper:
         name = (req.model, "" if self._shared else req.tenant)
         root = self._roots.get(name)
         if root is None:
-            root = self._roots[name] = tree.root(xxhash.xxh3_64_intdigest(repr(name).encode()))
+            root = self._roots[name] = tree.root(root_key(*name))
         tenant = self._tenants.setdefault(req.tenant, len(self._tenants))
         now = req.timestamp
         if req.hash_ids is not None:
@@ -220,22 +219,14 @@ class KernelStepper:
         assert req.tokens is not None
         unit = self._unit
         if self._output and req.output_tokens:
-            ids = _block_digests([*req.tokens, *req.output_tokens], unit)
+            ids = block_digests([*req.tokens, *req.output_tokens], unit)
             return int(tree.access(root, tenant, ids, len(req.tokens) // unit, now)) * unit
-        return int(tree.access(root, tenant, _block_digests(req.tokens, unit), -1, now)) * unit
+        return int(tree.access(root, tenant, block_digests(req.tokens, unit), -1, now)) * unit
 
     def counters(self) -> LedgerCounters:
         t = self._tree
         pools = tuple(PoolCounters(p["quota"], p["used"], p["blocks"], p["evictions"]) for p in t.pools())
         return LedgerCounters(t.used, len(t), t.evictions, t.expired, t.collisions, pools)
-
-
-def _block_digests(tokens: Sequence[int], block_size: int) -> list[int]:
-    """A 64-bit digest of each full block's tokens."""
-    data = token_bytes(tokens)
-    step = 4 * block_size
-    digest = xxhash.xxh3_64_intdigest
-    return [digest(data[i : i + step]) for i in range(0, len(data) - step + 1, step)]
 
 
 def make_stepper(

@@ -29,7 +29,8 @@ from typing import Any
 
 import xxhash
 
-from prefixcache.sim.engines import _block_digests, engine_config, kernel_ttl
+from prefixcache.sim.blocks import block_digests, root_key
+from prefixcache.sim.engines import engine_config, kernel_ttl
 from prefixcache.sim.forks import fork_map
 from prefixcache.sim.results import UNLIMITED, ReplayConfig
 from prefixcache.sim.summary import TraceSource, TraceSummary
@@ -62,14 +63,14 @@ class Chains:
         name = (req.model, "" if self.shared else req.tenant)
         key = self._roots.get(name)
         if key is None:
-            key = self._roots[name] = xxhash.xxh3_64_intdigest(repr(name).encode())
+            key = self._roots[name] = root_key(*name)
         return key
 
     def ids(self, req: Request) -> Sequence[int]:
         if req.hash_ids is not None:
             return req.hash_ids
         assert req.tokens is not None
-        return _block_digests(req.tokens, self.unit)
+        return block_digests(req.tokens, self.unit)
 
 
 def tokens(capacity: float) -> int:

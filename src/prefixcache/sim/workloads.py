@@ -31,25 +31,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from prefixcache.config import check_int
+from prefixcache.sim.blocks import prefix_ids
 from prefixcache.sim.workload_spec import WorkloadSpec
 
 # ---------------------------------------------------------------------------- prefix ids
-
-
-_ROOT = 2**64 - 1  # the parent of a first block: no id ever reaches it
 
 
 class PrefixIds:
     """Mooncake-style prefix block ids: id i names block i and every block before it, and
     ids are small consecutive ints in order of first appearance.
 
-    Block i's key is ``xxh3_128(block i's token bytes, seed=id of block i-1)``: since an
-    id stands for exactly one prefix, chaining through it hashes the whole prefix, one
-    block at a time. A last, partial block gets a key too; its shorter bytes never equal
-    a full block's, so it is shared only by prompts that are equal to the end.
+    Block i's key is the simulator's chained block hash (``blocks.prefix_ids``): it
+    names the whole prefix up to block i's end. A last, partial block gets a key too;
+    it never equals a full block's, so it is shared only by prompts that are equal to
+    the end.
     """
 
     def __init__(self, block_size: int) -> None:
@@ -63,13 +60,9 @@ class PrefixIds:
         """The ids of ``tokens`` (uint32). ``known`` are the already computed ids of some
         of its first full blocks (a session's history, a shared head), not hashed again."""
         data = np.ascontiguousarray(tokens, dtype="<u4").data.cast("B")
-        step = 4 * self.block_size
-        out = list(known)
-        parent = out[-1] if out else _ROOT
-        for start in range(len(out) * step, len(data), step):
-            key = xxhash.xxh3_128_intdigest(data[start : start + step], parent)
-            parent = self._ids.setdefault(key, len(self._ids))
-            out.append(parent)
+        out, ids = list(known), self._ids
+        for key in prefix_ids(data, self.block_size, len(out)):
+            out.append(ids.setdefault(key, len(ids)))
         return out
 
 
