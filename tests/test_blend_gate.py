@@ -1,17 +1,24 @@
-"""The blend quality gate: the evaluation file validates, thresholds hold exactly at
-their boundary, and on the real model a plan that recomputes everything passes while a
-plan that recomputes nothing fails; ``choose_plan`` picks the cheapest passing plan."""
+"""The blend quality gate: the evaluation file validates; the decision rule (top-1 and a
+KL no larger than the model's bfloat16 noise floor) holds exactly at its boundary, is
+monotonic, and never passes figures without a floor; the store round-trips the floor and
+ignores the format from before it; on the real model the floor is measured, a plan that
+recomputes everything passes while a plan that recomputes nothing fails, and
+``choose_plan`` picks the cheapest passing plan."""
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from engine_support import model
@@ -22,6 +29,7 @@ from prefixcache.blend.gate import (
     GateReport,
     GateStore,
     GateThresholds,
+    NoiseFloor,
     Prepared,
     cheapest_passing,
     choose_plan,
@@ -38,10 +46,20 @@ EVAL = Path(__file__).parent / "data" / "blend" / "eval.json"
 MODEL_ITEMS = ("query-01", "system-04")
 
 
+FLOOR = NoiseFloor("bfloat16", 10, 1.0, 0.9, 0.002, 0.01)
+
+
 def figures(
-    plan: str = "p", top1: float = 1.0, em: float = 1.0, mean_kl: float = 0.0, work: float = 0.5
+    plan: str = "p",
+    top1: float = 1.0,
+    em: float = 1.0,
+    mean_kl: float = 0.0,
+    work: float = 0.5,
+    max_kl: float | None = None,
+    floor: NoiseFloor | None = FLOOR,
 ) -> GateFigures:
-    return GateFigures(plan, 10, top1, em, mean_kl, mean_kl, 100, 10, 5, work)
+    max_kl = mean_kl if max_kl is None else max_kl
+    return GateFigures(plan, 10, top1, em, mean_kl, max_kl, 100, 10, 5, work, floor)
 
 
 # -- the evaluation file ----------------------------------------------------------------
@@ -120,19 +138,60 @@ def test_a_file_that_is_not_json_is_named(tmp_path: Path) -> None:
 # -- thresholds, reports, the plan choice -------------------------------------------------
 
 
-def test_thresholds_hold_exactly_at_the_boundary() -> None:
-    t = GateThresholds(min_top1=0.98, min_greedy_em=0.9, max_mean_kl=0.02)
-    assert judge("m", figures(top1=0.98, em=0.9, mean_kl=0.02), t).passed
-    below = math.nextafter(0.98, 0.0)
-    report = judge("m", figures(top1=below, em=0.9, mean_kl=0.02), t)
-    assert not report.passed and [c.name for c in report.checks if not c.passed] == ["top1"]
-    report = judge("m", figures(top1=1.0, em=math.nextafter(0.9, 0.0), mean_kl=0.0), t)
-    assert [c.name for c in report.checks if not c.passed] == ["greedy_em"]
-    report = judge("m", figures(mean_kl=math.nextafter(0.02, 1.0)), t)
-    assert [c.name for c in report.checks if not c.passed] == ["mean_kl"]
-    assert GateThresholds() == GateThresholds(0.98, 0.90, 0.02)
-    with pytest.raises(ValueError, match="min_top1"):
-        GateThresholds(min_top1=1.5)
+def failed(report: GateReport) -> list[str]:
+    return [c.name for c in report.checks if not c.passed]
+
+
+def test_the_bar_is_the_noise_floor_and_holds_exactly_at_it() -> None:
+    t = GateThresholds()
+    assert t == GateThresholds(0.98, 0.0, math.inf, 1.0)  # top-1 and the floor; EM and a KL ceiling unset
+    at = judge("m", figures(top1=0.98, mean_kl=FLOOR.mean_kl, max_kl=FLOOR.max_kl, em=0.0), t)
+    assert at.passed and [c.name for c in at.checks] == ["top1", "mean_kl/floor", "max_kl/floor"]
+    report = judge("m", figures(top1=math.nextafter(0.98, 0.0)), t)
+    assert failed(report) == ["top1"]
+    report = judge("m", figures(mean_kl=math.nextafter(FLOOR.mean_kl, 1.0), max_kl=0.0), t)
+    assert failed(report) == ["mean_kl/floor"]
+    report = judge("m", figures(mean_kl=0.0, max_kl=math.nextafter(FLOOR.max_kl, 1.0)), t)
+    assert failed(report) == ["max_kl/floor"]  # one item worse than bfloat16's worst fails
+    assert "bfloat16 floor KL mean 0.002, max 0.01" in report.summary()
+
+
+def test_figures_without_a_floor_never_pass() -> None:
+    report = judge("m", figures(mean_kl=0.0, floor=None), GateThresholds())
+    assert failed(report) == ["mean_kl/floor", "max_kl/floor"]
+    assert all(math.isnan(c.limit) for c in report.checks if not c.passed)
+    assert "no noise floor" in report.summary()
+    lenient = GateThresholds(0.0, 0.0, math.inf, floor_factor=math.inf)  # the floor unchecked, by choice
+    assert judge("m", figures(floor=None), lenient).passed
+
+
+def test_optional_bars_an_operator_may_set() -> None:
+    t = GateThresholds(min_top1=0.98, min_greedy_em=0.9, max_mean_kl=0.001, floor_factor=2.0)
+    assert judge("m", figures(em=0.9, mean_kl=0.001, max_kl=0.02), t).passed  # max: 2 x the floor's 0.01
+    report = judge("m", figures(em=math.nextafter(0.9, 0.0), mean_kl=math.nextafter(0.001, 1.0)), t)
+    assert failed(report) == ["greedy_em", "mean_kl"]
+    for bad in ({"min_top1": 1.5}, {"max_mean_kl": -1.0}, {"floor_factor": math.nan}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            GateThresholds(**bad)
+
+
+shares = st.floats(0.0, 1.0)
+kls = st.floats(0.0, 1.0)
+
+
+@given(shares, kls, kls, shares, kls, kls, kls, kls)
+def test_less_divergence_than_a_passing_plan_passes(
+    top1: float, mean: float, worst: float, more_top1: float, less_mean: float, less_worst: float, fm: float, fx: float
+) -> None:
+    floor = NoiseFloor("bfloat16", 10, 1.0, 1.0, fm, fx)
+    a = figures(top1=top1, mean_kl=mean, max_kl=worst, floor=floor)
+    b = figures(top1=max(top1, more_top1), mean_kl=min(mean, less_mean), max_kl=min(worst, less_worst), floor=floor)
+    t = GateThresholds()
+    if judge("m", a, t).passed:
+        assert judge("m", b, t).passed
+        noisier = replace(floor, mean_kl=fm + less_mean, max_kl=fx + less_worst)
+        assert judge("m", replace(a, floor=noisier), t).passed  # a noisier model's bar is never stricter
+    assert judge("m", a, t).passed == (top1 >= 0.98 and mean <= fm and worst <= fx)
 
 
 def test_cheapest_passing_report() -> None:
@@ -153,7 +212,26 @@ def test_gate_store_round_trip(tmp_path: Path) -> None:
     assert store.get("k") is None
     store.put("k", figures("x", top1=0.75))
     store.put("j", figures("y"))
-    assert GateStore(tmp_path / "gate.json").get("k") == figures("x", top1=0.75)
+    again = GateStore(tmp_path / "gate.json").get("k")
+    assert again == figures("x", top1=0.75) and again.floor == FLOOR
+    doc = json.loads((tmp_path / "gate.json").read_text())
+    assert doc["version"] == 2 and doc["figures"]["k"]["floor"] == asdict(FLOOR)
+    with pytest.raises(ValueError, match="no noise floor"):
+        store.put("z", figures("z", floor=None))
+
+
+def test_an_old_store_without_the_floor_is_never_judged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "gate.json"
+    old = {k: v for k, v in asdict(figures("x")).items() if k != "floor"}  # format 1: figures by key
+    path.write_text(json.dumps({"k": old}))
+    with caplog.at_level(logging.WARNING, logger="prefixcache.blend"):
+        assert GateStore(path).get("k") is None  # not passed: a server measures it again or stays off
+    assert "event=blend_gate_store_old" in caplog.text and "entries=1" in caplog.text
+    GateStore(path).put("j", figures("y"))  # rewritten as format 2, the old entry dropped
+    assert set(json.loads(path.read_text())["figures"]) == {"j"}
+    path.write_text(json.dumps({"version": 3, "figures": {}}))
+    with pytest.raises(ValueError, match="gate store version 3"):
+        GateStore(path).get("k")
 
 
 def test_blend_metrics_export_their_names() -> None:
@@ -189,6 +267,15 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> GateStore:
 
 
 @pytest.mark.model
+def test_the_noise_floor_is_measured_with_the_reference(lm: LoadedModel, prepared: Prepared) -> None:
+    floor = prepared.floor
+    assert floor.dtype == "bfloat16" and floor.items == len(MODEL_ITEMS)
+    assert 0.0 < floor.mean_kl <= floor.max_kl < 0.05  # bfloat16 is close to float32, and not equal
+    assert floor.top1 == 1.0
+    assert next(lm.model.parameters()).dtype == torch.float32  # the served model is left as it was
+
+
+@pytest.mark.model
 def test_recomputing_everything_passes_and_recomputing_nothing_fails(
     lm: LoadedModel, prepared: Prepared, store: GateStore
 ) -> None:
@@ -197,6 +284,8 @@ def test_recomputing_everything_passes_and_recomputing_nothing_fails(
     assert everything.passed, everything.summary()
     assert everything.figures.top1 == everything.figures.greedy_em == 1.0
     assert everything.figures.reused == 0 and everything.figures.recomputed > 0
+    assert everything.figures.floor == prepared.floor
+    assert store.get(GateStore.key(prepared, CacheBlend(100.0))) == everything.figures
 
     nothing, scores = evaluate(lm, prepared, Epic(0))
     store.put(GateStore.key(prepared, Epic(0)), nothing)
@@ -216,7 +305,7 @@ def test_choose_plan_picks_the_cheapest_passing_plan_or_none(
     assert chosen == CacheBlend(100.0) and [r.passed for r in reports] == [True, False]
     assert all(isinstance(r, GateReport) for r in reports)
 
-    lenient = GateThresholds(min_top1=0.0, min_greedy_em=0.0, max_mean_kl=math.inf)
+    lenient = GateThresholds(min_top1=0.0, floor_factor=math.inf)
     chosen, _ = choose_plan(lm, prepared, plans, lenient, store=store)
     assert chosen == Epic(0)  # both pass: the one with less work
 
