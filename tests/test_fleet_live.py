@@ -33,7 +33,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from engine_support import LiveServer
-from prefixcache.fleet.prompts import Tokenizer
+from prefixcache.api.prompts import Tokenizer
 from prefixcache.fleet.router import RouteConfig, Router, create_router
 from prefixcache.fleet.scoring import Routing
 from prefixcache.server.settings import load_settings

@@ -16,15 +16,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
 from engine_support import LiveServer
+from prefixcache.api.auth import Auth
+from prefixcache.api.errors import APIError
+from prefixcache.api.sessions import Sessions
 from prefixcache.fleet import router as router_module
 from prefixcache.fleet.router import RouteConfig, Router, create_router
 from prefixcache.fleet.stamping import Stamper
 from prefixcache.fleet.wire import BackendInfo, Snapshot, stream_key
 from prefixcache.fleet.zmq import VllmSource
 from prefixcache.identity import PROOF_HEADER, tenant_proof
-from prefixcache.server.auth import Auth
-from prefixcache.server.errors import APIError
-from prefixcache.server.sessions import Sessions
 from prefixcache.server.settings import AuthSettings, ServerSettings, Settings
 from redis_server import RedisServer, free_port
 from support import wait_for

@@ -20,10 +20,10 @@ from prometheus_client import CollectorRegistry
 from schemathesis import BaseSchema, Case, Config
 
 from engine_support import MODEL_ID, MODELS_DIR, LiveServer
+from prefixcache.api.prompts import Tokenizer
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.engine import Engine
-from prefixcache.fleet.prompts import Tokenizer
 from prefixcache.fleet.router import RouteConfig, Router, create_router
 from prefixcache.identity import PROOF_HEADER, tenant_proof
 from prefixcache.server.app import create_app

@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
+from prefixcache.api.errors import MAX_DEPTH, APIError, too_deep
 from prefixcache.fleet.keys import TokenRangeError, chain_keys, root_key, token_bytes
 from prefixcache.fleet.relay import failed
 from prefixcache.fleet.validate import check_vllm
-from prefixcache.server.errors import MAX_DEPTH, APIError, too_deep
 
 
 @pytest.mark.parametrize("tokens", [[-1], [1 << 32], [1 << 63], [1 << 64], [1, -(1 << 64)], [5, (1 << 70)]])

@@ -14,7 +14,7 @@ from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 from pydantic import BaseModel, ValidationError
 
-from prefixcache.server.schemas import _OFF, IMPLEMENTED, INERT, REFUSED, ChatRequest, CompletionRequest
+from prefixcache.api.schemas import _OFF, IMPLEMENTED, INERT, REFUSED, ChatRequest, CompletionRequest
 
 
 def openai_fields(module: Any) -> set[str]:

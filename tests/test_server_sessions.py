@@ -9,11 +9,11 @@ from typing import Any, cast
 import pytest
 from starlette.testclient import TestClient
 
+from prefixcache.api.sessions import LoginLimit, LoginThrottle, Sessions, TrustedProxies
+from prefixcache.api.transport import uvicorn_config
 from prefixcache.engine import Engine
 from prefixcache.server.app import create_app
-from prefixcache.server.sessions import LoginLimit, LoginThrottle, Sessions, TrustedProxies
 from prefixcache.server.settings import AuthSettings, ServerSettings, Settings
-from prefixcache.server.transport import uvicorn_config
 
 
 class Clock:

@@ -14,8 +14,8 @@ import pytest
 from fastapi import FastAPI, Request
 
 from engine_support import LiveServer
+from prefixcache.api.transport import uvicorn_config
 from prefixcache.server.settings import ServerSettings, Settings
-from prefixcache.server.transport import uvicorn_config
 
 DEADLINE = 0.5
 

@@ -51,13 +51,13 @@ def run_route(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import uvicorn
     from prometheus_client import CollectorRegistry
 
-    from prefixcache.fleet.prompts import Tokenizer
+    from prefixcache.api.prompts import Tokenizer
+    from prefixcache.api.transport import uvicorn_config
     from prefixcache.fleet.router import RouteConfig, Router, create_router
     from prefixcache.fleet.scoring import Routing, Scorer
     from prefixcache.fleet.stamping import NO_SECRET, route_secret
     from prefixcache.fleet.zmq import VllmSource
     from prefixcache.server.settings import load_settings
-    from prefixcache.server.transport import uvicorn_config
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not args.backend and not args.vllm_backend:

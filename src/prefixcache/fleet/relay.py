@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from prefixcache.api.errors import APIError
 from prefixcache.fleet.backends import Backend
 from prefixcache.fleet.stamping import hop_by_hop
-from prefixcache.server.errors import APIError
 
 __all__ = ["RETRY_STATUS", "Failed", "Held", "failed", "hold", "relay"]
 

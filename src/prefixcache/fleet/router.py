@@ -32,6 +32,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
+from prefixcache.api.apidoc import install_openapi
+from prefixcache.api.auth import Auth
+from prefixcache.api.errors import APIError, BodyLimit, install_error_handlers
+from prefixcache.api.sessions import Sessions, TrustedProxies
 from prefixcache.fleet.backends import DOWN_AFTER, Backend, BackendError, fetch_info
 from prefixcache.fleet.index import GlobalIndex
 from prefixcache.fleet.keys import TokenRangeError, chain_keys, root_key, token_bytes
@@ -41,10 +45,6 @@ from prefixcache.fleet.scoring import BackendView, Routing, Scorer
 from prefixcache.fleet.stamping import NO_SECRET, Stamper
 from prefixcache.fleet.validate import CHAT, COMPLETIONS, Strictness, body_check, check_vllm
 from prefixcache.fleet.zmq import VllmSource
-from prefixcache.server.apidoc import install_openapi
-from prefixcache.server.auth import Auth
-from prefixcache.server.errors import APIError, BodyLimit, install_error_handlers
-from prefixcache.server.sessions import Sessions, TrustedProxies
 from prefixcache.server.settings import Settings
 from prefixcache.tenancy import PUBLIC
 

@@ -48,6 +48,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from prefixcache.api.errors import APIError
 from prefixcache.identity import (
     CLIENT_FIELDS,
     MIN_SECRET_BYTES,
@@ -57,7 +58,6 @@ from prefixcache.identity import (
     tenant_proof,
     tenant_salt,
 )
-from prefixcache.server.errors import APIError
 from prefixcache.server.settings import LOCAL_TENANT, Settings
 
 __all__ = ["FORWARDED", "HOP_BY_HOP", "NO_SECRET", "Headers", "Stamper", "hop_by_hop", "route_secret"]

@@ -5,7 +5,7 @@ same as the servers behind it, in the same words.
 
 The body check is a FastAPI dependency on the route, so that FastAPI parses and
 validates the body exactly as it does on a server (``server/app.py`` declares the same
-schemas), and the errors go through the same handlers (``server/errors.py``): every
+schemas), and the errors go through the same handlers (``api/errors.py``): every
 body a server refuses, the router refuses first, with the same status and body, and
 nothing a client sends reaches the tokenizer or the hashing unvalidated. The router's
 OpenAPI document then describes the same bodies too.
@@ -31,9 +31,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from prefixcache.api.errors import APIError
+from prefixcache.api.schemas import ChatRequest, CompletionRequest
 from prefixcache.fleet.keys import TOKEN_LIMIT
-from prefixcache.server.errors import APIError
-from prefixcache.server.schemas import ChatRequest, CompletionRequest
 
 __all__ = ["CHAT", "COMPLETIONS", "AnyObject", "Strictness", "body_check", "check_vllm"]
 

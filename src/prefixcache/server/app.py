@@ -29,6 +29,11 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from prefixcache.api.apidoc import install_openapi
+from prefixcache.api.auth import Auth
+from prefixcache.api.errors import APIError, BodyLimit, install_error_handlers
+from prefixcache.api.schemas import ChatRequest, CompletionRequest, EpochRequest, LoginRequest, PurgeRequest
+from prefixcache.api.sessions import COOKIE, LoginThrottle, Sessions, TrustedProxies
 from prefixcache.blend.metrics import BlendMetrics
 from prefixcache.blend.serve_engine import BlendEngine
 from prefixcache.blend.serve_gate import GateStatus
@@ -38,13 +43,8 @@ from prefixcache.engine import Engine
 from prefixcache.fleet.publisher import FleetPublisher, PublisherConfig
 from prefixcache.ops.collector import CacheCollector
 from prefixcache.ops.dashboard import dashboard_data
-from prefixcache.server.apidoc import install_openapi
-from prefixcache.server.auth import Auth
-from prefixcache.server.errors import APIError, BodyLimit, install_error_handlers
 from prefixcache.server.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, Completions
 from prefixcache.server.recording import RECENT_REQUESTS, Recorder
-from prefixcache.server.schemas import ChatRequest, CompletionRequest, EpochRequest, LoginRequest, PurgeRequest
-from prefixcache.server.sessions import COOKIE, LoginThrottle, Sessions, TrustedProxies
 from prefixcache.server.settings import Settings
 
 __all__ = ["Server", "create_app"]

@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from prefixcache.api.transport import uvicorn_config
 from prefixcache.blend.serve_engine import BlendEngine
 from prefixcache.blend.serve_gate import open_blender
 from prefixcache.cache import PrefixCache
@@ -24,7 +25,6 @@ from prefixcache.engine import Engine, load_model
 from prefixcache.engine.model import ModelError
 from prefixcache.server.app import create_app
 from prefixcache.server.settings import LOCAL_TENANT, Settings, describe, load_settings
-from prefixcache.server.transport import uvicorn_config
 
 log = logging.getLogger("prefixcache.serve")
 

@@ -20,12 +20,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from prefixcache.api.errors import APIError
+from prefixcache.api.schemas import _Request
 from prefixcache.blend.serve_types import BlendedDone
 from prefixcache.engine import DoneEvent, Engine, EngineError, ErrorEvent, Event, Handle, SamplingParams, TokenEvent
 from prefixcache.engine import Request as EngineRequest
-from prefixcache.server.errors import APIError
 from prefixcache.server.recording import Recorder
-from prefixcache.server.schemas import _Request
 
 __all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "Completions"]
 

@@ -23,8 +23,8 @@ from fastapi.dependencies.models import Dependant
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 
-from prefixcache.server.auth import Auth
-from prefixcache.server.sessions import COOKIE
+from prefixcache.api.auth import Auth
+from prefixcache.api.sessions import COOKIE
 from prefixcache.server.settings import AuthSettings
 
 __all__ = ["install_openapi", "openapi_document"]

@@ -8,9 +8,9 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from prefixcache.api.schemas import ChatRequest, CompletionRequest
 from prefixcache.engine.chat import chat_tokens
 from prefixcache.engine.model import resolve_model
-from prefixcache.server.schemas import ChatRequest, CompletionRequest
 from prefixcache.server.settings import ModelSettings
 
 __all__ = ["Tokenizer"]

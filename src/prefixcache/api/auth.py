@@ -17,9 +17,9 @@ from collections.abc import Mapping
 
 from fastapi import Request
 
+from prefixcache.api.errors import APIError
+from prefixcache.api.sessions import COOKIE, Sessions
 from prefixcache.identity import PROOF_HEADER, verify_proof
-from prefixcache.server.errors import APIError
-from prefixcache.server.sessions import COOKIE, Sessions
 from prefixcache.server.settings import LOCAL_TENANT, AuthSettings
 
 __all__ = ["LOCAL_TENANT", "Auth"]
