@@ -242,6 +242,8 @@ def test_blend_metrics_export_their_names() -> None:
     metrics.set_enabled("m", None)
     assert registry.get_sample_value("prefixcache_blend_gate_passed", {"model": "m", "plan": "epic(k=8)"}) == 0.0
     assert registry.get_sample_value("prefixcache_blend_enabled", {"model": "m", "plan": "epic(k=8)"}) == 0.0
+    labels = {"model": "m", "plan": "epic(k=8)"}
+    assert registry.get_sample_value("prefixcache_blend_gate_floor_kl_max_nats", labels) == FLOOR.max_kl
     exported = {s.name for family in registry.collect() for s in family.samples}
     gauges = {name for name, kind in BLEND_METRICS.items() if kind == "gauge"}
     assert gauges <= exported

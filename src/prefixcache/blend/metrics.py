@@ -11,8 +11,9 @@ Two kinds of figures:
   tokens are never exact cache hits: they are not in ``prefixcache_hit_tokens_total``.
   The tenant label is the one ``ServingMetrics.record_request`` returned, so the
   cardinality guard applies here too.
-- per gate run (model x plan): the quality gate's figures and verdict, and per model
-  whether the mode is on and with which plan.
+- per gate run (model x plan): the quality gate's figures and verdict, the bar they
+  were judged against (the model's bfloat16 noise floor, KL mean and max), and per
+  model whether the mode is on and with which plan.
 
 Names follow ``ops.metrics``: ``prefixcache_`` prefix, base units (tokens, nats, ratios),
 counters end in ``_total``. ``BLEND_METRICS`` lists them for dashboards and alert tests.
@@ -38,6 +39,8 @@ BLEND_METRICS = {
     "prefixcache_blend_gate_greedy_exact_match_ratio": "gauge",
     "prefixcache_blend_gate_kl_mean_nats": "gauge",
     "prefixcache_blend_gate_kl_max_nats": "gauge",
+    "prefixcache_blend_gate_floor_kl_mean_nats": "gauge",
+    "prefixcache_blend_gate_floor_kl_max_nats": "gauge",
     "prefixcache_blend_gate_work_ratio": "gauge",
     "prefixcache_blend_gate_passed": "gauge",
     "prefixcache_blend_enabled": "gauge",
@@ -111,6 +114,18 @@ class BlendMetrics:
             GATE_LABELS,
             registry=r,
         )
+        self.floor_kl_mean = Gauge(
+            "prefixcache_blend_gate_floor_kl_mean_nats",
+            "Gate: mean KL(full float32 || full bfloat16) of the next token, the bar of kl_mean.",
+            GATE_LABELS,
+            registry=r,
+        )
+        self.floor_kl_max = Gauge(
+            "prefixcache_blend_gate_floor_kl_max_nats",
+            "Gate: largest KL(full float32 || full bfloat16) of the next token, the bar of kl_max.",
+            GATE_LABELS,
+            registry=r,
+        )
         self.work = Gauge(
             "prefixcache_blend_gate_work_ratio",
             "Gate: (token, layer) pairs computed by the plan over those of full prefills.",
@@ -152,6 +167,9 @@ class BlendMetrics:
             self.kl_mean.labels(*labels).set(f.mean_kl)
             self.kl_max.labels(*labels).set(f.max_kl)
             self.work.labels(*labels).set(f.work)
+            if f.floor is not None:  # figures from before the floor: no bar to export (and a failed gate)
+                self.floor_kl_mean.labels(*labels).set(f.floor.mean_kl)
+                self.floor_kl_max.labels(*labels).set(f.floor.max_kl)
             self.passed.labels(*labels).set(1.0 if report.passed else 0.0)
 
     def set_enabled(self, model: str, plan: str | None) -> None:
