@@ -351,7 +351,7 @@ def test_the_server_publishes_serves_info_and_snapshot_to_the_admin_and_survives
     from engine_support import LiveServer
     from prefixcache.engine import Engine
     from prefixcache.fleet.wire import BackendInfo, Snapshot
-    from prefixcache.server.app import create_app
+    from prefixcache.server.main import create_app
     from prefixcache.server.settings import AuthSettings, FleetSettings, Settings
     from standin import STANDIN_ID, standin
 

@@ -1,8 +1,9 @@
 """The OpenAI-compatible server: FastAPI routes over the engine, settings, ``prefixcache serve``.
 
-The names below load on first use: the router (``fleet/``) and the vLLM venv import
-this package's settings, auth and schemas without the server's engine and its
-dependencies (the model runtime, the blend index).
+The names below load on first use: the router (``fleet/``), the shared HTTP layer
+(``api/``) and the vLLM venv import this package's settings without the server's engine
+and its dependencies (the model runtime, the blend index). ``create_app`` is the app as
+``serve`` wires it (``main.create_app``: with the ``[fleet]`` publisher).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ __all__ = ["Settings", "create_app", "load_settings"]
 
 def __getattr__(name: str) -> Any:
     if name == "create_app":
-        from prefixcache.server.app import create_app
+        from prefixcache.server.main import create_app
 
         return create_app
     if name in ("Settings", "load_settings"):

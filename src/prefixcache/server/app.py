@@ -22,7 +22,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from fastapi import Depends, FastAPI, Request
@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prefixcache.api.apidoc import install_openapi
 from prefixcache.api.auth import Auth
 from prefixcache.api.errors import APIError, BodyLimit, install_error_handlers
+from prefixcache.api.prompts import prompt_tokens
 from prefixcache.api.schemas import ChatRequest, CompletionRequest, EpochRequest, LoginRequest, PurgeRequest
 from prefixcache.api.sessions import COOKIE, LoginThrottle, Sessions, TrustedProxies
 from prefixcache.blend.metrics import BlendMetrics
@@ -40,14 +41,13 @@ from prefixcache.blend.serve_gate import GateStatus
 from prefixcache.cache import PrefixCache
 from prefixcache.cache.stats import CacheStats, to_json, top_tenants
 from prefixcache.engine import Engine
-from prefixcache.fleet.publisher import FleetPublisher, PublisherConfig
 from prefixcache.ops.collector import CacheCollector
 from prefixcache.ops.dashboard import dashboard_data
 from prefixcache.server.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, Completions
 from prefixcache.server.recording import RECENT_REQUESTS, Recorder
 from prefixcache.server.settings import Settings
 
-__all__ = ["Server", "create_app"]
+__all__ = ["EventPublisher", "PublisherFactory", "Server", "create_app"]
 
 # NOTE: the page is inline HTML/CSS/JS and must load nothing from elsewhere; the policy makes that a rule.
 PAGE_HEADERS = {
@@ -61,10 +61,36 @@ MSGPACK = "application/vnd.msgpack"
 TOP_TENANTS = 20  # tenants listed by name in /admin/stats, as /metrics labels them
 
 
+class EventPublisher(Protocol):
+    """What the app asks of the publisher of this server's KV events (``[fleet]``;
+    ``fleet.publisher.FleetPublisher``): start and stop it with the app, and answer a
+    router's ``/fleet/info`` and ``/fleet/snapshot`` with what it says (msgspec structs).
+    The server's wiring (``main.py``) builds it, so that the app imports nothing of ``fleet/``."""
+
+    def start(self) -> object: ...
+
+    def stop(self) -> None: ...
+
+    def info(self) -> msgspec.Struct: ...
+
+    def snapshot(self) -> msgspec.Struct: ...
+
+
+# the cache it publishes and the registry its counters go to -> the publisher
+PublisherFactory = Callable[[PrefixCache, CollectorRegistry], EventPublisher]
+
+
 class Server:
     """The routes' state: the engine, the cache (None when disabled), auth, metrics."""
 
-    def __init__(self, engine: Engine, settings: Settings, cache: PrefixCache | None, registry: CollectorRegistry):
+    def __init__(
+        self,
+        engine: Engine,
+        settings: Settings,
+        cache: PrefixCache | None,
+        registry: CollectorRegistry,
+        publisher: PublisherFactory | None = None,
+    ):
         self.engine, self.settings, self.cache, self.registry = engine, settings, cache, registry
         self.model_id = engine.model_id
         self.created = int(time.time())
@@ -78,11 +104,7 @@ class Server:
             self._gate(self.blend_engine.gate)
         self.recorder = Recorder(registry, engine.model_id, cache, self.blend)
         self.completions = Completions(engine, self.recorder)
-        self.fleet: FleetPublisher | None = None
-        fleet = settings.fleet
-        if fleet.publish and cache is not None:
-            config = PublisherConfig(fleet.redis_url, settings.fleet_name, fleet.stream_prefix, fleet.maxlen)
-            self.fleet = FleetPublisher(cache, config, engine.model_id, registry=registry)
+        self.fleet = publisher(cache, registry) if publisher is not None and cache is not None else None
 
     def _gate(self, gate: GateStatus) -> None:
         """Export the gate's verdict on the configured plan, and whether the mode is on."""
@@ -92,7 +114,7 @@ class Server:
         if not gate.passed:
             self.blend.enabled.labels(self.model_id, gate.plan).set(0.0)
 
-    def need_fleet(self) -> FleetPublisher:
+    def need_fleet(self) -> EventPublisher:
         if self.fleet is None:
             raise APIError(409, "this server publishes no KV events (see [fleet] publish)", code="fleet_disabled")
         return self.fleet
@@ -114,13 +136,16 @@ def create_app(
     cache: PrefixCache | None = None,
     registry: CollectorRegistry | None = None,
     shutdown: Callable[[], None] | None = None,
+    publisher: PublisherFactory | None = None,
 ) -> FastAPI:
     """The ASGI app serving ``engine``; ``cache`` is what the admin routes act on.
     ``shutdown`` runs when the server stops gracefully, after the last request
     (``serve`` flushes the cache there: uvicorn then re-raises SIGTERM, which would end
-    the process before any code after it runs)."""
+    the process before any code after it runs). ``publisher`` builds the KV-event
+    publisher the app starts and stops (``main.create_app`` passes the one ``[fleet]``
+    asks for); without it ``/fleet/*`` answer 409."""
     registry = registry if registry is not None else CollectorRegistry()
-    server = Server(engine, settings, cache, registry)
+    server = Server(engine, settings, cache, registry, publisher)
     if cache is not None:
         registry.register(CacheCollector(cache))
 
@@ -149,18 +174,14 @@ def _generation_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatRequest, tenant: str = Depends(auth.tenant)) -> Response:
-        tokens = engine.tokenize_chat(body.chat())
+        tokens = prompt_tokens(engine, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         default = server.settings.server.default_max_tokens
         return await completions.generate(request, body, tokens, tenant, max_tokens, default, chat=True)
 
     @app.post("/v1/completions")
     async def complete(request: Request, body: CompletionRequest, tenant: str = Depends(auth.tenant)) -> Response:
-        prompt = body.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], int):
-            tokens = [int(t) for t in prompt]  # the engine checks they are in the vocabulary
-        else:
-            tokens = engine.tokenize_text(prompt if isinstance(prompt, str) else str(prompt[0]))
+        tokens = prompt_tokens(engine, body)
         if not tokens:
             raise APIError(400, "the prompt is empty", param="prompt")
         max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS

@@ -1,5 +1,9 @@
 """``prefixcache serve``: settings -> model -> cache -> engine -> app -> uvicorn.
 
+The app (``app.py``) reaches the fleet's KV-event publisher through an interface
+(``app.EventPublisher``); ``create_app`` here builds the one ``[fleet]`` asks for, so this
+wiring is where the server meets ``fleet/``.
+
 On SIGTERM or SIGINT uvicorn stops taking requests and lets the running ones finish;
 then the engine stops and the cache flushes its queued writes (at most
 ``server.flush_timeout_s`` seconds), so a restarted server hits on what this one
@@ -11,11 +15,13 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
 from prefixcache.api.transport import uvicorn_config
 from prefixcache.blend.serve_engine import BlendEngine
@@ -23,10 +29,34 @@ from prefixcache.blend.serve_gate import open_blender
 from prefixcache.cache import PrefixCache
 from prefixcache.engine import Engine, load_model
 from prefixcache.engine.model import ModelError
-from prefixcache.server.app import create_app
+from prefixcache.fleet.publisher import FleetPublisher, PublisherConfig
+from prefixcache.server import app as server_app
+from prefixcache.server.app import PublisherFactory
 from prefixcache.server.settings import LOCAL_TENANT, Settings, describe, load_settings
 
 log = logging.getLogger("prefixcache.serve")
+
+
+def fleet_publisher(settings: Settings, model_id: str) -> PublisherFactory | None:
+    """What builds the publisher of the cache's KV events ``[fleet]`` asks for; None when off."""
+    fleet = settings.fleet
+    if not fleet.publish:
+        return None
+    config = PublisherConfig(fleet.redis_url, settings.fleet_name, fleet.stream_prefix, fleet.maxlen)
+    return lambda cache, registry: FleetPublisher(cache, config, model_id, registry=registry)
+
+
+def create_app(
+    engine: Engine,
+    settings: Settings,
+    cache: PrefixCache | None = None,
+    registry: CollectorRegistry | None = None,
+    shutdown: Callable[[], None] | None = None,
+) -> FastAPI:
+    """The app as ``serve`` runs it: ``app.create_app`` with the KV-event publisher of
+    ``[fleet]`` (``fleet_publisher``)."""
+    publisher = fleet_publisher(settings, engine.model_id)
+    return server_app.create_app(engine, settings, cache, registry, shutdown, publisher=publisher)
 
 
 @dataclass
