@@ -8,14 +8,14 @@ The life of a request::
     m.release()                       # unpin
     cache.insert(tokens, ctx, kv=source)   # store the new blocks (their range of the KV only)
 
-Every call takes the cache's lock only to decide and to commit (``ledger.py``); bytes
-move outside it (``tiered.py``), and writes to slower tiers run in the writer
-(``writer.py``), so ``stats()`` and ``/metrics`` never wait on a disk or a network.
+The facade takes no lock: every critical section is a method of the lock's one owner
+(``owner.py``), which decides and commits with the ledger; bytes move outside it
+(``tiered.py``), and writes to slower tiers run in the writer (``writer.py``), so
+``stats()`` and ``/metrics`` never wait on a disk or a network.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,21 +26,21 @@ import numpy as np
 from prefixcache.cache.contexts import Contexts
 from prefixcache.cache.kv import KVSource, LoadedKV, kv_source
 from prefixcache.cache.ledger import Ledger
+from prefixcache.cache.owner import Owner
 from prefixcache.cache.peek import Peek, peek
-from prefixcache.cache.plans import Found, Matched
-from prefixcache.cache.residency import Books, TierBook
-from prefixcache.cache.stats import CacheStats, snapshot
+from prefixcache.cache.plans import Matched, Probe
+from prefixcache.cache.residency import Books
+from prefixcache.cache.stats import CacheStats
+from prefixcache.cache.tierbook import TierBook
 from prefixcache.cache.tiered import TieredPath
-from prefixcache.cache.tierevents import resident as resident_events
-from prefixcache.cache.tree import Block, Lookup, Pin, path_to
+from prefixcache.cache.tree import Pin, path_to
 from prefixcache.cache.writer import Writer
 from prefixcache.config import CacheConfig, KVLayout, TierConfig
-from prefixcache.events import Drained, EpochBumped, Event, RemovalReason
+from prefixcache.events import Drained, Event, RemovalReason
 from prefixcache.hashing import ONESHOT, CacheContext, HashFactory, Segment, get_hash
 from prefixcache.policies import make_policy
 from prefixcache.storage import codec
 from prefixcache.storage.base import TierStore
-from prefixcache.storage.disk import DiskStore
 from prefixcache.storage.open import open_store
 from prefixcache.storage.queue import WriteQueue
 from prefixcache.storage.transfer import Transfer
@@ -71,7 +71,7 @@ class Match:
         self.partial_tokens = matched.partial_tokens
         self.cached_tokens = matched.num_blocks * cache.config.block_size + matched.partial_tokens
         self.tenant = tenant
-        self.tier_tokens: dict[str, int] = {}
+        self.tier_tokens: dict[str, int] = matched.tier_tokens
 
     @property
     def block_keys(self) -> tuple[bytes, ...]:
@@ -122,13 +122,13 @@ class PrefixCache:
         self.config = config = config if config is not None else CacheConfig()
         factory = hash_factory if hash_factory is not None else get_hash(config.hash)
         oneshot = ONESHOT.get(config.hash) if hash_factory is None else None
-        self._lock = threading.RLock()
         contexts = Contexts(config.seed, factory, oneshot, config.vocab_size)
         self._io: TieredPath | None = None
         self._writer: Writer | None = None
         self._prefetcher: ThreadPoolExecutor | None = None
         if not config.tiers:
             self._ledger = Ledger(config, contexts, clock, None)
+            self._owner = Owner(self._ledger)
             return
         if config.kv_layout is None:
             raise ValueError("tiers need kv_layout (the model's layers, kv_heads, head_dim and dtype)")
@@ -137,8 +137,12 @@ class PrefixCache:
         books, transfer = _open_tiers(config, layout, key_len, store_factory)
         self._ledger = Ledger(config, contexts, clock, books)
         books.events = self._ledger.events  # NOTE: one log, so tier moves keep their order among the rest
-        self._writer = Writer(config.writer, self._lock, self._ledger, transfer)
-        self._io = TieredPath(self._lock, self._ledger, transfer, self._writer)
+        self._owner = Owner(self._ledger)
+        self._writer = Writer(config.writer, transfer, self._owner.commit_write)
+        self._io = TieredPath(self._owner, transfer, self._writer)
+        # NOTE: made here, not on the first prefetch, so that no lock guards its making; a
+        # pool makes its thread on its first task
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="prefixcache-prefetch")
 
     # ================================================================ matching and loading
 
@@ -149,39 +153,18 @@ class PrefixCache:
         a restart), the request's own chain is probed there, outside the lock, and what is
         found is adopted: keys are the same in every process, and the bytes are checked
         against the tokens when loaded."""
-        io, ledger = self._io, self._ledger
-        with self._lock:
-            lookup = ledger.lookup(tokens, ctx, segments)
-            alive = ledger.alive()
-            if io is None or not any(t.probes for t in io.books.tiers):
-                return self._matched(lookup, ctx, alive, None)
-            found = ledger.find(lookup, alive)
-            probe = io.plan_probe(lookup, found)
-            if probe is None:
-                return self._matched(lookup, ctx, alive, found)
-        tier, n = io.run_probe(probe)
-        with self._lock:
-            if any(root.stale for root in lookup.roots):  # an epoch bump meanwhile: what was probed is stale
-                io.adopt(lookup, ctx, probe, -1, 0)
-                lookup, again = ledger.lookup(tokens, ctx, segments), None
-            else:
-                again = io.adopt(lookup, ctx, probe, tier, n)
-            return self._matched(lookup, ctx, ledger.alive(), again)
+        decided = self._owner.begin_match(tokens, ctx, segments)
+        if isinstance(decided, Probe):
+            assert self._io is not None
+            tier, n = self._io.run_probe(decided)
+            decided = self._owner.end_match(tokens, ctx, segments, decided, tier, n)
+        return Match(self, decided, ctx.tenant)
 
     def peek(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None) -> Peek:
         """What ``match`` would find now, with no side effect: nothing pinned, touched,
         counted, recorded or adopted (``peek.py``). For a scheduler that asks again and
         again about a request that waits; the match when it runs is the answer to act on."""
-        return peek(self._lock, self._ledger, self._io, tokens, ctx, segments)
-
-    def _matched(self, lookup: Lookup, ctx: CacheContext, alive: Callable[[Block], bool], found: Found | None) -> Match:
-        ledger = self._ledger
-        matched = ledger.match(lookup, ctx, alive, found)
-        ledger.contexts.drop_if_empty(lookup.roots[0])
-        match = Match(self, matched, ctx.tenant)
-        if self._io is not None and matched.block is not None:
-            match.tier_tokens = self._io.books.tier_tokens(path_to(matched.block), matched.partial_tokens)
-        return match
+        return peek(self._owner, self._io, tokens, ctx, segments)
 
     def load(self, match: Match, out: np.ndarray | None = None, *, first_block: int = 0) -> LoadedKV:
         """The KV of ``match``'s cached tokens, read from the fastest tier holding each
@@ -200,25 +183,19 @@ class PrefixCache:
         if first_block < 0:
             raise ValueError(f"first_block must be >= 0, got {first_block}")
         io = self._need_io("load")
-        with self._lock:
-            if match._cache is not self:
-                raise ValueError("this match belongs to another cache")
-            if match._block is not None and match.released:
-                raise RuntimeError("load of a released match: its blocks may have been evicted")
-            plan = io.plan_load(match._block, match.partial_tokens, first_block)
+        if match._cache is not self:
+            raise ValueError("this match belongs to another cache")
+        plan = self._owner.plan_load(match._block, match._pin, match.partial_tokens, first_block)
         return io.load(plan, out)
 
     def prefetch(self, match: Match, *, first_block: int = 0) -> Future[LoadedKV]:
         """Start ``load(match, first_block=...)`` in the background (keep the match until it is done)."""
         self._need_io("prefetch")
-        with self._lock:
-            if self._prefetcher is None:
-                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="prefixcache-prefetch")
-            return self._prefetcher.submit(self.load, match, first_block=first_block)
+        assert self._prefetcher is not None
+        return self._prefetcher.submit(self.load, match, first_block=first_block)
 
     def _unpin(self, pin: Pin) -> None:
-        with self._lock:
-            self._ledger.unpin(pin)
+        self._owner.unpin(pin)
         if self._writer is not None:
             self._writer.after_call()
 
@@ -237,8 +214,7 @@ class PrefixCache:
         if self._io is None:
             if kv is not None:
                 raise ValueError("kv given, but this cache has no tiers to hold it (configure tiers and kv_layout)")
-            with self._lock:
-                return self._ledger.insert(tokens, ctx, segments)
+            return self._owner.insert(tokens, ctx, segments)
         if kv is None:
             raise ValueError("this cache has tiers: insert needs kv (the KV of the tokens)")
         assert self.config.kv_layout is not None
@@ -250,18 +226,14 @@ class PrefixCache:
         Returns (cached tokens, newly stored tokens)."""
         if self._io is not None:
             raise ValueError("access() is metadata-only; with tiers, use match/load/insert(kv=...)")
-        with self._lock:
-            return self._ledger.access(tokens, ctx, segments)
+        return self._owner.access(tokens, ctx, segments)
 
     # ================================================================ invalidation
 
     def bump_epoch(self, model: str, adapter: str | None = None) -> int:
         """Invalidate every block of ``model`` (or of one adapter of it) at once: O(roots
         of that model), no scan of blocks. Returns the new epoch."""
-        with self._lock:
-            epoch = self._ledger.bump_epoch(model, adapter)
-            self._ledger.events.record(EpochBumped(model, adapter, epoch))
-            return epoch
+        return self._owner.bump_epoch(model, adapter)
 
     def purge(self, tenant: str) -> int:
         """Remove every block ``tenant`` stored (and, where others built on them in
@@ -269,19 +241,14 @@ class PrefixCache:
         freed on release. Returns the tokens removed or doomed. O(blocks): an admin call."""
         if not isinstance(tenant, str) or not tenant:
             raise ValueError("purge needs a non-empty tenant name")
-        with self._lock:
-            removed = self._ledger.purge(tenant)
+        removed = self._owner.purge(tenant)
         self._after()
         return removed
 
     def purge_prefix(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None) -> int:
         """Remove every cached sequence that ``ctx`` can see and that starts with
         ``tokens``: the block holding its end and everything below it."""
-        with self._lock:
-            lookup = self._ledger.lookup(tokens, ctx, segments)
-            if not lookup.data:
-                raise ValueError("purge_prefix needs a non-empty prefix (use purge for a whole tenant)")
-            removed = self._ledger.purge_prefix(lookup)
+        removed = self._owner.purge_prefix(tokens, ctx, segments)
         self._after()
         return removed
 
@@ -291,13 +258,11 @@ class PrefixCache:
         blocks are stored once, in the public pool."""
         if self._ledger.tenancy.mode == "shared":
             raise ValueError("declare_public applies to 'namespace' and 'partitioned' isolation")
-        with self._lock:
-            self._ledger.publisher.declare(self._ledger.contexts.tokens(tokens), ctx)
+        self._owner.declare_public(tokens, ctx)
 
     def reclaim(self, max_blocks: int | None = None) -> int:
         """Free stale and expired blocks now instead of on demand; returns how many."""
-        with self._lock:
-            done = self._ledger.reclaim(max_blocks)
+        done = self._owner.reclaim(max_blocks)
         self._after()
         return done
 
@@ -305,30 +270,17 @@ class PrefixCache:
 
     def take_events(self) -> list[Event]:
         """Drain the events recorded since the last call."""
-        with self._lock:
-            return self._ledger.events.take()
+        return self._owner.take_events()
 
     def drain(self, residency: bool = False) -> Drained:
         """Drain the events with the count dropped so far, and (``residency``) every
         block's tier residency after them, in one step under the lock: what a consumer
         needs to notice that it missed events and to rebuild what it missed."""
-        with self._lock:
-            ledger = self._ledger
-            events = ledger.events.take()
-            resident = None
-            if residency:
-                books = ledger.books
-                resident = resident_events(books.owner.values(), books.kinds) if books is not None else []
-            return Drained(events, ledger.events.dropped, resident)
+        return self._owner.drain(residency)
 
     def stats(self) -> CacheStats:
         """Counters since start, and the occupancy now: overall, per tenant, pool and tier."""
-        with self._lock:
-            if self._io is None or self._writer is None:
-                return snapshot(self._ledger)
-            queue = self._writer.queue
-            tiers = tuple(t.snapshot(queue.pending_for(t.index)) for t in self._io.books.tiers)
-            return snapshot(self._ledger, tiers, self._writer.stats())
+        return self._owner.stats(self._writer.mode if self._writer is not None else None)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write to a tier is done; False when ``timeout`` (seconds)
@@ -344,8 +296,7 @@ class PrefixCache:
         done = self._writer.close(timeout)
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True)
-        with self._lock:
-            self._io.transfer.close()
+        self._io.transfer.close()  # NOTE: files and connections close outside the lock too
         return done
 
     def __enter__(self) -> PrefixCache:
@@ -357,12 +308,11 @@ class PrefixCache:
     def removed(self, reason: RemovalReason) -> int:
         """Blocks that left the cache for ``reason`` since start: one counter, cheaper than
         ``stats()`` for a caller that asks after every request (the simulator)."""
-        with self._lock:
-            return self._ledger.counters.removals[reason]
+        return self._owner.removed(reason)
 
     @property
     def used_tokens(self) -> int:
-        return self._ledger.used
+        return self._ledger.life.used
 
     def __len__(self) -> int:
         return len(self._ledger.tree)
@@ -396,8 +346,9 @@ def _open_tiers(
     for i, (tc, store) in enumerate(zip(config.tiers, stores, strict=True)):
         policy = make_policy(tc.policy or config.policy, max(tc.capacity_bytes // layout.bytes_per_token, 1))
         book = TierBook(i, tc, store, policy, len(store) + store.room_for(frame))
-        if isinstance(store, DiskStore):
-            book.orphans.update(store.keys())
+        keys = getattr(store, "keys", None)  # a store that lists what it holds (a disk) may hold orphans
+        if callable(keys):
+            book.orphans.update(keys())
             for key in book.orphans:
                 policy.insert(key, config.block_size)
             book.used = len(book.orphans)

@@ -2,20 +2,20 @@
 
 It owns the block tree, the pins, the pools with their quotas and policies, TTLs,
 stale roots awaiting reclaim, purges, and (``books``) the residency of every block in
-every tier. The facade calls it under its lock. An insert with KV takes two calls:
+every tier. Its one owner (``owner.py``) calls it under the cache's lock. An insert with KV takes two calls:
 ``plan_chain`` decides the new blocks (unlinked, their room reserved, the tier each
 enters) and ``commit_chain`` links those whose bytes landed; between them the bytes
 move, outside the lock. Metadata-only inserts (the simulator) link at once.
 
 Invalidation never scans on the request path: ``bump_epoch`` changes the context root
 (so every old key is unreachable at once) and queues the old roots; their blocks are
-reclaimed, children first, before any live block is evicted (invariant 7).
+reclaimed, children first, before any live block is evicted (invariant 7). How blocks
+leave is its component ``life`` (``lifecycle.py``).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from prefixcache.cache.contexts import Contexts
 from prefixcache.cache.lifecycle import Lifecycle
@@ -48,8 +48,9 @@ __all__ = ["Ledger"]
 Alive = Callable[[Block], bool]
 
 
-class Ledger(Lifecycle):
-    """Tree, pools, pins, TTL, stale reclaim, purge and residency: one state machine."""
+class Ledger:
+    """Tree, pools, pins, TTL, stale reclaim, purge and residency: one state machine.
+    ``life`` (``lifecycle.py``) is how blocks leave, over the same tree, pools and books."""
 
     def __init__(self, config: CacheConfig, contexts: Contexts, clock: Callable[[], float], books: Books | None):
         self.config = config
@@ -58,13 +59,11 @@ class Ledger(Lifecycle):
         self.tenancy = Tenancy(config)
         self.books = books
         self.publisher = Publisher(config, self.tenancy)
-        self.stale: deque[Iterator[Block]] = deque()
-        self.ttl: OrderedDict[bytes, Block] | None = OrderedDict() if config.ttl_seconds else None
         self.events = EventLog(config.events_capacity)
         self.counters = Counters()
-        self.used = 0
         self.inflight: dict[bytes, Block] = {}  # keys of decided blocks whose bytes are on their way
         self._clock = clock
+        self.life = Lifecycle(config, contexts, self.tree, self.tenancy, books, self.events, self.counters, clock)
 
     # ================================================================ lookup and match
 
@@ -128,7 +127,7 @@ class Ledger(Lifecycle):
         partitioned = self.tenancy.partitioned
         if not partitioned:
             self.tenancy.pools[GLOBAL].policy.access_many(keys)
-            if self.ttl is None:
+            if self.life.ttl is None:
                 return
         deepest_first = blocks_of(spans)[::-1]
         if partial is not None:
@@ -140,8 +139,8 @@ class Ledger(Lifecycle):
                 by_pool.setdefault(block.pool.name, []).append(block.key)
             for name, pool_keys in by_pool.items():
                 self.tenancy.pools[name].policy.access_many(pool_keys)
-        if self.ttl is not None:
-            now, ttl = self._clock(), self.ttl
+        if self.life.ttl is not None:
+            now, ttl = self._clock(), self.life.ttl
             for block in deepest_first:
                 block.last_access = now
                 ttl.move_to_end(block.key)
@@ -178,7 +177,7 @@ class Ledger(Lifecycle):
         stays its owner (for ``purge``). With ``tiers``, each block also gets the tier it
         enters and a frame's room there."""
         if not ends:
-            self._refresh_ttl(parent)
+            self.life.refresh_ttl(parent)
             return None
         owner = PUBLIC if public and self.tenancy.mode != "shared" else ctx.tenant
         pool = self.tenancy.pool_for(owner, public)
@@ -187,7 +186,7 @@ class Ledger(Lifecycle):
         # NOTE: the parent may be a leaf now, the root empty; both, and every cached block
         # the chain skips, must stay while room is made (a pin keeps a block in its tiers).
         pins = [Pin([parent, root])]
-        room = self._make_room(pool, ends[-1] - begin)
+        room = self.life.make_room(pool, ends[-1] - begin)
         nodes, bs, has_segs, books = self.tree.nodes, self.config.block_size, bool(segs.starts), self.books
         blocks: list[Block] = []
         keys: set[bytes] = set()
@@ -236,12 +235,12 @@ class Ledger(Lifecycle):
             pin.release()
         self.counters.declined_tokens += max(ends[-1] - begin, 0)
         if not blocks:
-            self._refresh_ttl(last)
+            self.life.refresh_ttl(last)
             return None
         chain = Chain(first_parent, root, blocks, pool, ctx, public, Pin([first_parent, root]), 0, placed)
         chain.reserved = chain.end - first_parent.end
         pool.used += chain.reserved
-        self.used += chain.reserved
+        self.life.used += chain.reserved
         if tiers:
             for block in blocks:
                 self.inflight[block.key] = block
@@ -308,7 +307,7 @@ class Ledger(Lifecycle):
         another tree."""
         lookup = self.lookup(tokens, ctx, segments)
         matched = self.match(lookup, ctx, self.alive())
-        reuse = self.ttl is None and not self.publisher.active
+        reuse = self.life.ttl is None and not self.publisher.active
         try:
             if reuse:
                 stored = self._stored(self.extend(lookup, ctx, matched.deepest, tiers=False)) if lookup.data else 0
@@ -316,7 +315,7 @@ class Ledger(Lifecycle):
                 stored = self.insert(tokens, ctx, segments)
         finally:
             if matched.pin is not None:
-                self.unpin(matched.pin)
+                self.life.unpin(matched.pin)
         self.contexts.drop_if_empty(lookup.roots[0])
         return matched.num_blocks * self.config.block_size + matched.partial_tokens, stored
 
@@ -326,7 +325,7 @@ class Ledger(Lifecycle):
         books = self.books
         assert books is not None
         for k in range(entry, len(books.tiers)):
-            if self.tier_room(k, 1) >= 1:
+            if self.life.tier_room(k, 1) >= 1:
                 books.tiers[k].used += 1
                 return k
         return -1
@@ -344,10 +343,10 @@ class Ledger(Lifecycle):
         stored = linked[-1].end - parent.end if linked else 0
         pool = chain.pool
         pool.used -= chain.reserved - stored
-        self.used -= chain.reserved - stored
+        self.life.used -= chain.reserved - stored
         if linked:
             self._link(chain, linked, stored)
-        self.unpin(chain.pin)  # NOTE: after linking, so that a parent with new children stays
+        self.life.unpin(chain.pin)  # NOTE: after linking, so that a parent with new children stays
         return linked
 
     def _link(self, chain: Chain, linked: list[Block], stored: int) -> None:
@@ -362,8 +361,8 @@ class Ledger(Lifecycle):
         insert = pool.policy.insert
         for block in reversed(linked):
             insert(block.key, len(block.tokens) >> 2)
-        self._new_children(parent, linked)
-        self._supersede_tails(linked[0])
+        self.life.new_children(parent, linked)
+        self.life.supersede_tails(linked[0])
         c = self.counters
         c.inserted_tokens += stored
         c.inserted_blocks += len(linked)
@@ -376,7 +375,7 @@ class Ledger(Lifecycle):
                     keys, parent_key, stored, chain.ctx.tenant, chain.ctx.model, pool.name, chain.public, run.src
                 )
             )
-        self._refresh_ttl(linked[-1])
+        self.life.refresh_ttl(linked[-1])
 
     def _covering_tail(self, parent: Node, tokens: bytes, extra: bytes, owner: str) -> Block | None:
         for child in parent.children.values():

@@ -1,6 +1,9 @@
 """How blocks leave: room in pools and tiers, removal for every reason, stale and
-expired reclaim, purges and the end of a pin. The ledger's second half (``Ledger``
-inherits it), kept apart because it is the other half of the life of a block.
+expired reclaim, purges and the end of a pin. A component the ledger holds
+(``ledger.life``): the other half of the life of a block, and the state it needs of its
+own (the stale roots, the TTL order, the tokens in use). It shares the tree, pools,
+books, counters and event log with the ledger, and runs, as the ledger does, under the
+cache's lock (``owner.py``).
 
 A block leaves the cache when its pool's policy picks it, when it leaves the last tier
 that held it, or for a reason of its own (``RemovalReason``); always childless and
@@ -30,21 +33,32 @@ __all__ = ["Lifecycle"]
 class Lifecycle:
     """Room, removal, reclaim and unpinning over the ledger's state."""
 
-    config: CacheConfig
-    contexts: Contexts
-    tree: BlockTree
-    tenancy: Tenancy
-    books: Books | None
-    stale: deque[Iterator[Block]]
-    ttl: OrderedDict[bytes, Block] | None
-    events: EventLog
-    counters: Counters
-    used: int
-    _clock: Callable[[], float]
+    def __init__(
+        self,
+        config: CacheConfig,
+        contexts: Contexts,
+        tree: BlockTree,
+        tenancy: Tenancy,
+        books: Books | None,
+        events: EventLog,
+        counters: Counters,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.contexts = contexts
+        self.tree = tree
+        self.tenancy = tenancy
+        self.books = books
+        self.events = events
+        self.counters = counters
+        self.stale: deque[Iterator[Block]] = deque()  # the blocks of stale roots, children first
+        self.ttl: OrderedDict[bytes, Block] | None = OrderedDict() if config.ttl_seconds else None
+        self.used = 0  # tokens held or reserved, in every pool
+        self._clock = clock
 
     # ================================================================ room in a pool
 
-    def _make_room(self, pool: Pool, need: int) -> int:
+    def make_room(self, pool: Pool, need: int) -> int:
         """Evict until ``need`` tokens fit in ``pool`` and in the cache; returns how many
         tokens fit at most (``need`` when all do). Stale and expired blocks go first."""
         capacity = self.config.capacity
@@ -153,14 +167,14 @@ class Lifecycle:
         with Pin([block]):  # NOTE: making room may reclaim stale blocks: never this one
             room = books.queue.fits(len(frame)) and self.tier_room(k, 1) >= 1
         if not room:
-            tier.writes_dropped += 1
+            tier.count_dropped()
             return
         tier.used += 1
         books.queue_put(block, k, FrameSource(frame, len(frame)))
 
     # ================================================================ leaves
 
-    def _new_children(self, parent: Node, linked: list[Block]) -> None:
+    def new_children(self, parent: Node, linked: list[Block]) -> None:
         """Tell a policy that ranks leaves (``tracks_leaves``) which blocks just stopped
         being leaves: each of a new chain but its deepest, and its parent when the chain
         is that block's first child. (``remove`` tells it of the reverse.)
@@ -300,7 +314,7 @@ class Lifecycle:
         ]
         return sum(self.purge_subtree(b) for b in tops)
 
-    def _refresh_ttl(self, block: Node) -> None:
+    def refresh_ttl(self, block: Node) -> None:
         """A stored (or re-stored) block and its ancestors count as just used."""
         if self.ttl is None or block.is_root:
             return
@@ -310,7 +324,7 @@ class Lifecycle:
             ttl[b.key] = b
             ttl.move_to_end(b.key)
 
-    def _supersede_tails(self, block: Block) -> None:
+    def supersede_tails(self, block: Block) -> None:
         """A partial tail is redundant once a sibling holds its tokens and more.
 
         NOTE: tails exist only with ``partial_blocks``; without it this is skipped, since a

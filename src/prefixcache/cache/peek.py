@@ -20,16 +20,20 @@ the match's answer (then the load's) is the one to act on (invariant 6).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prefixcache.cache.ledger import Ledger
+from prefixcache.cache.loadsteps import plan_probe
 from prefixcache.cache.plans import Probe
-from prefixcache.cache.tiered import TieredPath
 from prefixcache.hashing import CacheContext, Segment
 
-__all__ = ["Peek", "peek"]
+if TYPE_CHECKING:
+    from prefixcache.cache.owner import Owner
+    from prefixcache.cache.tiered import TieredPath
+
+__all__ = ["Peek", "in_tree", "peek"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,35 +52,27 @@ class Peek:
 
 
 def peek(
-    lock: threading.RLock,
-    ledger: Ledger,
-    io: TieredPath | None,
-    tokens: object,
-    ctx: CacheContext,
-    segments: Sequence[Segment] | None,
+    owner: Owner, io: TieredPath | None, tokens: object, ctx: CacheContext, segments: Sequence[Segment] | None
 ) -> Peek:
     """The tree's answer under the lock; then, when a tier probes, its answer without it."""
-    with lock:
-        ahead, probe = _in_tree(ledger, io, tokens, ctx, segments, probing=True)
-        if probe is None:
-            return ahead
-        epochs = ledger.contexts.epochs(ctx)
+    ahead, probe, epochs = owner.peek(tokens, ctx, segments)
+    if probe is None:
+        return ahead
     assert io is not None
     _, n = io.run_probe(probe)
-    with lock:
-        if ledger.contexts.epochs(ctx) != epochs:
-            # NOTE: an epoch bump meanwhile made what was probed stale: a match then searches
-            # the tree again under the new roots, and so does a peek
-            return _in_tree(ledger, io, tokens, ctx, segments, probing=False)[0]
+    # NOTE: an epoch bump meanwhile made what was probed stale: a match then searches the
+    # tree again under the new roots, and so does a peek
+    again = owner.peek_again(tokens, ctx, segments, epochs)
+    if again is not None:
+        return again
     if not n:
         return ahead
     blocks = ahead.num_blocks + n
-    return Peek(blocks, blocks * ledger.config.block_size, 0, n)
+    return Peek(blocks, blocks * owner.ledger.config.block_size, 0, n)
 
 
-def _in_tree(
+def in_tree(
     ledger: Ledger,
-    io: TieredPath | None,
     tokens: object,
     ctx: CacheContext,
     segments: Sequence[Segment] | None,
@@ -85,7 +81,7 @@ def _in_tree(
 ) -> tuple[Peek, Probe | None]:
     """Under the lock: what the tree holds, as ``match`` searches it (live blocks under the
     current roots only), and the probe to run when a tier may hold more."""
-    contexts = ledger.contexts
+    contexts, books = ledger.contexts, ledger.books
     roots = len(contexts)
     lookup = ledger.lookup(tokens, ctx, segments)
     made_root = len(contexts) > roots
@@ -94,8 +90,8 @@ def _in_tree(
     deepest = found[0]
     _, partial = ledger.partial(lookup, deepest, alive)
     probe = None
-    if probing and io is not None and any(t.probes for t in io.books.tiers):
-        probe = io.plan_probe(lookup, found, pin=False)
+    if probing and books is not None and any(t.probes for t in books.tiers):
+        probe = plan_probe(ledger, lookup, found, pin=False)
     if made_root:  # NOTE: only a root this lookup made: one that was there stays, as without a peek
         contexts.drop_if_empty(lookup.roots[0])
     n = deepest.end // ledger.config.block_size if deepest is not None else 0

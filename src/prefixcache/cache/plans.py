@@ -1,16 +1,27 @@
-"""What the ledger decides, handed to the steps that move bytes and back to its commits:
-typed, so that a decision cannot be half-read or confused with another."""
+"""What the ledger decides, handed to the steps that move bytes, and what those steps
+hand back to be committed: typed, so that a decision or an outcome cannot be half-read
+or confused with another.
+
+::
+
+    owner (lock)  --plan-->  tiered / writer (no lock)  --outcome-->  owner (lock)
+    LoadPlan                 transfer.load -> Loaded                  commit_read -> Promotion
+    Promotion                promote into tier 0 -> Promoted          commit_promotion
+    Chain                    frames, memory puts -> Written           commit_insert
+    Job (the queue's)        transfer.run -> Outcome                  commit_write
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixcache.cache.tree import Block, Node, Pin, Root, RunSpan
+from prefixcache.cache.tree import Block, Lookup, Node, Pin, Root, RunSpan
 from prefixcache.hashing import CacheContext
-from prefixcache.storage.transfer import Read
+from prefixcache.storage.base import Frame
+from prefixcache.storage.transfer import Outcome, Read
 from prefixcache.tenancy import Pool
 
-__all__ = ["Chain", "Found", "LoadPlan", "Matched", "Probe"]
+__all__ = ["Chain", "Found", "LoadPlan", "Matched", "Probe", "Promoted", "Promotion", "Written"]
 
 Found = tuple[Block | None, list[RunSpan]]  # a tree search: the deepest verified block, and its path
 
@@ -24,6 +35,7 @@ class Matched:
     num_blocks: int
     partial_tokens: int
     deepest: Block | None  # the deepest full block (what an insert after it extends)
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # with tiers: tokens by the tier of their fastest copy
 
 
 @dataclass(eq=False)
@@ -55,6 +67,7 @@ class Chain:
 class Probe:
     """A match's look into the tiers that may hold blocks no local tree knows."""
 
+    lookup: Lookup
     found: Found
     parent: Node | None
     ends: list[int]
@@ -74,3 +87,36 @@ class LoadPlan:
     pin: Pin
     first: int = 0
     start: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """What the commit of a load's reads decided: the indexes in the plan's ``path`` of
+    the blocks going up into tier 0 (room reserved), and the ``(index in the reads,
+    tier)`` of the copies a ``selective`` tier now owes the tier below (room reserved)."""
+
+    tier_tokens: dict[str, int]
+    promote: list[int]
+    copies: list[tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Promoted:
+    """What moving a ``Promotion``'s bytes did: the ``done`` leading promoted blocks landed
+    in a memory tier 0; ``frames`` by index in the plan's ``path``; ``owed`` the copies
+    down, with their bytes taken while the path was pinned."""
+
+    done: int
+    frames: list[Frame | None]
+    owed: list[tuple[Block, int, bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What moving a chain's bytes did: a frame per block (none when framing failed), the
+    ``landed`` leading blocks written to a memory tier, and the outcome of the write
+    that stopped there (``None`` when none failed), counted at the commit."""
+
+    frames: list[bytes]
+    landed: int
+    failed: Outcome | None = None

@@ -30,17 +30,14 @@ disk copy to a router), so that the events replayed are always the books.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from prefixcache.cache.stats import LatencyHistogram, TierStats
+from prefixcache.cache.tierbook import TierBook
 from prefixcache.cache.tierevents import record_change
 from prefixcache.cache.tree import Block, Node
-from prefixcache.config import TierConfig
 from prefixcache.events import EventLog, RemovalReason
-from prefixcache.policies import EvictionPolicy
-from prefixcache.storage.base import Frame, TierStore
+from prefixcache.storage.base import Frame
 from prefixcache.storage.queue import FrameSource, Job, JobKind, LazyFrame, WriteQueue, store_copy
 
 __all__ = ["NONE", "Books", "Residency", "TierBook"]
@@ -78,68 +75,6 @@ def masks(block: Block) -> tuple[int, int]:
     """(held, pending) of a block, 0 for one the tiers never saw."""
     res = block.res
     return (res.held, res.pending) if res is not None else (0, 0)
-
-
-class TierBook:
-    """One tier as the ledger sees it: its store, its policy, its room and its counters."""
-
-    def __init__(self, index: int, config: TierConfig, store: TierStore, policy: EvictionPolicy, frames: int) -> None:
-        self.index = index
-        self.bit = 1 << index
-        self.name = config.label
-        self.config = config
-        self.store = store
-        self.policy = policy
-        self.capacity = frames  # room, in frames of a full block
-        self.used = 0  # frames held, queued or reserved
-        self.sync = store.sync  # its writes are memory copies, done by the deciding thread
-        self.orphans: set[bytes] = set()  # frames held that no block owns (found on open)
-        self.hits = 0
-        self.misses = 0
-        self.promotions = 0
-        self.demotions = 0
-        self.evictions = 0
-        self.removals: Counter[RemovalReason] = Counter()
-        self.errors: Counter[str] = Counter()
-        self.writes_dropped = 0
-        self.writes_failed = 0
-        self.latency = LatencyHistogram()
-
-    @property
-    def free(self) -> int:
-        return max(self.capacity - self.used, 0)
-
-    @property
-    def probes(self) -> bool:
-        """Whether a request should ask this store for keys the tree does not know."""
-        return self.config.kind == "redis" or bool(self.orphans)
-
-    def snapshot(self, pending: int) -> TierStats:
-        store = self.store
-        errors = Counter(self.errors)
-        errors.update(store.stats.errors)
-        return TierStats(
-            name=self.name,
-            kind=self.config.kind,
-            level=self.config.level,
-            write=self.config.write,
-            capacity_bytes=store.capacity_bytes,
-            used_bytes=store.used_bytes,
-            blocks=len(store),
-            hits=self.hits,
-            misses=self.misses,
-            bytes_read=store.stats.bytes_read,
-            bytes_written=store.stats.bytes_written,
-            promotions=self.promotions,
-            demotions=self.demotions,
-            evictions=self.evictions,
-            removals=dict(self.removals),
-            errors=dict(errors),
-            load_seconds=self.latency.snapshot(),
-            writes_pending=pending,
-            writes_dropped=self.writes_dropped,
-            writes_failed=self.writes_failed,
-        )
 
 
 class Books:
@@ -253,7 +188,7 @@ class Books:
         tier = self.tiers[k]
         job = Job(JobKind.PUT, k, block.key, source, ticket=block, source_tier=source_tier)
         if not self.queue.offer(job):
-            tier.writes_dropped += 1
+            tier.count_dropped()
             tier.used -= 1
             return False
         held, pending = masks(block)
@@ -285,7 +220,7 @@ class Books:
                     self.drop_frame(tier.index, block.key)
                     tier.policy.remove(block.key)
                     tier.used -= 1
-                    tier.removals[reason] += 1
+                    tier.count_removal(reason)
                 elif res.pending & tier.bit:
                     self.queue.cancel(tier.index, block.key, block)
                     tier.used -= 1
@@ -327,7 +262,7 @@ class Books:
         tier.orphans.discard(key)
         self.drop_frame(k, key)
         tier.used -= 1
-        tier.evictions += 1
+        tier.count_eviction()
 
     def only_copy(self, k: int, block: Block) -> bool:
         res = block.res
@@ -341,7 +276,7 @@ class Books:
         assert res is not None
         self.drop_frame(k, block.key)
         tier.used -= 1
-        tier.evictions += 1
+        tier.count_eviction()
         self.set(block, res.held & ~tier.bit, res.pending)
 
     def keep(self, k: int, block: Block) -> None:
@@ -379,17 +314,17 @@ class Books:
         else:
             read, source = _nothing, store_copy(tier.store, block.key, size)
         tier.used -= 1
-        tier.evictions += 1
+        tier.count_eviction()
         self.set(block, res.held & ~tier.bit, res.pending)
         job = Job(JobKind.PUT, k + 1, block.key, source, ticket=block, source_tier=-1 if tier.sync else k)
         if read is None or not self.queue.offer(job):
-            below.writes_dropped += 1
+            below.count_dropped()
             below.used -= 1
             if not tier.sync:
                 self.drop_frame(k, block.key)
             return False
         self.set(block, res.held, res.pending | below.bit)
-        below.demotions += 1
+        below.count_demotion()
         return True
 
 

@@ -1,4 +1,4 @@
-"""The writer: runs the write queue's jobs and commits each outcome to the ledger.
+"""The writer: runs the write queue's jobs, and has each outcome committed.
 
 ``writer="background"`` (the default) runs them in a thread of its own, so that no
 request waits for a disk or Redis write; ``"inline"`` runs them in the thread that
@@ -8,62 +8,38 @@ when). In every mode one thread runs jobs at a time, in the queue's order, and t
 deletes a commit asks for run before the next job: the order of the decisions is the
 order on the medium.
 
-A job's commit, under the cache's lock:
-
-    put done      the block holds it now (and a ``through`` tier queues the next copy);
-                  a block that left meanwhile gets the frame deleted again
-    put failed    residency rolls back; a block with no copy left is lost (invariant 6)
-    moved frame   the copy it came from is deleted (its room was given back when decided)
+What a job changed is committed by the lock's owner (``Owner.commit_write``, with
+``writesteps.commit_write``), the one function the writer is handed. NOTE: why the
+writer commits rather than returning its outcomes for someone else to commit: in the
+background mode no caller waits for a job, so nobody else could commit it without a
+second queue of outcomes and a thread to drain it, and until it did, residency would
+lag the medium (a block written would still read as pending). Handed the commit step
+alone, the writer can neither take the lock nor decide: it moves bytes and reports.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable
 
-from prefixcache.cache.ledger import Ledger
-from prefixcache.cache.residency import TierBook
-from prefixcache.cache.stats import WriterStats
-from prefixcache.cache.tree import Block
-from prefixcache.storage.queue import Job, JobKind, LazyFrame, WriteQueue
+from prefixcache.storage.queue import Job, WriteQueue
 from prefixcache.storage.transfer import Outcome, Transfer
 
-__all__ = ["Writer", "count_failed_write", "fill"]
+__all__ = ["Commit", "Writer"]
 
 log = logging.getLogger(__name__)
 
-# The error kinds a failed write is counted under by the cache, for the outcomes no store
-# counts: a store that fails a write counts its cause itself (io, timeout, connection...).
-_CACHE_ERRORS = {Outcome.FULL: "full", Outcome.NO_FRAME: "source"}
-
-
-def count_failed_write(tier: TierBook, outcome: Outcome) -> None:
-    """One failed write into ``tier``: one more in ``writes_failed``, and one error under
-    one kind. NOTE: counting ``"write"`` here on top of the store's own kind made one
-    failed disk write two errors (``io`` and ``write``)."""
-    tier.writes_failed += 1
-    kind = _CACHE_ERRORS.get(outcome)
-    if kind is not None:
-        tier.errors[kind] += 1
-
-
-def fill(copyouts: Iterable[LazyFrame]) -> None:
-    """Copy out the frames a decision detached from memory slots, which frees the slots."""
-    for source in copyouts:
-        source.frame()
+Commit = Callable[[Job, Outcome], list[tuple[int, bytes]]]  # a job's outcome -> the (tier, key) deletes it asks for
 
 
 class Writer:
     """Runs one cache's write queue."""
 
-    def __init__(self, mode: str, lock: threading.RLock, ledger: Ledger, transfer: Transfer) -> None:
-        assert ledger.books is not None
+    def __init__(self, mode: str, transfer: Transfer, commit: Commit) -> None:
         self.mode = mode
-        self.lock = lock
-        self.ledger = ledger
-        self.books = ledger.books
         self.transfer = transfer
+        self._commit = commit
         self.queue: WriteQueue = transfer.queue
         self._runner = threading.Lock()  # one thread runs jobs at a time
         self._thread: threading.Thread | None = None
@@ -124,10 +100,7 @@ class Writer:
         outcome = Outcome.FAILED
         try:
             outcome = self.transfer.run(job)
-            with self.lock:
-                deletes = self._commit(job, outcome)
-                copyouts = self.books.take_copyouts()
-            fill(copyouts)
+            deletes = self._commit(job, outcome)
             for tier, key in deletes:
                 self.transfer.delete(tier, key)
         except Exception:  # NOTE: a bug must not stop the writer: every later flush would wait forever
@@ -135,66 +108,3 @@ class Writer:
             outcome = Outcome.FAILED
         finally:
             self.queue.finish(job, failed=outcome in (Outcome.FAILED, Outcome.FULL, Outcome.NO_FRAME))
-
-    def _commit(self, job: Job, outcome: Outcome) -> list[tuple[int, bytes]]:
-        """Under the lock: what ``job`` changed; returns the deletes to run before the next job."""
-        if job.kind is JobKind.DELETE:
-            return []
-        books, ledger = self.books, self.ledger
-        block = job.ticket
-        assert isinstance(block, Block)
-        tier = books.tiers[job.tier]
-        deletes = [(job.source_tier, job.key)] if job.source_tier >= 0 else []
-        if outcome is Outcome.SKIPPED:
-            return deletes  # canceled before it ran: its room went back when it was canceled
-        res = block.res
-        live = (
-            not job.canceled and res is not None and bool(res.pending & tier.bit) and books.owner.get(job.key) is block
-        )
-        if outcome is Outcome.DONE:
-            if live:
-                books.commit_held(block, job.tier)
-                self._onward(block, job)
-            elif not self._claimed(job):
-                deletes.append((job.tier, job.key))  # the block left while it was written
-            return deletes
-        count_failed_write(tier, outcome)
-        if live:
-            assert res is not None
-            books.release(job.tier)
-            books.set(block, res.held, res.pending & ~tier.bit)
-            if not (res.held | res.pending) and block.pool is not None:
-                ledger.lose(block)  # its only copy never landed: gone with what hangs below
-        return deletes
-
-    def _claimed(self, job: Job) -> bool:
-        """Whether another block now owns ``job.key`` in its tier (its own write, queued
-        after this one, replaces the frame: deleting it would take that one too)."""
-        owner = self.books.owner.get(job.key)
-        res = owner.res if owner is not None else None
-        return res is not None and bool((res.held | res.pending) & (1 << job.tier))
-
-    def _onward(self, block: Block, job: Job) -> None:
-        """A ``through`` tier passes a block on to the next tier as soon as it holds it."""
-        books = self.books
-        below = job.tier + 1
-        if books.tiers[job.tier].config.write != "through" or below >= len(books.tiers) or job.source is None:
-            return
-        frame = job.source.frame()
-        if frame is not None:
-            self.ledger.copy_down(block, below, frame)
-
-    # ------------------------------------------------------------------ state
-
-    def stats(self) -> WriterStats:
-        q = self.queue
-        return WriterStats(
-            mode=self.mode,
-            queued_jobs=len(q),
-            queued_bytes=q.queued_bytes,
-            limit_bytes=q.limit_bytes,
-            done=q.done,
-            dropped=sum(t.writes_dropped for t in self.books.tiers),
-            failed=q.failed,
-            abandoned=q.abandoned,
-        )
