@@ -144,6 +144,8 @@ def create_app(
     the process before any code after it runs). ``publisher`` builds the KV-event
     publisher the app starts and stops (``main.create_app`` passes the one ``[fleet]``
     asks for); without it ``/fleet/*`` answer 409."""
+    if settings.fleet.publish and publisher is None:  # never a [fleet] that silently publishes nothing
+        raise ValueError("fleet.publish = true needs the publisher: build the app with server.main.create_app")
     registry = registry if registry is not None else CollectorRegistry()
     server = Server(engine, settings, cache, registry, publisher)
     if cache is not None:
