@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_support import MODEL_ID, MODELS_DIR, LiveServer, model, tiered_cache
 from prefixcache.blend.evalset import load_eval_set
-from prefixcache.blend.gate import GateFigures, GateStore, GateThresholds, gate_key, model_fingerprint
+from prefixcache.blend.gate import GateFigures, GateStore, GateThresholds, NoiseFloor, gate_key, model_fingerprint
 from prefixcache.blend.serve_engine import BlendEngine
 from prefixcache.blend.serve_gate import open_blender, read_gate
 from prefixcache.blend.serve_types import BlendConfig
@@ -61,7 +61,8 @@ def blend_settings(gate: Path, **extra: Any) -> BlendSettings:
 def write_gate(lm: LoadedModel, config: BlendConfig, passed: bool) -> None:
     key = gate_key(model_fingerprint(lm), load_eval_set(EVAL).digest, config.gate_steps, config.plan)
     top1 = 1.0 if passed else 0.5
-    figures = GateFigures("epic(k=4)", 19, top1, top1, 0.001, 0.01, 100, 10, 50, 0.4)
+    floor = NoiseFloor("bfloat16", 19, 1.0, 1.0, 0.002, 0.02)  # the KL bars: above the figures' own
+    figures = GateFigures("epic(k=4)", 19, top1, top1, 0.001, 0.01, 100, 10, 50, 0.4, floor)
     GateStore(config.gate_file).put(key, figures)
 
 
@@ -69,7 +70,7 @@ def start(lm: LoadedModel, tmp: Path, blend: BlendSettings) -> tuple[LiveServer,
     settings = Settings(auth=AuthSettings(api_keys=KEYS, admin_key=ADMIN), blend=blend)
     cache = tiered_cache(lm, tmp, partial_blocks=True)
     config = blend.config()
-    blender, gate = open_blender(config, lm, MODEL_ID, cache.config)
+    blender, gate = open_blender(config, lm, MODEL_ID, cache)
     engine = BlendEngine(lm, MODEL_ID, config, blender, gate, cache=cache)
     server = LiveServer(create_app(engine, settings, cache), engine).start()
     return server, engine
@@ -78,8 +79,6 @@ def start(lm: LoadedModel, tmp: Path, blend: BlendSettings) -> tuple[LiveServer,
 def stop(server: LiveServer, engine: BlendEngine) -> None:
     server.stop()
     engine.close()
-    if engine.blender is not None:
-        engine.blender.store.close()
     assert engine.cache is not None
     engine.cache.close()
 
@@ -275,7 +274,7 @@ def test_gate_on_start_measures_missing_figures_once(lm: LoadedModel, tmp_path: 
     small = tmp_path / "eval.json"
     small.write_text(json.dumps(doc))
     base = blend_settings(tmp_path / "gate.json", eval_set=str(small), gate_on_start=True).config()
-    config = replace(base, gate_steps=2, thresholds=GateThresholds(0.0, 0.0, math.inf))
+    config = replace(base, gate_steps=2, thresholds=GateThresholds(0.0, 0.0, math.inf, math.inf))
     first = read_gate(config, lm, MODEL_ID)
     assert first.passed and first.report is not None and first.report.figures.items == 1
     assert first.report.figures.recomputed > 0  # epic(k=4) recomputed the first tokens of each chunk
@@ -299,13 +298,11 @@ def test_build_service_opens_the_blend_mode_past_the_gate(lm: LoadedModel, tmp_p
     try:
         assert isinstance(service.engine, BlendEngine) and service.engine.blender is not None
         assert service.engine.gate.passed and describe(settings)["blend"]["tenants"] == ["acme", "globex"]
-        assert service.cache is not None  # the tier split: a quarter to the chunks, the rest to the blocks
-        blocks, chunks = service.cache.config.tiers[0], service.engine.blender.store.config.tiers[0]
-        assert (blocks.capacity_bytes, chunks.capacity_bytes) == (96 << 20, 32 << 20)
+        assert service.cache is not None  # chunks are blocks of the one cache, which has the tier whole
+        assert service.engine.blender.chunks.cache is service.cache
+        assert service.cache.config.tiers[0].capacity_bytes == 128 << 20
     finally:
         service.close()
-        assert service.engine.blender is not None
-        service.engine.blender.store.close()
 
 
 BAD = [
@@ -337,6 +334,33 @@ def test_blend_settings_from_a_file_and_the_environment(tmp_path: Path) -> None:
     assert not load_settings(env={}).blend.enabled  # off by default
     env = {"PREFIXCACHE_BLEND_TENANTS": "local"}  # local mode's one tenant
     assert load_settings(env=env).blend.config().tenants == frozenset({"local"})
+
+
+@pytest.mark.model
+def test_purge_prefix_and_an_epoch_bump_remove_chunks_and_their_index_entries(
+    lm: LoadedModel, live: tuple[LiveServer, BlendEngine]
+) -> None:
+    server, engine = live
+    blender = engine.blender
+    assert blender is not None
+    ask(server, engine, ACME, ["glacier", "lighthouse", "owl"], "How tall is the lighthouse?")
+    acme = engine.context("acme")
+    owl = lm.tokenizer.encode(DOCS["owl"], add_special_tokens=False)
+    assert blender.chunks.contains(acme, owl)
+    assert blender.purge_prefix(owl[:5], acme) > 0
+    assert not blender.chunks.contains(acme, owl)
+    left = [e for _, e in list(blender.known._entries.items()) if e.tokens[:5] == tuple(owl[:5])]
+    assert left and {e.ctx.tenant for e in left} == {"globex"}  # globex's own copy stays
+    usage = ask(server, engine, ACME, ["owl", "glacier", "lighthouse"], "When did measurements start?")
+    assert (blend_of(usage) or (0, 0))[0] > 0  # glacier and lighthouse still reused; owl stored again
+    assert blender.chunks.contains(acme, owl)
+
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    assert httpx.post(server.url + "/admin/epoch", json={"model": MODEL_ID}, headers=headers).status_code == 200
+    assert not blender.chunks.contains(acme, owl) and len(blender.known) == 0
+    assert blender.index is not None and len(blender.index) == 0
+    usage = ask(server, engine, ACME, ["lighthouse", "owl", "glacier"], "How tall is the lighthouse?")
+    assert blend_of(usage) == (0, 0) and usage.prompt_tokens_details.cached_tokens == 0
 
 
 @pytest.mark.model
