@@ -28,9 +28,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 # required here, though optional for users without a compiler (the simulator then runs the
 # reference engine only).
 KERNEL := $(VENV)/.kernel-built
-$(KERNEL): src/prefixcache/sim/_kernel.c src/prefixcache/sim/_optimum.c src/prefixcache/sim/_curves.c src/prefixcache/storage/_placed.c setup.py | $(STAMP)
+SIM_NATIVE := $(wildcard src/prefixcache/sim/native/*.c src/prefixcache/sim/native/*.h)
+$(KERNEL): $(SIM_NATIVE) src/prefixcache/storage/_placed.c setup.py | $(STAMP)
 	$(BIN)/pip install -q --no-deps -e .
-	$(BIN)/python -c 'import prefixcache.sim._kernel, prefixcache.sim._optimum, prefixcache.sim._curves, prefixcache.storage._placed'
+	$(BIN)/python -c 'import prefixcache.sim.native._kernel, prefixcache.sim.native._optimum, prefixcache.sim.native._curves, prefixcache.storage._placed'
 	touch $@
 
 setup: $(STAMP) $(KERNEL)

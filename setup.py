@@ -1,6 +1,6 @@
-"""The compiled parts: the trace simulator's replay kernel (src/prefixcache/sim/_kernel.c)
-and offline optimum (src/prefixcache/sim/_optimum.c), the stack distances of its hit-rate
-curves (src/prefixcache/sim/_curves.c), and the disk tier's placed read
+"""The compiled parts: the trace simulator's replay kernel (src/prefixcache/sim/native/_kernel.c)
+and offline optimum (src/prefixcache/sim/native/_optimum.c), the stack distances of its
+hit-rate curves (src/prefixcache/sim/native/_curves.c), and the disk tier's placed read
 (src/prefixcache/storage/_placed.c).
 
 NOTE: all optional. Where no C compiler is found the package installs without them:
@@ -15,9 +15,9 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "prefixcache.sim._kernel",
-            ["src/prefixcache/sim/_kernel.c"],
-            depends=["src/prefixcache/sim/_kernel_gittins.h", "src/prefixcache/sim/_simmap.h"],
+            "prefixcache.sim.native._kernel",
+            ["src/prefixcache/sim/native/_kernel.c"],
+            depends=["src/prefixcache/sim/native/_kernel_gittins.h", "src/prefixcache/sim/native/_simmap.h"],
             extra_compile_args=[
                 "-O2",
                 "-std=c11",
@@ -29,16 +29,16 @@ setup(
             optional=True,
         ),
         Extension(
-            "prefixcache.sim._optimum",
-            ["src/prefixcache/sim/_optimum.c"],
-            depends=["src/prefixcache/sim/_simmap.h"],
+            "prefixcache.sim.native._optimum",
+            ["src/prefixcache/sim/native/_optimum.c"],
+            depends=["src/prefixcache/sim/native/_simmap.h"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         ),
         Extension(
-            "prefixcache.sim._curves",
-            ["src/prefixcache/sim/_curves.c"],
-            depends=["src/prefixcache/sim/_simmap.h"],
+            "prefixcache.sim.native._curves",
+            ["src/prefixcache/sim/native/_curves.c"],
+            depends=["src/prefixcache/sim/native/_simmap.h"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         ),

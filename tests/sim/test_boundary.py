@@ -12,7 +12,7 @@ The public API, for this test:
   import _U64`` are private).
 * An attribute with a leading underscore (not a dunder) is read only on ``self`` or
   ``cls``, a sim object's own state: ``self.cache._ledger`` is out, and so is
-  ``getattr(x, "_ledger")``. Sim's own private modules and names (``sim._kernel``,
+  ``getattr(x, "_ledger")``. Sim's own private modules and names (``sim.native._kernel``,
   ``sim.report._finite``) are sim's business, not the boundary's.
 
 NOTE: a static check, by name: it cannot tell whose object ``x`` is in ``x._y``, so it
@@ -146,7 +146,7 @@ def test_the_checker_catches_a_planted_violation(planted: str) -> None:
         "from prefixcache.cache import PrefixCache",
         "from prefixcache.cache.stats import CacheStats",
         "from prefixcache.hashing import token_bytes",
-        "from prefixcache.sim import _kernel",
+        "from prefixcache.sim.native import _kernel",
         "from prefixcache.sim.report import _finite",
         "from .engines import _helper",
         "self._tree = tree",

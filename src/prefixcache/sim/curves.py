@@ -28,7 +28,7 @@ NOTE (LRU, stack versus cache): the cache touches a request's cached prefix befo
 links the missing blocks, so the deepest cached block ends up older than its new
 children, and LRU's victim search moves it to the tail ("blocked entries") when it
 reaches the head while they remain. That refresh depends on the capacity, so the
-cache's LRU is no stack algorithm and outlives the stack's: tests/test_sim_curves.py
+cache's LRU is no stack algorithm and outlives the stack's: tests/sim/test_curves.py
 shows a five-request example. ``stack`` is kept for textbook LRU and for speed. NOTE:
 swapping the two steps makes the cache's LRU a stack algorithm, but that LRU, which
 loses the refresh, falls below FIFO on both Mooncake traces (docs/simulator.md), so
@@ -54,7 +54,7 @@ from prefixcache.sim.summary import TraceSource, TraceSummary, effective_configs
 
 _curves: ModuleType | None
 try:
-    from prefixcache.sim import _curves
+    from prefixcache.sim.native import _curves
 except ImportError as exc:  # NOTE: optional, like the replay kernel; ``replay`` still works
     _curves = None
     _CURVES_MISSING = f"the compiled curve engine is not built ({exc})"

@@ -3,7 +3,7 @@
 Two engines, one interface (``Stepper``: ``step`` one request, read the ledger's
 ``counters``): ``CacheStepper`` runs the real ``PrefixCache`` (the reference; its
 ledger, metadata only), ``KernelStepper`` its compiled twin (``_kernel.c``) for the
-configurations the twin models. tests/test_sim_kernel.py drives both at that interface
+configurations the twin models. tests/sim/test_kernel.py drives both at that interface
 and compares every answer and every counter after every request. Both run the
 configuration's own ``CacheConfig``, derived for the trace by ``engine_config``.
 """
@@ -138,7 +138,7 @@ class CacheStepper:
 
 _kernel: ModuleType | None
 try:
-    from prefixcache.sim import _kernel
+    from prefixcache.sim.native import _kernel
 except ImportError as exc:  # NOTE: an optional extension; without a compiler the reference engine runs
     _kernel = None
     _KERNEL_MISSING = f"the compiled replay kernel is not built ({exc})"
@@ -176,7 +176,7 @@ def native_unsupported(cfg: ReplayConfig, metrics: bool = False) -> str:
 class KernelStepper:
     """The compiled engine (``_kernel.c``): the cache's metadata path -- block tree, pins,
     pools and quotas, policies, TTL -- for the configurations without publication or
-    partial blocks, step for step the same as ``CacheStepper`` (tests/test_sim_kernel.py).
+    partial blocks, step for step the same as ``CacheStepper`` (tests/sim/test_kernel.py).
 
     NOTE: blocks are keyed by (parent, block id), so the tree needs per-block ids, not
     chained keys: a pre-hashed trace's ids (as they are below 2^64, else a 64-bit digest

@@ -10,7 +10,7 @@ processes ``fork_map`` starts share them without copying.
 A trace is not held (``hold`` returns ``source`` itself, streamed from its file on each
 pass, as before) when its arrays would pass the memory budget, or when an id does not
 fit in 64 bits. Either way every pass yields the same requests: holding changes the
-time a command takes, never its answer (tests/test_sim_held.py).
+time a command takes, never its answer (tests/sim/test_held.py).
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ class Minis:
     def __init__(
         self, cfg: ReplayConfig, summary: TraceSummary, capacities: list[int], rate: float = 1.0, seen: bool = False
     ) -> None:
-        from prefixcache.sim import _kernel
+        from prefixcache.sim.native import _kernel
 
         self.trees: list[Any] = []
         self.roots: dict[int, list[int]] = {}

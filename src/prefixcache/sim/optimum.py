@@ -6,7 +6,7 @@ Belady's, with bypass, on the flat block sequence (``blocks.request_blocks``).
 
 Two engines compute it: ``belady`` here, the reference (pure Python, the whole sequence in
 memory), and the compiled ``_optimum.c`` (streaming through temporary files, memory
-proportional to the distinct blocks), which tests/test_sim_optimum.py holds to exactly
+proportional to the distinct blocks), which tests/sim/test_optimum.py holds to exactly
 the reference's answers. ``optima`` runs the compiled one where it is built.
 """
 
@@ -26,7 +26,7 @@ from prefixcache.sim.traces import Request
 
 _optimum: ModuleType | None
 try:
-    from prefixcache.sim import _optimum
+    from prefixcache.sim.native import _optimum
 except ImportError:  # NOTE: an optional extension; without a compiler the reference runs
     _optimum = None
 
@@ -155,7 +155,7 @@ def _python(engine: str) -> bool:
     if engine not in ENGINES:
         raise ValueError(f"unknown optimum engine {engine!r}; valid: {', '.join(ENGINES)}")
     if engine == "native" and _optimum is None:
-        raise ValueError("the compiled optimum (sim/_optimum.c) is not built; use engine 'python' or 'auto'")
+        raise ValueError("the compiled optimum (sim/native/_optimum.c) is not built; use engine 'python' or 'auto'")
     return engine == "python" or _optimum is None
 
 

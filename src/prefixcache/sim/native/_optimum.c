@@ -1,7 +1,7 @@
 /* The offline optimum for the trace simulator: Belady with bypass on the flat block
  * sequence, streaming.
  *
- * sim/optimum.py's ``belady`` is the reference and the oracle of tests/test_sim_optimum.py;
+ * sim/optimum.py's ``belady`` is the reference and the oracle of tests/sim/test_optimum.py;
  * this file computes exactly its answer (the same hit or miss at every access, so the same
  * hit tokens and block hits) in memory that grows with the distinct blocks of a trace,
  * not with its accesses, in three passes over temporary files:
@@ -887,7 +887,7 @@ static PyGetSetDef Sequence_getset[] = {
 };
 
 static PyTypeObject SequenceType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "prefixcache.sim._optimum.Sequence",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "prefixcache.sim.native._optimum.Sequence",
     .tp_basicsize = sizeof(Sequence),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Sequence(directory, chunk=2**18): a trace's flat block sequence on temporary files in directory, "
@@ -900,7 +900,7 @@ static PyTypeObject SequenceType = {
 
 static struct PyModuleDef optimum_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "prefixcache.sim._optimum",
+    .m_name = "prefixcache.sim.native._optimum",
     .m_doc = "The trace simulator's offline optimum, streaming (see _optimum.c).",
     .m_size = -1,
 };

@@ -1,4 +1,4 @@
-"""Hit-rate curves (sim/curves.py, sim/_curves.c) against full replays.
+"""Hit-rate curves (sim/curves.py, sim/native/_curves.c) against full replays.
 
 The stack engine against a reference LRU tree written here (leaf-only eviction, blocked
 entries to the tail, as policies/base.py) in both orders of a request's steps: linking
@@ -28,8 +28,8 @@ from prefixcache.sim.traces import Request
 from prefixcache.sim.workload_spec import WorkloadSpec
 from prefixcache.sim.workloads import generate
 
-_curves = pytest.importorskip("prefixcache.sim._curves", reason="the compiled curve engine is not built")
-pytest.importorskip("prefixcache.sim._kernel", reason="the compiled replay kernel is not built")
+_curves = pytest.importorskip("prefixcache.sim.native._curves", reason="the compiled curve engine is not built")
+pytest.importorskip("prefixcache.sim.native._kernel", reason="the compiled replay kernel is not built")
 
 
 def _cfg(policy: str = "lru", isolation: str = "shared", **kw: object) -> ReplayConfig:
@@ -110,7 +110,7 @@ def test_the_stack_is_lru_that_touches_after_linking(chains: list[list[int]], ca
 @settings(max_examples=60, deadline=None)
 @given(_chains, st.integers(1, 12))
 def test_the_reference_tree_is_the_caches_lru(chains: list[list[int]], capacity: int) -> None:
-    from prefixcache.sim import _kernel
+    from prefixcache.sim.native import _kernel
 
     tree = _kernel.Tree("lru", capacity, 1, False, None)
     root = tree.root(1)
@@ -275,7 +275,7 @@ def test_refusals() -> None:
 def test_a_miniatures_head_blocks_cost_their_own_unit() -> None:
     """``head_unit``: a request's first ``head`` new blocks cost it, the rest ``unit``;
     eviction gives back what each block cost."""
-    from prefixcache.sim import _kernel
+    from prefixcache.sim.native import _kernel
 
     tree = _kernel.Tree("lru", 12, 4, False, None, 1)
     root = tree.root(1)

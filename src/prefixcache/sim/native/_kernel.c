@@ -7,7 +7,7 @@
  * configurations it models (policies lru, fifo, s3fifo, sieve, lfuda, gittins; isolation shared,
  * namespace, partitioned; TTL; no publication or partial blocks), decision for
  * decision: the same victims in the same order, the same blocked-entry rules
- * (policies/base.py), the same quotas. tests/test_sim_kernel.py replays both engines
+ * (policies/base.py), the same quotas. tests/sim/test_kernel.py replays both engines
  * side by side and compares every answer and counter (the engines' ``LedgerCounters``)
  * after every request. Read cache/ledger.py, cache/lifecycle.py and policies/ first: each
  * function here names the Python it mirrors.
@@ -1227,7 +1227,7 @@ static PyGetSetDef Tree_getset[] = {
 static PySequenceMethods Tree_as_sequence = {.sq_length = (lenfunc)Tree_len};
 
 static PyTypeObject TreeType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "prefixcache.sim._kernel.Tree",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "prefixcache.sim.native._kernel.Tree",
     .tp_basicsize = sizeof(Tree),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Tree(policy, capacity, unit, partitioned=False, ttl=None, head_unit=0): PrefixCache's metadata path for "
@@ -1249,7 +1249,7 @@ static PyMethodDef kernel_functions[] = {
 static struct PyModuleDef kernel_module = {
     PyModuleDef_HEAD_INIT,
     .m_methods = kernel_functions,
-    .m_name = "prefixcache.sim._kernel",
+    .m_name = "prefixcache.sim.native._kernel",
     .m_doc = "The trace simulator's compiled replay kernel (see _kernel.c).",
     .m_size = -1,
 };

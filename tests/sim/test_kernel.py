@@ -1,4 +1,4 @@
-"""The compiled replay kernel (sim/_kernel.c) against the reference engine.
+"""The compiled replay kernel (sim/native/_kernel.c) against the reference engine.
 
 ``KernelStepper`` must give every request the same cached prefix, and leave the same
 eviction count, as ``CacheStepper`` (the real ``PrefixCache``) for every configuration
@@ -36,7 +36,7 @@ from prefixcache.sim.workload_spec import WorkloadSpec
 from prefixcache.sim.workloads import write_jsonl
 from support import tok
 
-_kernel = pytest.importorskip("prefixcache.sim._kernel", reason="the compiled replay kernel is not built")
+_kernel = pytest.importorskip("prefixcache.sim.native._kernel", reason="the compiled replay kernel is not built")
 
 
 def sim_config(

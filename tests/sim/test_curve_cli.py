@@ -14,11 +14,12 @@ from prefixcache.config import CacheConfig
 from prefixcache.sim.curves import curve
 from prefixcache.sim.results import ReplayConfig
 from prefixcache.sim.traces import read_trace
+from support import SYNTHETIC
 
-pytest.importorskip("prefixcache.sim._curves", reason="the compiled curve engine is not built")
-pytest.importorskip("prefixcache.sim._kernel", reason="the compiled replay kernel is not built")
+pytest.importorskip("prefixcache.sim.native._curves", reason="the compiled curve engine is not built")
+pytest.importorskip("prefixcache.sim.native._kernel", reason="the compiled replay kernel is not built")
 
-TRACE = Path(__file__).parent / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE = SYNTHETIC
 
 
 def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""The compiled offline optimum (sim/_optimum.c) against its Python reference.
+"""The compiled offline optimum (sim/native/_optimum.c) against its Python reference.
 
 ``optima(..., engine="native")`` must give, at every capacity, exactly the hit tokens
 and block hits of ``belady`` (the reference, sim/optimum.py). Checked here: a property

@@ -20,7 +20,8 @@ from prefixcache.sim.inputs import bytes_to_tokens, format_bytes, format_capacit
 from prefixcache.sim.replay import replay
 from prefixcache.sim.results import COVERAGE
 from prefixcache.sim.traces import read_trace
-from test_sim_cli import run_cli, strict_json
+
+from .test_cli import run_cli, strict_json
 
 LLAMA_8B_KV = 2 * 32 * 8 * 128 * 2  # bytes a token: K and V, 32 layers, 8 KV heads of 128, bfloat16
 

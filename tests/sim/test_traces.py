@@ -16,8 +16,9 @@ import pytest
 from prefixcache.sim.tokenizers import ByteTokenizer, load_tokenizer
 from prefixcache.sim.tracefile import TraceError
 from prefixcache.sim.traces import FORMATS, Request, detect_format, native_block_size, read_trace
+from support import TRACES
 
-REPO_TRACES = Path(__file__).parent / "data" / "traces"
+REPO_TRACES = TRACES
 SHARED_TRACES = Path("/work/shared/traces")
 
 

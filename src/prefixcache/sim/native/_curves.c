@@ -271,7 +271,7 @@ static PyGetSetDef Stack_getset[] = {
 };
 
 static PyTypeObject StackType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "prefixcache.sim._curves.Stack",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "prefixcache.sim.native._curves.Stack",
     .tp_basicsize = sizeof(Stack),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Stack(): LRU stack distances of a tree-mode replay's blocks, by token.",
@@ -413,7 +413,7 @@ static PyGetSetDef Prefixes_getset[] = {
 };
 
 static PyTypeObject PrefixesType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "prefixcache.sim._curves.Prefixes",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "prefixcache.sim.native._curves.Prefixes",
     .tp_basicsize = sizeof(Prefixes),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Prefixes(): about how many requests pass through each block of a trace's tree.",
@@ -426,7 +426,7 @@ static PyTypeObject PrefixesType = {
 
 static struct PyModuleDef curves_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "prefixcache.sim._curves",
+    .m_name = "prefixcache.sim.native._curves",
     .m_doc = "Compiled parts of hit-rate curves (see _curves.c).",
     .m_size = -1,
 };
