@@ -30,8 +30,8 @@ insert cost comes with a new chunk, whose KV prefill costs far more. usearch sta
 out of the package; only the benchmark imports it.
 
 Vectors are normalized on the way in, so the inner product is the cosine similarity.
-The index holds no KV and no text: a hit is a chunk id, which the chunk store resolves
-and token alignment (``align``) verifies before anything is reused.
+The index holds no KV and no text: a hit is a chunk id, which the blender's book
+(``known``) resolves and token alignment (``align``) verifies before anything is reused.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import numpy as np
 
 from prefixcache.tenancy import PUBLIC
 
-ChunkId = bytes  # the chunk store's content hash
+ChunkId = bytes  # ``KnownChunks.chunk_id``: a hash of the chunk's context and tokens
 
 
 @dataclass(frozen=True, slots=True)

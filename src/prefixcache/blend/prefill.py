@@ -196,7 +196,7 @@ def _blended_base(
 @torch.inference_mode()
 def prefill_chunk(loaded: LoadedModel, tokens: Sequence[int], start: int = 0) -> torch.Tensor:
     """The KV payload ([layers, 2, kv_heads, T, head_dim], CPU) of ``tokens`` prefilled
-    alone at positions ``start..``: what a chunk store keeps for a ``Reused`` segment."""
+    alone at positions ``start..``: what the cache keeps as a chunk for a ``Reused`` segment."""
     if not tokens:
         raise ValueError("a chunk needs at least one token")
     ids = torch.tensor([list(tokens)], dtype=torch.long, device=loaded.device)

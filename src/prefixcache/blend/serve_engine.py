@@ -8,7 +8,7 @@
       ──> decode; the DoneEvent is a BlendedDone carrying the blend's account
       ──> store: into the prefix cache only the exact part (up to the first reused
           chunk: what follows was computed from approximate KV), then the lines that
-          missed, each prefilled alone, into the chunk store
+          missed, each prefilled alone, into the cache as chunks
 
 Every other tenant's requests, and every request while the model has not passed its
 quality gate (``blender`` is None), take the plain engine's path; an opted-in tenant's
