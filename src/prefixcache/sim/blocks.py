@@ -5,7 +5,7 @@ what flat mode sees), and the ids the kernel's tree hangs under a context root.
 The simulator's one chained block hash is ``prefix_ids``: an id per block that names the
 block and every block before it (flat mode, the optimum, the workload generator's
 Mooncake-style ids). The kernel chains in C instead (``chain(parent key, id)``,
-_simmap.h) and takes ``block_digests``, one digest per block; its roots are
+native/_simmap.h) and takes ``block_digests``, one digest per block; its roots are
 ``root_key``. NOTE: the kernel's ids feed the sampled curves' draw, so their values,
 not only their equalities, are part of every sampled result.
 

@@ -4,7 +4,8 @@ capacities, fed the kept requests whole and every request's shared head.
 A miniature of capacity C at rate R holds C x R, where a sampled block costs its size
 and a block of a shared head (touched by every request, kept or not) R times its size
 (the kernel's ``head_unit``), so the head is weighed at full scale whatever the policy
-keeps of it. A dropped request also touches its sampling unit, the first block below
+keeps of it. The cache has no such cost: minitree.py is its Python reference, held to
+the kernel by tests/sim/test_minitree.py. A dropped request also touches its sampling unit, the first block below
 its head: in the cache the dropped chain hangs there and keeps the head interior
 (a leaf-only policy cannot evict it); without it the head became a leaf far more often
 in a miniature than in the cache, and the miniatures missed (docs/simulator.md).
