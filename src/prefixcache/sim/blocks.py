@@ -52,12 +52,17 @@ def prefix_ids(data: bytes | memoryview, block_size: int, skip: int = 0) -> list
     NOTE: a prefix hash, as hashing.py's keys are, so an id names its block and all
     before it; streamed, so the whole chain is one pass and ``skip`` blocks already
     named cost one C call. A partial tail's shorter bytes never give a full block's id."""
-    step = 4 * block_size
+    step, end = 4 * block_size, len(data)
     hasher = xxhash.xxh3_128(data[: skip * step])
+    update, digest, full = hasher.update, hasher.intdigest, step << 120  # NOTE: bound once: the loop is hot
     ids: list[int] = []
-    for begin in range(skip * step, len(data), step):
-        hasher.update(data[begin : begin + step])
-        ids.append(hasher.intdigest() ^ (min(step, len(data) - begin) << 120))
+    for begin in range(skip * step, end - step + 1, step):
+        update(data[begin : begin + step])
+        ids.append(digest() ^ full)
+    tail = end % step if end > skip * step else 0
+    if tail:
+        update(data[end - tail :])
+        ids.append(digest() ^ (tail << 120))
     return ids
 
 
