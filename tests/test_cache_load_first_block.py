@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from guard_store import guard_stores  # noqa: F401  (autouse: no store call under a cache lock)
 from prefixcache.cache import PrefixCache
 from prefixcache.events import RemovalReason
 from test_cache_tiers import check_tiers, damage, disk, mem

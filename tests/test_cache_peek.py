@@ -15,6 +15,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from guard_store import guard_stores  # noqa: F401  (autouse: no store call under a cache lock)
 from prefixcache.cache import Peek, PrefixCache
 from prefixcache.cache.stats import CacheStats
 from prefixcache.config import CacheConfig, PublishConfig

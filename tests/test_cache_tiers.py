@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fault_stores import Faulty, faulty
+from guard_store import guard_stores  # noqa: F401  (autouse: no store call under a cache lock)
 from prefixcache.cache import PrefixCache
 from prefixcache.cache.stats import Histogram, LatencyHistogram
 from prefixcache.config import CacheConfig, KVLayout, PublishConfig, TierConfig

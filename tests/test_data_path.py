@@ -16,13 +16,17 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from fault_stores import faulty
+from guard_store import Guarded, IOUnderLock, LockGuard, guard_stores  # noqa: F401  (autouse: no store call under a cache lock)
 from prefixcache.cache import PrefixCache
 from prefixcache.config import TierConfig
 from prefixcache.ops.collector import CacheCollector
 from prefixcache.server.settings import SERVER_CACHE
+from prefixcache.storage.queue import Job
+from prefixcache.storage.transfer import Outcome
 from redis_server import RedisServer
 from test_cache_tiers import check_tiers, disk, fetch, mem, rds
 from tier_worker import BLOCK, CTX, cache_with, frame_bytes, kv_for, layout, prompt, store
@@ -316,3 +320,51 @@ def test_a_tier_announces_a_block_when_its_bytes_land_not_when_queued(tmp_path: 
         assert cache.flush()
         assert entered(cache.drain().events) == ["disk"] * blocks
         assert entered(cache.drain(residency=True).resident or []) == ["memory", "disk"] * blocks
+
+
+def test_the_guard_fails_a_store_called_under_the_cache_lock(tmp_path: Path, lock_guard: LockGuard) -> None:
+    """The guard every cache here is built with (``guard_store.py``) does catch I/O under
+    the lock: a read from a disk or a write into a memory slab, called by a thread that
+    holds it, fails there; outside the lock the same calls pass. A memory slab's slot
+    bookkeeping (``delete``) is what the books do under the lock, and passes."""
+    cache = cache_with(mem(8), disk(tmp_path))
+    assert cache._io is not None
+    memory, disk_store = cache._io.transfer.stores
+    assert isinstance(memory, Guarded) and isinstance(disk_store, Guarded)
+    key = bytes(16)
+    with cache._owner._lock:  # deliberately: what no cache step may do
+        with pytest.raises(IOUnderLock):
+            disk_store.get_many([key])
+        with pytest.raises(IOUnderLock):
+            memory.put(key, b"x")
+        assert memory.delete(key) is False
+    assert lock_guard.violations == [
+        "disk.get_many called under the cache's lock",
+        "memory.put called under the cache's lock",
+    ]
+    lock_guard.violations.clear()
+    assert disk_store.get_many([key]) == [None]
+    cache.close()
+
+
+def test_the_guard_sees_a_writer_that_writes_under_the_lock(
+    tmp_path: Path, lock_guard: LockGuard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shape this cache had before one owner held its lock: the writer thread running
+    a job while it holds the lock. The writer logs the failure and goes on; the guard
+    records it all the same, so the test that built the cache fails."""
+    cache = cache_with(mem(64, write="through"), disk(tmp_path), writer="background")
+    assert cache._io is not None
+    transfer, owner = cache._io.transfer, cache._owner
+    run = transfer.run
+
+    def run_under_the_lock(job: Job) -> Outcome:
+        with owner._lock:
+            return run(job)
+
+    monkeypatch.setattr(transfer, "run", run_under_the_lock)
+    store(cache, prompt(0))
+    assert cache.flush(timeout=10)
+    assert lock_guard.violations and set(lock_guard.violations) == {"disk.put called under the cache's lock"}
+    lock_guard.violations.clear()
+    cache.close()

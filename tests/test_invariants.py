@@ -2,7 +2,9 @@
 clock steps, checked after every step against a reference model and the invariants
 of design.md: no orphans, pinned never evicted, capacity never exceeded, stale never
 matched, namespaces never crossed, accounting exact, and (when nothing can be
-evicted) every cached prefix found."""
+evicted) every cached prefix found. With a memory tier (``tiered``), every match is
+also loaded, and the KV loaded is the exact KV of the prefix (invariant 6); its stores
+fail the test if called under the cache's lock (``guard_store``, invariant 9)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from guard_store import guard_stores  # noqa: F401  (autouse: no store call under a cache lock)
 from prefixcache import CacheConfig, CacheContext, Match, PrefixCache, PublishConfig
 from prefixcache.cache.tree import path_to
+from prefixcache.config import TierConfig
 from prefixcache.tenancy import PUBLIC
 from support import Clock, lcp
+from tier_worker import frame_bytes, kv_for
+from tier_worker import layout as tiny_layout
 
 TENANTS = ("a", "b", "c")
 MODELS = ("m1", "m2")
@@ -63,12 +69,29 @@ class CacheMachine(RuleBasedStateMachine):
         capacity_blocks=st.sampled_from([3, 8, 40, 10_000]),
         ttl=st.sampled_from([None, 5.0]),
         promote=st.booleans(),
+        tiered=st.booleans(),
     )
     def setup(
-        self, isolation: str, policy: str, partial: bool, capacity_blocks: int, ttl: float | None, promote: bool
+        self,
+        isolation: str,
+        policy: str,
+        partial: bool,
+        capacity_blocks: int,
+        ttl: float | None,
+        promote: bool,
+        tiered: bool,
     ) -> None:
         publish = PublishConfig(min_tenants=2, min_tokens=2 * BS) if promote and isolation != "shared" else None
+        # NOTE: a frame per token of capacity: a tier that never has to evict (every block
+        # holds a token at least), so that the pools alone decide, as without tiers; a
+        # run stores a few hundred blocks at most, hence the bound.
+        frames = min(capacity_blocks * BS, 2048)
+        tiers = (TierConfig(kind="memory", capacity_bytes=frames * frame_bytes()),) if tiered else ()
+        self.tiered = tiered
         self.config = CacheConfig(
+            tiers=tiers,
+            kv_layout=tiny_layout() if tiered else None,
+            writer="inline",
             publish=publish,
             block_size=BS,
             capacity_tokens=capacity_blocks * BS,
@@ -140,6 +163,10 @@ class CacheMachine(RuleBasedStateMachine):
         if self.roomy:
             assert m.cached_tokens == allowed, (m.cached_tokens, allowed)
         assert m.cached_tokens == m.num_blocks * BS + m.partial_tokens
+        if self.tiered:
+            loaded = self.cache.load(m)
+            assert loaded.tokens == m.cached_tokens, (loaded.tokens, m.cached_tokens)
+            assert (loaded.kv == kv_for(prompt)[:, :, :, : loaded.tokens, :]).all()
         assert m.partial_tokens < BS or not self.config.partial_blocks
         if m._block is not None:
             blocks = path_to(m._block)
@@ -166,11 +193,12 @@ class CacheMachine(RuleBasedStateMachine):
     def insert(self, tenant: str, model: str, adapter: str | None, prompt: list[int]) -> None:
         ctx = CacheContext(tenant=tenant, model=model, adapter=adapter)
         used_before = self.cache.used_tokens
-        stored = self.cache.insert(prompt, ctx)
+        stored = self.cache.insert(prompt, ctx, kv=kv_for(prompt) if self.tiered else None)
         assert 0 <= stored <= len(prompt)
         assert stored == 0 or self.cache.used_tokens <= used_before + stored
         self.record_insert(tenant, model, adapter, prompt)
 
+    @precondition(lambda self: not self.tiered)  # NOTE: ``access`` is metadata-only
     @rule(**REQUEST)
     def access(self, tenant: str, model: str, adapter: str | None, prompt: list[int]) -> None:
         """The simulator's one-step match + insert + release agrees with the reference too."""

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from fault_stores import Faulty, faulty
+from guard_store import guard_stores  # noqa: F401  (autouse: no store call under a cache lock)
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.hashing import CacheContext
