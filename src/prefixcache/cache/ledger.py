@@ -88,7 +88,7 @@ class Ledger:
         if self.tree.verify(lookup, spans):
             return deepest, spans
         if count:
-            self.counters.collisions += 1
+            self.counters.count_collision()
         path = self.tree.walk(lookup, n_full, bs, alive)
         deepest = path[-1] if path else None
         return deepest, runs_to(deepest)
@@ -200,7 +200,7 @@ class Ledger:
             tokens = data[4 * begin : 4 * end]
             existing = nodes.get(key)
             if existing is None and key in keys:
-                self.counters.collisions += 1  # a weak hash gave two blocks of this chain one key
+                self.counters.count_collision()  # a weak hash gave two blocks of this chain one key
                 break
             if existing is not None:
                 if not blocks and existing.parent is last and existing.tokens == tokens and existing.extra == extra:
@@ -209,7 +209,7 @@ class Ledger:
                     if tiers and books is not None:
                         entry = books.entry_tier(existing)
                     continue
-                self.counters.collisions += 1  # a hash collision: stop, never alias
+                self.counters.count_collision()  # a hash collision: stop, never alias
                 break
             if key in self.inflight or (books is not None and books.busy(key)):
                 break  # another insert is writing it, or a removed block's frames are still in use
@@ -233,7 +233,7 @@ class Ledger:
         first_parent = blocks[0].parent if blocks else last
         for pin in pins:
             pin.release()
-        self.counters.declined_tokens += max(ends[-1] - begin, 0)
+        self.counters.count_declined(max(ends[-1] - begin, 0))
         if not blocks:
             self.life.refresh_ttl(last)
             return None
@@ -277,7 +277,7 @@ class Ledger:
             stored = linked[-1].end - chain.parent.end
             for block in path_to(linked[-1]):
                 self.tenancy.forget(block.key)
-            self.counters.published_blocks += len(linked)
+            self.counters.count_published(len(linked))
             self.events.record(PrefixPublished(tuple(b.key for b in linked), stored, chain.ctx.model, chain.tenants))
         return linked
 
@@ -363,10 +363,7 @@ class Ledger:
             insert(block.key, len(block.tokens) >> 2)
         self.life.new_children(parent, linked)
         self.life.supersede_tails(linked[0])
-        c = self.counters
-        c.inserted_tokens += stored
-        c.inserted_blocks += len(linked)
-        c.tenant(chain.ctx.tenant).inserted_tokens += stored
+        self.counters.count_inserted(chain.ctx.tenant, stored, len(linked))
         if self.events.capacity:
             parent_key = None if parent.is_root else parent.key
             keys = tuple(b.key for b in linked)

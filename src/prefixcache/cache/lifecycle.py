@@ -167,7 +167,7 @@ class Lifecycle:
         with Pin([block]):  # NOTE: making room may reclaim stale blocks: never this one
             room = books.queue.fits(len(frame)) and self.tier_room(k, 1) >= 1
         if not room:
-            tier.count_dropped()
+            tier.counts.dropped()
             return
         tier.used += 1
         books.queue_put(block, k, FrameSource(frame, len(frame)))
@@ -214,10 +214,7 @@ class Lifecycle:
         root.members -= 1
         if not root.members:
             self.contexts.drop_if_empty(root)
-        self.counters.removals[reason] += 1
-        if reason is RemovalReason.EVICTED:
-            pool.evictions += 1
-            self.counters.evicted_tokens += n
+        self.counters.count_removal(reason, n, pool)
         if self.events.capacity:
             self.events.record(BlocksRemoved((block.key,), n, reason, pool.name))
 
@@ -286,7 +283,7 @@ class Lifecycle:
         return removed
 
     def purge(self, tenant: str) -> int:
-        self.counters.purges += 1
+        self.counters.count_purge()
         tops = [
             b for b in self.tree.nodes.values() if b.owner == tenant and (b.parent.is_root or b.parent.owner != tenant)
         ]
@@ -295,7 +292,7 @@ class Lifecycle:
     def purge_prefix(self, lookup: Lookup) -> int:
         n_tokens, bs = len(lookup.data) // 4, self.config.block_size
         n_full, tail = divmod(n_tokens, bs)
-        self.counters.purges += 1
+        self.counters.count_purge()
         parents: list[Node] = list(lookup.roots)
         if n_full:
             parents = []
@@ -349,7 +346,7 @@ class Lifecycle:
         epoch, stale = self.contexts.bump(model, adapter)
         for root in stale:
             self.stale.append(postorder(root))
-        self.counters.epoch_bumps += 1
+        self.counters.count_epoch_bump()
         return epoch
 
     def reclaim(self, max_blocks: int | None) -> int:

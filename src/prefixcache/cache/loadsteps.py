@@ -120,11 +120,11 @@ def _count(ledger: Ledger, path: list[Block], reads: list[Read], loaded: Loaded)
     tiers, good = _books(ledger).tiers, loaded.good
     tier_tokens = {t.name: 0 for t in tiers}
     for k, secs in loaded.seconds.items():
-        tiers[k].count_seconds(secs)
+        tiers[k].counts.seconds(secs)
     touched: dict[int, list[bytes]] = {}
     for read, block in zip(reads[:good], path, strict=False):
         tier = tiers[read.tier]
-        tier.count_hit()
+        tier.counts.hit()
         tier_tokens[tier.name] += read.use
         assert block.res is not None
         block.res.hits += 1
@@ -134,7 +134,7 @@ def _count(ledger: Ledger, path: list[Block], reads: list[Read], loaded: Loaded)
         tiers[k].policy.access_many(reversed(keys))  # deepest first: ancestors end up more recent
     if good < len(reads):
         read, block = reads[good], path[good]
-        tiers[read.tier].count_miss(loaded.failure)
+        tiers[read.tier].counts.miss(loaded.failure)
         res = block.res
         # NOTE: a queued frame that could not be read is the writer's to settle (its job fails)
         if not read.queued and res is not None and res.held & (1 << read.tier) and block.pool is not None:
@@ -193,14 +193,14 @@ def _commit_promotion(books: Books, path: list[Block], promote: list[int], promo
                 books.release(0)
             else:
                 books.commit_held(path[promote[j]], 0)
-                top.count_promotion()
+                top.counts.promotion()
         return
     for j, i in enumerate(promote):
         block = path[i]
         if j >= done:
             books.release(0)
         elif (frame := frames[i]) is not None and books.queue_put(block, 0, FrameSource(bytes(frame), len(frame))):
-            top.count_promotion()
+            top.counts.promotion()
         else:
             if frame is None:
                 books.release(0)

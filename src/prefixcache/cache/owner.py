@@ -254,7 +254,7 @@ def _writer_stats(mode: str, queue: WriteQueue, books: Books) -> WriterStats:
         queued_bytes=queue.queued_bytes,
         limit_bytes=queue.limit_bytes,
         done=queue.done,
-        dropped=sum(t.writes_dropped for t in books.tiers),
+        dropped=sum(t.counts.writes_dropped for t in books.tiers),
         failed=queue.failed,
         abandoned=queue.abandoned,
     )

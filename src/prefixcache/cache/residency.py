@@ -188,7 +188,7 @@ class Books:
         tier = self.tiers[k]
         job = Job(JobKind.PUT, k, block.key, source, ticket=block, source_tier=source_tier)
         if not self.queue.offer(job):
-            tier.count_dropped()
+            tier.counts.dropped()
             tier.used -= 1
             return False
         held, pending = masks(block)
@@ -220,7 +220,7 @@ class Books:
                     self.drop_frame(tier.index, block.key)
                     tier.policy.remove(block.key)
                     tier.used -= 1
-                    tier.count_removal(reason)
+                    tier.counts.removal(reason)
                 elif res.pending & tier.bit:
                     self.queue.cancel(tier.index, block.key, block)
                     tier.used -= 1
@@ -262,7 +262,7 @@ class Books:
         tier.orphans.discard(key)
         self.drop_frame(k, key)
         tier.used -= 1
-        tier.count_eviction()
+        tier.counts.eviction()
 
     def only_copy(self, k: int, block: Block) -> bool:
         res = block.res
@@ -276,7 +276,7 @@ class Books:
         assert res is not None
         self.drop_frame(k, block.key)
         tier.used -= 1
-        tier.count_eviction()
+        tier.counts.eviction()
         self.set(block, res.held & ~tier.bit, res.pending)
 
     def keep(self, k: int, block: Block) -> None:
@@ -314,17 +314,17 @@ class Books:
         else:
             read, source = _nothing, store_copy(tier.store, block.key, size)
         tier.used -= 1
-        tier.count_eviction()
+        tier.counts.eviction()
         self.set(block, res.held & ~tier.bit, res.pending)
         job = Job(JobKind.PUT, k + 1, block.key, source, ticket=block, source_tier=-1 if tier.sync else k)
         if read is None or not self.queue.offer(job):
-            below.count_dropped()
+            below.counts.dropped()
             below.used -= 1
             if not tier.sync:
                 self.drop_frame(k, block.key)
             return False
         self.set(block, res.held, res.pending | below.bit)
-        below.count_demotion()
+        below.counts.demotion()
         return True
 
 

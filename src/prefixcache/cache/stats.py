@@ -1,5 +1,10 @@
 """What ``PrefixCache.stats()`` returns: frozen snapshots, read by the metrics exporter,
-the dashboard, the admin route and the tests, and the counters the ledger keeps.
+the dashboard, the admin route and the tests; and the running counters behind them.
+
+Every counter of the cache (``Counters``, a tier's ``TierCounters``, a pool's
+evictions) changes here and nowhere else, by the methods below, each called under the
+cache's lock by the step that commits what it counts: an outcome a byte mover reports
+is counted when the lock's owner commits it, never by the thread that moved the bytes.
 
 Removals are keyed by ``RemovalReason`` (one table, whose ``label`` is what metrics
 call each reason); ``to_json`` gives the admin route its plain-JSON view.
@@ -16,7 +21,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from prefixcache.events import RemovalReason
-from prefixcache.tenancy import PUBLIC
+from prefixcache.tenancy import PUBLIC, Pool
 
 if TYPE_CHECKING:
     from prefixcache.cache.ledger import Ledger
@@ -30,6 +35,7 @@ __all__ = [
     "PoolStats",
     "TenantCounters",
     "TenantStats",
+    "TierCounters",
     "TierStats",
     "WriterStats",
     "snapshot",
@@ -118,6 +124,90 @@ class Counters:
             c.hit_tokens += hit
             c.hit_requests += hit > 0
         self.partial_hit_tokens += partial
+
+    def count_collision(self) -> None:
+        """A hash collision caught (a key whose tokens differ from the request's)."""
+        self.collisions += 1
+
+    def count_declined(self, tokens: int) -> None:
+        self.declined_tokens += tokens
+
+    def count_inserted(self, tenant: str, tokens: int, blocks: int) -> None:
+        self.inserted_tokens += tokens
+        self.inserted_blocks += blocks
+        self.tenant(tenant).inserted_tokens += tokens
+
+    def count_published(self, blocks: int) -> None:
+        self.published_blocks += blocks
+
+    def count_removal(self, reason: RemovalReason, tokens: int, pool: Pool) -> None:
+        """A block of ``tokens`` left ``pool`` (and the cache) for ``reason``."""
+        self.removals[reason] += 1
+        if reason is RemovalReason.EVICTED:
+            pool.evictions += 1
+            self.evicted_tokens += tokens
+
+    def count_purge(self) -> None:
+        self.purges += 1
+
+    def count_epoch_bump(self) -> None:
+        self.epoch_bumps += 1
+
+    def count_kv_in(self, nbytes: int) -> None:
+        self.kv_bytes_in += nbytes
+
+
+class TierCounters:
+    """One tier's running counters (read through ``TierStats``)."""
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.misses = 0
+        self.promotions = 0
+        self.demotions = 0
+        self.evictions = 0
+        self.removals: Counter[RemovalReason] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.writes_dropped = 0
+        self.writes_failed = 0
+        self.latency = LatencyHistogram()
+
+    def hit(self) -> None:
+        self.hits += 1
+
+    def miss(self, failure: str | None) -> None:
+        """A block this tier should have given back and did not (absent, or bad bytes)."""
+        self.misses += 1
+        self.errors[failure or "missing"] += 1
+
+    def seconds(self, seconds: float) -> None:
+        self.latency.observe(seconds)
+
+    def promotion(self) -> None:
+        self.promotions += 1
+
+    def demotion(self) -> None:
+        self.demotions += 1
+
+    def eviction(self) -> None:
+        self.evictions += 1
+
+    def removal(self, reason: RemovalReason) -> None:
+        """A block held here left the cache for ``reason``."""
+        self.removals[reason] += 1
+
+    def dropped(self) -> None:
+        """A write into this tier was decided but not queued (no room in the queue)."""
+        self.writes_dropped += 1
+
+    def failed_write(self, kind: str | None) -> None:
+        """One failed write into this tier: one more in ``writes_failed``, and one more
+        error of ``kind`` when the cache, not the store, knows its cause. NOTE: counting
+        ``"write"`` on top of the store's own kind made one failed disk write two errors
+        (``io`` and ``write``)."""
+        self.writes_failed += 1
+        if kind is not None:
+            self.errors[kind] += 1
 
 
 # ---------------------------------------------------------------------------- snapshots (frozen)

@@ -36,18 +36,18 @@ def commit_chain(ledger: Ledger, chain: Chain, written: Written) -> int:
     books = _books(ledger)
     tiers, frames, landed = books.tiers, written.frames, written.landed
     if written.failed is not None:
-        tiers[chain.tiers[landed]].count_failed_write(written.failed)
+        tiers[chain.tiers[landed]].failed_write(written.failed)
     n, queued = landed, 0
     if frames:
         while n < len(chain.blocks) and not tiers[chain.tiers[n]].sync:
             queued += len(frames[n])
             if not books.queue.fits(queued):
-                tiers[chain.tiers[n]].count_dropped()
+                tiers[chain.tiers[n]].counts.dropped()
                 break
             n += 1
         layout = ledger.config.kv_layout
         assert layout is not None
-        ledger.counters.kv_bytes_in += (chain.end - chain.begin) * layout.bytes_per_token
+        ledger.counters.count_kv_in((chain.end - chain.begin) * layout.bytes_per_token)
     linked = ledger.commit(chain, n)
     for i, (block, k) in enumerate(zip(chain.blocks, chain.tiers, strict=True)):
         if i >= len(linked):
@@ -91,7 +91,7 @@ def commit_write(ledger: Ledger, job: Job, outcome: Outcome) -> list[tuple[int, 
         elif not _claimed(books, job):
             deletes.append((job.tier, job.key))  # the block left while it was written
         return deletes
-    tier.count_failed_write(outcome)
+    tier.failed_write(outcome)
     if live:
         assert res is not None
         books.release(job.tier)
