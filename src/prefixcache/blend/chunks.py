@@ -26,9 +26,10 @@ The rest of a line that hit its whole-block prefix is prefilled fresh with the p
 
 NOTE: what the rule costs without partial blocks: a line of n tokens reuses
 ``n // block_size * block_size`` of them, losing ``n mod block_size`` (on average
-``(block_size - 1) / 2``: 7.5 tokens of 16, some 10 % of a 75-token paragraph), which
-the blended prefill computes with the fresh tokens around it. A cache with
-``partial_blocks`` loses nothing.
+``(block_size - 1) / 2``), which the blended prefill computes with the fresh tokens
+around it. On the gate's evaluation set (14 paragraphs, 121 tokens on average) that
+keeps 93.5 % of the chunk tokens at block_size 16 and 86.9 % at 32. A cache with
+``partial_blocks`` (the server's default) loses nothing.
 """
 
 from __future__ import annotations
