@@ -89,8 +89,8 @@ class KnownChunks:
         namespace = self.chunks.namespace(ctx)
         epoch = self.epoch(ctx.model)
         key = self.chunk_id(ctx, namespace, tokens)
-        entry = ChunkEntry(key, namespace, ctx.model, epoch)
-        if self.index is not None and vector is not None and not self.index.insert(entry, vector):
+        indexed = ChunkEntry(key, namespace, ctx.model, epoch)
+        if self.index is not None and vector is not None and not self.index.insert(indexed, vector):
             return False
         with self._lock:
             self._entries[key] = KnownChunk(ctx, namespace, epoch, tokens)
