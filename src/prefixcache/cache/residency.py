@@ -17,11 +17,15 @@ when it is also in a faster tier, or when no child can be loaded from a faster t
 than the block will be afterwards (``kids`` counts children by the fastest tier they
 can be loaded from, so the test is O(tiers)).
 
-Everything here runs under the cache's lock and moves no bytes. Room is counted in
-frames, one per block. Two store calls are made here, both bookkeeping of a memory
-slab: releasing a slot (``delete``) and unnaming one whose frame a slower tier still
-has to receive (``detach``: the frame is copied out after the lock is released, see
-``copyouts``). Writes to slower tiers go to the write queue, in decision order.
+Everything here runs under the cache's lock (``owner.py``) and moves no bytes. Room
+is counted in frames, one per block. Two store calls are made here, both bookkeeping
+of a memory slab (a ``sync`` store), the only store calls a test's guard allows under
+the lock (``tests/guard_store.py``): releasing a slot (``delete``) and unnaming one
+whose frame a slower tier still has to receive (``detach``: the frame is copied out
+after the lock is released, see ``copyouts``). NOTE: both must be atomic with the
+decision that makes them: deferred, a new frame of the same key (a new block, or a
+promotion) could land in the slab first and be the one deleted. Writes and deletes in
+slower tiers go to the write queue, in decision order.
 
 Every change of a block's residency goes through ``Books.set``, which records it as a
 ``TierEntered`` / ``TierLeft`` event per tier *kind* (a block in two disk tiers has one
