@@ -15,6 +15,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from prefixcache import CacheConfig, CacheContext
 from prefixcache.blend.ann import AnnConfig, ChunkIndex
@@ -27,6 +30,7 @@ from prefixcache.storage import codec
 from prefixcache.storage.base import TierStore
 from prefixcache.storage.memory import MemoryStore
 from prefixcache.storage.open import open_store
+from prefixcache.tenancy import PUBLIC
 from support import Clock
 
 LAYOUT = KVLayout(layers=1, kv_heads=1, head_dim=2, dtype="float32")
@@ -306,6 +310,88 @@ def test_two_caches_share_a_chunk_through_redis(redis_server: Any) -> None:
     assert got is not None and got.tier_tokens.get("redis") == 12 and np.array_equal(got.kv, kv_of(OTHER, 5.0))
     one.cache.close()
     two.cache.close()
+
+
+# ---------------------------------------------------------------------------- the state machine
+
+TENANTS = ("a", "b", "c")
+MODELS = ("m1", "m2")
+LINES = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 9, 9, 9, 9], [7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22]]
+
+
+class ChunkMachine(RuleBasedStateMachine):
+    """Puts, gets, bumps and purges across tenants, models and isolation modes, against a
+    reference. A chunk's KV is a pure function of (namespace, model, epoch, token,
+    position), so a get is sound only if it returns exactly the KV of its own namespace
+    at the model's current epoch (never another tenant's, never a stale one), whole;
+    and, when the tier holds everything, complete: what was put and not removed is found."""
+
+    @initialize(
+        isolation=st.sampled_from(["shared", "namespace", "partitioned"]),
+        big=st.booleans(),
+        partial=st.booleans(),
+        policy=st.sampled_from(["lru", "fifo", "sieve", "s3fifo"]),
+    )
+    def start(self, isolation: str, big: bool, partial: bool, policy: str) -> None:
+        self.chunks = open_chunks(memory(256 if big else 5), isolation=isolation, partial_blocks=partial, policy=policy)
+        self.big, self.shared = big, isolation == "shared"
+        self.epochs = dict.fromkeys(MODELS, 0)
+        self.present: set[tuple[str, str, int]] = set()  # (namespace, model, line) stored at the current epoch
+
+    def teardown(self) -> None:
+        if hasattr(self, "chunks"):
+            self.chunks.cache.close()
+
+    def ns(self, tenant: str) -> str:
+        return PUBLIC if self.shared else tenant
+
+    def kv(self, tenant: str, model: str, tokens: list[int]) -> np.ndarray:
+        code = (TENANTS.index(tenant) + 1 if not self.shared else 9) * 100 + MODELS.index(model) * 10
+        kv = np.full(LAYOUT.shape(len(tokens)), code + self.epochs[model], dtype=np.float32)
+        kv[..., 1] = np.array(tokens, dtype=np.float32) * 64 + np.arange(len(tokens))
+        return kv
+
+    @rule(tenant=st.sampled_from(TENANTS), model=st.sampled_from(MODELS), line=st.integers(0, len(LINES) - 1))
+    def put(self, tenant: str, model: str, line: int) -> None:
+        tokens = LINES[line]
+        self.chunks.put(CacheContext(tenant, model), tokens, self.kv(tenant, model, tokens))
+        if self.big and self.chunks.reusable(len(tokens)):
+            self.present.add((self.ns(tenant), model, line))
+
+    @rule(tenant=st.sampled_from(TENANTS), model=st.sampled_from(MODELS), line=st.integers(0, len(LINES) - 1))
+    def get(self, tenant: str, model: str, line: int) -> None:
+        tokens = LINES[line]
+        got = self.chunks.get(CacheContext(tenant, model), tokens)
+        if got is None:
+            assert (self.ns(tenant), model, line) not in self.present, "put, not removed, yet missed"
+            return
+        bs = BS
+        assert got.tokens in (len(tokens), len(tokens) // bs * bs) and got.tokens
+        assert np.array_equal(got.kv, self.kv(tenant, model, tokens[: got.tokens])), "another's or a stale chunk"
+
+    @rule(model=st.sampled_from(MODELS))
+    def bump(self, model: str) -> None:
+        self.chunks.cache.bump_epoch(model)
+        self.epochs[model] += 1
+        self.present = {p for p in self.present if p[1] != model}
+
+    @rule(tenant=st.sampled_from(TENANTS))
+    def purge(self, tenant: str) -> None:
+        self.chunks.cache.purge(tenant)
+        # NOTE: shared mode: a block belongs to whoever stored it first, so any line may go
+        self.present = {p for p in self.present if not self.shared and p[0] != tenant}
+
+    @invariant()
+    def within_the_tier(self) -> None:
+        if hasattr(self, "chunks"):
+            (tier,) = self.chunks.cache.stats().tiers
+            assert tier.used_bytes <= tier.capacity_bytes
+
+
+ChunkMachine.TestCase.settings = settings(
+    max_examples=30, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestChunkMachine = ChunkMachine.TestCase
 
 
 # ---------------------------------------------------------------------------- the fallback's book
