@@ -59,8 +59,8 @@ so a group's first entry is the one that can leave; a blocked one moves to the b
 of its own group, which keeps every age exact. Only ``probe`` groups at each end and
 ``probe`` entries in each are tried before a full scan. Both ends, because within a
 class the index depends on age alone and where it rises then falls (reuse after a
-wait) its minimum is at one of them. sim/_kernel.c mirrors all of it, order for
-order (tests/test_sim_kernel.py replays both side by side).
+wait) its minimum is at one of them. sim/native/_kernel.c mirrors all of it, order for
+order (tests/sim/test_kernel.py replays both side by side).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Gittins index of a discrete reuse-time distribution (``GittinsPolicy``'s table).
 
-NOTE: sim/_kernel.c computes the same table with the same double operations in the
+NOTE: sim/native/_kernel.c computes the same table with the same double operations in the
 same order, so that both engines of a replay rank blocks identically (a tie broken
 differently would change a victim): change one, change the other.
 """
