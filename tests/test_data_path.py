@@ -322,6 +322,22 @@ def test_a_tier_announces_a_block_when_its_bytes_land_not_when_queued(tmp_path: 
         assert entered(cache.drain(residency=True).resident or []) == ["memory", "disk"] * blocks
 
 
+def test_the_lock_owner_knows_which_thread_holds_its_lock() -> None:
+    """``held`` is per thread: what the guard asks at every store call."""
+    owner = PrefixCache()._owner
+    seen: list[bool] = []
+    assert not owner.held()
+    with owner._lock:
+        assert owner.held()
+        other = threading.Thread(target=lambda: seen.append(owner.held()))
+        other.start()
+        other.join()
+        with owner._lock:  # reentrant: a section may call another
+            assert owner.held()
+        assert owner.held()
+    assert seen == [False] and not owner.held()
+
+
 def test_the_guard_fails_a_store_called_under_the_cache_lock(tmp_path: Path, lock_guard: LockGuard) -> None:
     """The guard every cache here is built with (``guard_store.py``) does catch I/O under
     the lock: a read from a disk or a write into a memory slab, called by a thread that

@@ -47,6 +47,7 @@ from prefixcache.storage.transfer import Loaded, Outcome
 __all__ = ["Owner"]
 
 Segments = Sequence[Segment] | None
+Epochs = tuple[int, int] | None  # a model's and its adapter's epochs, when a peek probes
 
 
 class Owner:
@@ -102,14 +103,14 @@ class Owner:
             matched.tier_tokens = self.books.tier_tokens(path_to(matched.block), matched.partial_tokens)
         return matched
 
-    def peek(self, tokens: object, ctx: CacheContext, segments: Segments) -> tuple[Peek, Probe | None, object]:
+    def peek(self, tokens: object, ctx: CacheContext, segments: Segments) -> tuple[Peek, Probe | None, Epochs]:
         """What the tree holds (``peek.in_tree``), the probe to run when a tier may hold
         more, and the epochs it was decided under (``peek_again`` compares them)."""
         with self._lock:
             ahead, probe = in_tree(self.ledger, tokens, ctx, segments, probing=True)
             return ahead, probe, self.ledger.contexts.epochs(ctx) if probe is not None else None
 
-    def peek_again(self, tokens: object, ctx: CacheContext, segments: Segments, epochs: object) -> Peek | None:
+    def peek_again(self, tokens: object, ctx: CacheContext, segments: Segments, epochs: Epochs) -> Peek | None:
         """After a peek's probe: the tree's answer again when an epoch bump made what was
         probed stale (a match then searches the new roots too); None when none did."""
         with self._lock:

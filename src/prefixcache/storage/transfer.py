@@ -47,7 +47,7 @@ class Read:
     keep: bool  # the frame may be wanted after the load (a promotion or a copy down)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Loaded:
     """What a load read: ``good`` leading blocks landed in ``kv``; ``frames`` are the raw
     frames of the reads marked ``keep`` (for a promotion or a copy down; None for the
