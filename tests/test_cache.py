@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import xxhash
 
-from guard_store import guard_stores  # noqa: F401  (autouse: no store call under a cache lock)
 from prefixcache import (
     BlocksRemoved,
     BlocksStored,
