@@ -42,8 +42,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from prefixcache.blend.serve_types import TierSplit, split_tiers
-from prefixcache.config import SECRET, CacheConfig, KVLayout, TierConfig, secret_depth, valid_names
+from prefixcache.config import SECRET, CacheConfig, KVLayout, local_tiers, secret_depth, valid_names
 from prefixcache.engine.model import DEFAULT_MODEL
 from prefixcache.identity import MIN_SECRET_BYTES
 from prefixcache.server.redact import masked, scrub
@@ -65,14 +64,8 @@ __all__ = [
 ]
 
 
-GiB = 1 << 30
-SERVER_CACHE = CacheConfig(
-    partial_blocks=True,
-    tiers=(
-        TierConfig(kind="memory", capacity_bytes=2 * GiB, write="through"),
-        TierConfig(kind="disk", capacity_bytes=20 * GiB, path=".prefixcache/disk", write="through"),
-    ),
-)
+# [cache]: CacheConfig's defaults, but for the tiers (config.local_tiers) and partial blocks
+SERVER_CACHE = CacheConfig(partial_blocks=True, tiers=local_tiers(".prefixcache/disk"))
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
 LOCAL_TENANT = "local"  # the one tenant of local mode (no API keys)
 
@@ -296,17 +289,11 @@ class Settings(BaseSettings):
         return self.fleet.name or f"{host}:{self.server.port}"
 
     def cache_config(self, layout: KVLayout) -> CacheConfig:
-        """The cache this server opens: ``[cache]`` with the model's KV layout, its tiers
-        less the chunk store's share when blend is on (``tier_split``)."""
-        return self.tier_split(layout).cache
-
-    def tier_split(self, layout: KVLayout) -> TierSplit:
-        """``[cache]`` with the model's KV layout, its tiers divided between the block
-        cache and the chunk store (``blend.chunk_share``) when blend is on, whole when off."""
+        """The cache this server opens: ``[cache]`` with the model's KV layout, every tier
+        whole (with blend on, chunks are blocks of this cache and share its tiers)."""
         if self.cache.kv_layout is not None:
             raise ValueError("cache.kv_layout comes from the model; remove it from the settings")
-        blend = self.blend.config() if self.blend.enabled else None
-        return split_tiers(dataclasses.replace(self.cache, kv_layout=layout), blend)
+        return dataclasses.replace(self.cache, kv_layout=layout)
 
 
 def load_settings(
