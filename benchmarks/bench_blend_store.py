@@ -44,7 +44,7 @@ def document(seed: int, n: int) -> str:
 
 
 def settings_for(tmp: Path, disk: bool) -> Any:
-    tiers: list[dict[str, Any]] = [{"kind": "memory", "capacity_bytes": 256 << 20}]
+    tiers: list[dict[str, Any]] = [{"kind": "memory", "capacity_bytes": 256 << 20, "write": "through"}]
     if disk:
         tiers.append({"kind": "disk", "capacity_bytes": 1 << 30, "path": str(tmp / "disk")})
     return load_settings(
@@ -69,14 +69,15 @@ def settings_for(tmp: Path, disk: bool) -> Any:
 def pass_gate(settings: Any) -> None:
     """Write the gate's verdict on the configured plan as passed (see the module's NOTE)."""
     from prefixcache.blend.evalset import load_eval_set
-    from prefixcache.blend.gate import GateFigures, GateStore, gate_key, model_fingerprint
+    from prefixcache.blend.gate import GateFigures, GateStore, NoiseFloor, gate_key, model_fingerprint
     from prefixcache.engine import load_model
 
     config = settings.blend.config()
     m = settings.model
     loaded = load_model(m.name, m.models_dir, m.device, m.dtype)
     key = gate_key(model_fingerprint(loaded), load_eval_set(config.eval_set).digest, config.gate_steps, config.plan)
-    GateStore(config.gate_file).put(key, GateFigures("epic(k=4)", 19, 1.0, 1.0, 0.001, 0.01, 100, 10, 50, 0.4))
+    floor = NoiseFloor("bfloat16", 19, 1.0, 1.0, 0.002, 0.02)
+    GateStore(config.gate_file).put(key, GateFigures("epic(k=4)", 19, 1.0, 1.0, 0.001, 0.01, 100, 10, 50, 0.4, floor))
 
 
 def check_blended(metrics: str) -> None:
