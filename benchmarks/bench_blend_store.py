@@ -29,7 +29,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from prefixcache.server.main import build_service
-from prefixcache.server.settings import load_settings
+from prefixcache.settings import load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 EVAL_SET = ROOT / "tests" / "data" / "blend" / "eval.json"

@@ -36,7 +36,7 @@ from prefixcache.ops.audit import AuditConfig, AuditError, AuditResult, audit
 from prefixcache.ops.audit_cli import ATTACKER_VAR, VICTIM_VAR, report, to_json
 from prefixcache.ops.kstest import kolmogorov_sf, ks_2samp
 from prefixcache.server.app import create_app
-from prefixcache.server.settings import AuthSettings, Settings, load_settings
+from prefixcache.settings import AuthSettings, Settings, load_settings
 from standin import STANDIN_ID, standin
 
 # ============================================================================ the KS test

@@ -18,7 +18,7 @@ from prefixcache.blend.chunks import Chunks
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, KVLayout, TierConfig
 from prefixcache.hashing import CacheContext
-from prefixcache.server.settings import Settings, load_settings
+from prefixcache.settings import Settings, load_settings
 from prefixcache.storage import codec
 from prefixcache.storage.memory import MemoryStore
 

@@ -28,7 +28,7 @@ from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.engine import LoadedModel
 from prefixcache.server.app import create_app
 from prefixcache.server.main import build_service
-from prefixcache.server.settings import AuthSettings, BlendSettings, ModelSettings, Settings, describe, load_settings
+from prefixcache.settings import AuthSettings, BlendSettings, ModelSettings, Settings, describe, load_settings
 
 KEYS = {"sk-acme-0123456789": "acme", "sk-globex-0123456789": "globex", "sk-initech-0123456789": "initech"}
 ACME, GLOBEX, INITECH = KEYS

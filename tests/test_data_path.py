@@ -24,7 +24,7 @@ from guard_store import Guarded, IOUnderLock, LockGuard, guard_stores  # noqa: F
 from prefixcache.cache import PrefixCache
 from prefixcache.config import TierConfig
 from prefixcache.ops.collector import CacheCollector
-from prefixcache.server.settings import SERVER_CACHE
+from prefixcache.settings import SERVER_CACHE
 from prefixcache.storage.queue import Job
 from prefixcache.storage.transfer import Outcome
 from redis_server import RedisServer

@@ -37,8 +37,8 @@ from prefixcache.engine import (
 )
 from prefixcache.engine.job import Job
 from prefixcache.server.main import build_service
-from prefixcache.server.settings import AuthSettings, ModelSettings, ServerSettings, Settings
-from prefixcache.server.settings_admission import AdmissionSettings, TenantAdmission
+from prefixcache.settings import AuthSettings, ModelSettings, ServerSettings, Settings
+from prefixcache.settings.admission import AdmissionSettings, TenantAdmission
 from support import wait_for
 
 pytestmark = pytest.mark.model  # the real model

@@ -26,7 +26,7 @@ from prefixcache.fleet.stamping import route_secret
 from prefixcache.fleet.wire import BackendInfo, Snapshot, stream_key
 from prefixcache.fleet.zmq import VllmSource
 from prefixcache.identity import PARAMS_KEY, PROOF_HEADER, SECRET_ENV, tenant_proof, tenant_salt
-from prefixcache.server.settings import AuthSettings, Settings, describe, load_settings
+from prefixcache.settings import AuthSettings, Settings, describe, load_settings
 from redis_server import RedisServer, free_port
 from support import wait_for
 

@@ -36,7 +36,7 @@ from engine_support import LiveServer
 from prefixcache.api.prompts import Tokenizer
 from prefixcache.fleet.router import RouteConfig, Router, create_router
 from prefixcache.fleet.scoring import Routing
-from prefixcache.server.settings import load_settings
+from prefixcache.settings import load_settings
 from redis_server import RedisServer, free_port
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]

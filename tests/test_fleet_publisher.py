@@ -352,7 +352,7 @@ def test_the_server_publishes_serves_info_and_snapshot_to_the_admin_and_survives
     from prefixcache.engine import Engine
     from prefixcache.fleet.wire import BackendInfo, Snapshot
     from prefixcache.server.main import create_app
-    from prefixcache.server.settings import AuthSettings, FleetSettings, Settings
+    from prefixcache.settings import AuthSettings, FleetSettings, Settings
     from standin import STANDIN_ID, standin
 
     loaded = dataclasses.replace(standin(), context_length=256)
@@ -430,7 +430,7 @@ def _dropped(url: str, admin: dict[str, str]) -> float:
 
 
 def test_the_fleet_section_is_checked_and_names_itself() -> None:
-    from prefixcache.server.settings import load_settings
+    from prefixcache.settings import load_settings
 
     settings = load_settings(env={"PREFIXCACHE_FLEET_PUBLISH": "true", "PREFIXCACHE_FLEET_REDIS_URL": "redis://r:1/0"})
     assert settings.fleet.publish and settings.fleet.maxlen == 10_000

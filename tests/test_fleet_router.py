@@ -24,7 +24,7 @@ from prefixcache.fleet.route_metrics import ROUTE_METRICS
 from prefixcache.fleet.router import RouteConfig, Router, create_router
 from prefixcache.fleet.scoring import Routing
 from prefixcache.fleet.wire import BackendInfo, BlockStored, Entry, KVEventBatch, Snapshot, encode_entry, stream_key
-from prefixcache.server.settings import AuthSettings, Settings
+from prefixcache.settings import AuthSettings, Settings
 from redis_server import RedisServer, free_port
 from support import wait_for
 

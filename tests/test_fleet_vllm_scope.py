@@ -17,7 +17,7 @@ from prefixcache.fleet.vllm_events import PRIVATE, decode_vllm
 from prefixcache.fleet.wire import BlockStored
 from prefixcache.fleet.zmq import VllmSource
 from prefixcache.identity import tenant_salt
-from prefixcache.server.settings import AuthSettings, Settings
+from prefixcache.settings import AuthSettings, Settings
 
 BS = 4
 MODEL = "m"

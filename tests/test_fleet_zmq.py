@@ -29,7 +29,7 @@ from prefixcache.fleet.router import RouteConfig, Router, create_router
 from prefixcache.fleet.wire import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from prefixcache.fleet.zmq import PRIVATE, VllmSource, ZmqReader, decode_vllm
 from prefixcache.identity import tenant_salt
-from prefixcache.server.settings import AuthSettings, Settings
+from prefixcache.settings import AuthSettings, Settings
 from support import wait_for
 
 BS = 4

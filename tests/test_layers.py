@@ -3,18 +3,16 @@ a function, ``TYPE_CHECKING`` ones too): which part may import which, and no cyc
 between parts.
 
 A part is a top-level subpackage or module of ``prefixcache`` (``api``, ``cache``,
-``config``, ``fleet``, ``server``, ...), with one exception: the settings schema that
-both ``serve`` and ``route`` read (``server/settings*.py`` and ``server/redact.py``,
-which only it uses) counts as a part of its own, ``settings``, for it is to move out of
-``server/`` into a package of its own. Until then ``fleet`` and ``api`` reach it under
-``prefixcache.server``: the one edge into ``server`` that is allowed (``KNOWN_EDGES``).
+``config``, ``fleet``, ``server``, ``settings``, ...). The settings schema that ``serve``,
+``route`` and the vLLM connector all read is a part of its own, so ``fleet`` and ``api``
+import nothing of ``server``.
 
 ::
 
     cli ──> server ──> api ──> engine, identity, ...
      │        │  └─(main.py: the [fleet] publisher)──> fleet ──> api
      └──────────────────────────────────────────────> fleet
-    server, fleet, api ──> settings (server/settings*.py) ──> config, blend, engine
+    server, fleet, api ──> settings ──> config, blend, engine
     storage ──> config        (config imports nothing of storage)
 """
 
@@ -30,11 +28,6 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 Graph = Mapping[str, set[str]]
 
-# The modules of ``server/`` that are the settings schema, a part of their own (module doc).
-SETTINGS = ("prefixcache.server.settings", "prefixcache.server.redact")
-# Imports of ``prefixcache.server`` outside server/ that are known and allowed (part, part):
-# the settings schema stays in server/ for now, and ``route`` reads it as ``serve`` does.
-KNOWN_EDGES = {("fleet", "settings"), ("api", "settings")}
 # Cycles between parts known today and allowed (sorted tuples of parts); none.
 KNOWN_CYCLES: set[tuple[str, ...]] = set()
 
@@ -69,8 +62,6 @@ def import_graph(root: Path, package: str = "prefixcache") -> dict[str, set[str]
 
 def part_of(module: str) -> str:
     """The part a module belongs to (module doc)."""
-    if module.startswith(SETTINGS):
-        return "settings"
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
@@ -87,7 +78,7 @@ def violations(graph: Graph) -> list[str]:
     for source, target in sorted(edges(graph)):
         src, dst = part_of(source), part_of(target)
         if src in ("fleet", "api") and dst == "server":
-            found.append(f"{source} -> {target}: {src}/ imports nothing of server/ (but the settings)")
+            found.append(f"{source} -> {target}: {src}/ imports nothing of server/")
         if src == "api" and dst == "fleet":
             found.append(f"{source} -> {target}: api/ is below fleet/")
         if source == "prefixcache.server.app" and dst == "fleet":
@@ -166,12 +157,11 @@ def test_no_cycle_between_parts(graph: Graph) -> None:
     assert not cycles, "\n".join(f"{c}: " + "; ".join(cycle_path(graph, c)) for c in cycles)
 
 
-def test_the_known_edges_are_still_there(graph: Graph) -> None:
-    """While the settings live in server/, fleet/ and api/ reach them there and nowhere
-    else in server/; once they move out (``SETTINGS`` changes), this list goes."""
-    into_server = {(part_of(s), t) for s, t in edges(graph) if t.startswith("prefixcache.server")}
-    assert {part for part, _ in into_server if part in ("fleet", "api")} == {p for p, _ in KNOWN_EDGES}
-    assert all(t.startswith(SETTINGS) for p, t in into_server if p in ("fleet", "api"))
+def test_route_and_serve_share_the_settings_part(graph: Graph) -> None:
+    """fleet/ and api/ read the one settings schema, not a copy and not server/'s."""
+    into = {(part_of(s), part_of(t)) for s, t in edges(graph)}
+    assert {("fleet", "settings"), ("server", "settings")} <= into
+    assert not any(t.startswith("prefixcache.server") for s, t in edges(graph) if part_of(s) == "settings")
 
 
 PLANTED = {
@@ -192,7 +182,7 @@ def plant(root: Path, files: Mapping[str, str]) -> dict[str, set[str]]:
         "fleet/publisher.py": "",
         "server/__init__.py": "",
         "server/app.py": "",
-        "server/settings.py": "",
+        "settings/__init__.py": "",
         "storage/__init__.py": "",
         "storage/codec.py": "from prefixcache.config import KV_DTYPES\n",
         "config.py": "",
@@ -212,7 +202,7 @@ def test_a_planted_violation_fails(tmp_path: Path, name: str) -> None:
 
 
 def test_a_planted_cycle_fails_and_the_settings_edge_passes(tmp_path: Path) -> None:
-    clean = plant(tmp_path / "a", {"fleet/x.py": "from prefixcache.server.settings import Settings\n"})
+    clean = plant(tmp_path / "a", {"fleet/x.py": "from prefixcache.settings import Settings\n"})
     assert violations(clean) == [] and part_cycles(clean) == []
     cycle = plant(tmp_path / "b", {"config.py": "def f():\n    from prefixcache.storage import codec\n"})
     assert part_cycles(cycle) == [("config", "storage")]
@@ -234,7 +224,7 @@ def test_serve_and_the_connector_default_to_one_table_of_tiers() -> None:
 
     from prefixcache.config import CacheConfig, local_tiers
     from prefixcache.integrations.vllm.settings import ConnectorSettings
-    from prefixcache.server.settings import Settings
+    from prefixcache.settings import Settings
 
     for cache, disk, changed in (
         (Settings().cache, ".prefixcache/disk", {"partial_blocks": True}),

@@ -17,7 +17,7 @@ from redis.crc import key_slot
 
 from prefixcache.cache import PrefixCache
 from prefixcache.config import TierConfig
-from prefixcache.server.settings import load_settings
+from prefixcache.settings import load_settings
 from prefixcache.storage.base import TierError
 from prefixcache.storage.redis_cluster import REFRESH_EVERY_S, RedisClusterStore
 from redis_cluster import LocalCluster, command

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from engine_support import MODEL_ID, MODELS_DIR, LiveServer
 from prefixcache.api.prompts import Tokenizer
 from prefixcache.fleet.router import RouteConfig, Router, create_router
-from prefixcache.server.settings import load_settings
+from prefixcache.settings import load_settings
 from redis_server import RedisServer, free_port
 from support import wait_for
 

@@ -25,7 +25,7 @@ from prefixcache.fleet.stamping import Stamper
 from prefixcache.fleet.wire import BackendInfo, Snapshot, stream_key
 from prefixcache.fleet.zmq import VllmSource
 from prefixcache.identity import PROOF_HEADER, tenant_proof
-from prefixcache.server.settings import AuthSettings, ServerSettings, Settings
+from prefixcache.settings import AuthSettings, ServerSettings, Settings
 from redis_server import RedisServer, free_port
 from support import wait_for
 

@@ -27,7 +27,7 @@ from prefixcache.engine import Engine
 from prefixcache.fleet.router import RouteConfig, Router, create_router
 from prefixcache.identity import PROOF_HEADER, tenant_proof
 from prefixcache.server.main import create_app
-from prefixcache.server.settings import AuthSettings, FleetSettings, ModelSettings, ServerSettings, Settings
+from prefixcache.settings import AuthSettings, FleetSettings, ModelSettings, ServerSettings, Settings
 from redis_server import RedisServer
 from standin import standin
 from support import wait_for

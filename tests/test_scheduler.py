@@ -21,8 +21,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from prefixcache.engine.requests import EngineClosed, QueueFull, TenantBusy
 from prefixcache.engine.scheduler import Admission, Order, Scheduler, SchedulerConfig, TenantLimits
-from prefixcache.server.settings import load_settings
-from prefixcache.server.settings_admission import AdmissionSettings, TenantAdmission
+from prefixcache.settings import load_settings
+from prefixcache.settings.admission import AdmissionSettings, TenantAdmission
 
 TENANTS = ("a", "b", "c")
 

@@ -32,7 +32,7 @@ from prefixcache.fleet.supervisor import GRACE_S
 from prefixcache.fleet.zmq import VllmSource
 from prefixcache.identity import SECRET_ENV
 from prefixcache.integrations.vllm.settings import ConnectorSettings, parse_settings, read_secret
-from prefixcache.server.settings import Settings, load_settings
+from prefixcache.settings import Settings, load_settings
 
 SECRET = "configured-secret-0123456789"
 KEYS = {"sk-acme-0123456789": "acme", "sk-globex-0123456789": "globex"}

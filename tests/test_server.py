@@ -18,7 +18,7 @@ import pytest
 
 from engine_support import MODEL_ID, LiveServer, engine, model, tiered_cache
 from prefixcache.server.app import create_app
-from prefixcache.server.settings import AuthSettings, ServerSettings, Settings
+from prefixcache.settings import AuthSettings, ServerSettings, Settings
 
 pytestmark = pytest.mark.model  # the real model: seconds to load, minutes to run
 

@@ -21,7 +21,7 @@ from browser import Browser
 from engine_support import MODEL_ID, LiveServer, engine, layout, model, tiered_cache
 from prefixcache.config import TierConfig
 from prefixcache.server.app import create_app
-from prefixcache.server.settings import AuthSettings, Settings
+from prefixcache.settings import AuthSettings, Settings
 from test_ops_dashboard_page import ARTIFACTS, chromium
 
 pytestmark = pytest.mark.model  # the real model: seconds to load, minutes to run

@@ -20,7 +20,7 @@ from prefixcache.config import PublishConfig
 from prefixcache.engine import Engine
 from prefixcache.ops.audit import AuditConfig, audit
 from prefixcache.server.app import create_app
-from prefixcache.server.settings import load_settings
+from prefixcache.settings import load_settings
 from standin import STANDIN_ID, standin
 
 pytestmark = pytest.mark.model  # the stand-in model (SmolLM2's tokenizer)

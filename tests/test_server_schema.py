@@ -23,7 +23,7 @@ from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.engine import Engine
 from prefixcache.server.app import create_app
-from prefixcache.server.settings import AuthSettings, ServerSettings, Settings
+from prefixcache.settings import AuthSettings, ServerSettings, Settings
 from standin import STANDIN_ID, standin
 
 pytestmark = pytest.mark.model  # the stand-in takes SmolLM2's converted tokenizer

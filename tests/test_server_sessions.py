@@ -13,7 +13,7 @@ from prefixcache.api.sessions import LoginLimit, LoginThrottle, Sessions, Truste
 from prefixcache.api.transport import uvicorn_config
 from prefixcache.engine import Engine
 from prefixcache.server.app import create_app
-from prefixcache.server.settings import AuthSettings, ServerSettings, Settings
+from prefixcache.settings import AuthSettings, ServerSettings, Settings
 
 
 class Clock:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from prefixcache.config import CacheConfig, KVLayout, PublishConfig, TierConfig
-from prefixcache.server.settings import SERVER_CACHE, describe, load_settings
+from prefixcache.settings import SERVER_CACHE, describe, load_settings
 
 SMOLLM2 = KVLayout(30, 3, 64, "float32")
 

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 
 from engine_support import LiveServer
 from prefixcache.api.transport import uvicorn_config
-from prefixcache.server.settings import ServerSettings, Settings
+from prefixcache.settings import ServerSettings, Settings
 
 DEADLINE = 0.5
 

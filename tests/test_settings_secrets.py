@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from prefixcache.config import field_hint, is_secret, section_of
-from prefixcache.server.redact import mask_url, scrub
-from prefixcache.server.settings import Settings, describe, load_settings
+from prefixcache.settings import Settings, describe, load_settings
+from prefixcache.settings.redact import mask_url, scrub
 
 SERVE = [str(Path(sys.executable).with_name("prefixcache")), "serve"]
 
@@ -232,7 +232,7 @@ def test_admin_stats_and_tier_logs_hold_no_redis_password(caplog: pytest.LogCapt
     from prefixcache.engine.requests import EngineStats
     from prefixcache.hashing import CacheContext
     from prefixcache.server.app import create_app
-    from prefixcache.server.settings import AuthSettings
+    from prefixcache.settings import AuthSettings
 
     caplog.set_level("WARNING")
     layout = KVLayout(layers=1, kv_heads=1, head_dim=4, dtype="float16")

@@ -124,7 +124,7 @@ def chat_hops(tmp: Path, tracer: Tracer) -> Hops:
     from fastapi.testclient import TestClient
 
     from prefixcache.server.main import build_service
-    from prefixcache.server.settings import load_settings
+    from prefixcache.settings import load_settings
 
     settings = load_settings(
         None,

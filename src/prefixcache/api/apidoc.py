@@ -25,7 +25,7 @@ from fastapi.routing import APIRoute
 
 from prefixcache.api.auth import Auth
 from prefixcache.api.sessions import COOKIE
-from prefixcache.server.settings import AuthSettings
+from prefixcache.settings import AuthSettings
 
 __all__ = ["install_openapi", "openapi_document"]
 

@@ -20,7 +20,7 @@ from fastapi import Request
 from prefixcache.api.errors import APIError
 from prefixcache.api.sessions import COOKIE, Sessions
 from prefixcache.identity import PROOF_HEADER, verify_proof
-from prefixcache.server.settings import LOCAL_TENANT, AuthSettings
+from prefixcache.settings import LOCAL_TENANT, AuthSettings
 
 __all__ = ["LOCAL_TENANT", "Auth"]
 

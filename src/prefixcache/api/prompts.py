@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from prefixcache.api.schemas import ChatRequest, CompletionRequest
 from prefixcache.engine.chat import chat_tokens
 from prefixcache.engine.model import resolve_model
-from prefixcache.server.settings import ModelSettings
+from prefixcache.settings import ModelSettings
 
 __all__ = ["Tokenizer", "Tokenizes", "prompt_tokens"]
 

@@ -24,7 +24,7 @@ import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from prefixcache.server.settings import Settings
+from prefixcache.settings import Settings
 
 __all__ = ["ReadDeadline", "RedactQuery", "uvicorn_config"]
 

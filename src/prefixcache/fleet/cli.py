@@ -57,7 +57,7 @@ def run_route(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from prefixcache.fleet.scoring import Routing, Scorer
     from prefixcache.fleet.stamping import NO_SECRET, route_secret
     from prefixcache.fleet.zmq import VllmSource
-    from prefixcache.server.settings import load_settings
+    from prefixcache.settings import load_settings
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not args.backend and not args.vllm_backend:

@@ -45,7 +45,7 @@ from prefixcache.fleet.scoring import BackendView, Routing, Scorer
 from prefixcache.fleet.stamping import NO_SECRET, Stamper
 from prefixcache.fleet.validate import CHAT, COMPLETIONS, Strictness, body_check, check_vllm
 from prefixcache.fleet.zmq import VllmSource
-from prefixcache.server.settings import Settings
+from prefixcache.settings import Settings
 from prefixcache.tenancy import PUBLIC
 
 __all__ = ["RouteConfig", "Router", "create_router"]

@@ -41,7 +41,7 @@ from prefixcache.fleet.supervisor import Child, supervise
 from prefixcache.identity import SECRET_ENV
 
 if TYPE_CHECKING:
-    from prefixcache.server.settings import Settings
+    from prefixcache.settings import Settings
 
 __all__ = ["ROUTER_SECRET_ENV", "Options", "Plan", "add_serve_vllm_parser", "build_plan", "run_serve_vllm"]
 
@@ -216,7 +216,7 @@ def add_serve_vllm_parser(sub: Any) -> None:
 
 
 def run_serve_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from prefixcache.server.settings import CONFIG_VAR, load_settings
+    from prefixcache.settings import CONFIG_VAR, load_settings
 
     config = args.config or os.environ.get(CONFIG_VAR) or None
     try:

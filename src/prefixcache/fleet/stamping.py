@@ -58,7 +58,7 @@ from prefixcache.identity import (
     tenant_proof,
     tenant_salt,
 )
-from prefixcache.server.settings import LOCAL_TENANT, Settings
+from prefixcache.settings import LOCAL_TENANT, Settings
 
 __all__ = ["FORWARDED", "HOP_BY_HOP", "NO_SECRET", "Headers", "Stamper", "hop_by_hop", "route_secret"]
 

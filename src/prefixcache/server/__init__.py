@@ -1,8 +1,8 @@
 """The OpenAI-compatible server: FastAPI routes over the engine, settings, ``prefixcache serve``.
 
-The names below load on first use: the router (``fleet/``), the shared HTTP layer
-(``api/``) and the vLLM venv import this package's settings without the server's engine
-and its dependencies (the model runtime, the blend index). ``create_app`` is the app as
+The names below load on first use, so that importing the package does not load the
+engine and its dependencies (the model runtime, the blend index); the settings live in
+``prefixcache.settings``, which ``serve``, ``route`` and the vLLM connector share. ``create_app`` is the app as
 ``serve`` wires it (``main.create_app``: with the ``[fleet]`` publisher).
 """
 
@@ -19,7 +19,7 @@ def __getattr__(name: str) -> Any:
 
         return create_app
     if name in ("Settings", "load_settings"):
-        from prefixcache.server import settings
+        import prefixcache.settings
 
-        return getattr(settings, name)
+        return getattr(prefixcache.settings, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -45,7 +45,7 @@ from prefixcache.ops.collector import CacheCollector
 from prefixcache.ops.dashboard import dashboard_data
 from prefixcache.server.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, Completions
 from prefixcache.server.recording import RECENT_REQUESTS, Recorder
-from prefixcache.server.settings import Settings
+from prefixcache.settings import Settings
 
 __all__ = ["EventPublisher", "PublisherFactory", "Server", "create_app"]
 

@@ -32,7 +32,7 @@ from prefixcache.engine.model import ModelError
 from prefixcache.fleet.publisher import FleetPublisher, PublisherConfig
 from prefixcache.server import app as server_app
 from prefixcache.server.app import PublisherFactory
-from prefixcache.server.settings import LOCAL_TENANT, Settings, describe, load_settings
+from prefixcache.settings import LOCAL_TENANT, Settings, describe, load_settings
 
 log = logging.getLogger("prefixcache.serve")
 

@@ -45,10 +45,10 @@ from pydantic_settings import (
 from prefixcache.config import SECRET, CacheConfig, KVLayout, local_tiers, secret_depth, valid_names
 from prefixcache.engine.model import DEFAULT_MODEL
 from prefixcache.identity import MIN_SECRET_BYTES
-from prefixcache.server.redact import masked, scrub
-from prefixcache.server.settings_admission import AdmissionSettings
-from prefixcache.server.settings_blend import BlendSettings
-from prefixcache.server.settings_env import CONFIG_VAR, ENV_PREFIX, Env
+from prefixcache.settings.admission import AdmissionSettings
+from prefixcache.settings.blend import BlendSettings
+from prefixcache.settings.env import CONFIG_VAR, ENV_PREFIX, Env
+from prefixcache.settings.redact import masked, scrub
 
 __all__ = [
     "CONFIG_VAR",
