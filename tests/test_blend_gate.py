@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from engine_support import model
-from prefixcache.blend import CacheBlend, Epic, Reused
+from prefixcache.blend import CacheBlend, Epic, EpicBlend, Reused
 from prefixcache.blend.evalset import KINDS, EvalSetError, Piece, assemble, load_eval_set, parse_eval_set
 from prefixcache.blend.gate import (
     GateFigures,
@@ -35,9 +35,11 @@ from prefixcache.blend.gate import (
     choose_plan,
     evaluate,
     judge,
+    plan_name,
     prepare,
     run_gate,
 )
+from prefixcache.blend.gate_cli import DEFAULT_PLANS, parse_plan
 from prefixcache.blend.metrics import BLEND_METRICS, BlendMetrics
 from prefixcache.engine import LoadedModel
 
@@ -232,6 +234,17 @@ def test_an_old_store_without_the_floor_is_never_judged(tmp_path: Path, caplog: 
     path.write_text(json.dumps({"version": 3, "figures": {}}))
     with pytest.raises(ValueError, match="gate store version 3"):
         GateStore(path).get("k")
+
+
+def test_the_cli_reads_plans_by_their_store_names() -> None:
+    assert parse_plan("epic(k=16)") == Epic(16)
+    assert parse_plan("cacheblend(r=30)") == CacheBlend(30.0) == parse_plan("cacheblend(r=30, layer=1)")
+    assert parse_plan("epicblend(k=1,r=30,layer=2)") == EpicBlend(1, 30.0, 2)
+    for text in DEFAULT_PLANS:
+        assert parse_plan(plan_name(parse_plan(text))) == parse_plan(text)
+    for bad in ("fast", "epic(r=3)", "cacheblend(k=1)", "epic(k=x)", "cacheblend()"):
+        with pytest.raises(ValueError, match="expected one of"):
+            parse_plan(bad)
 
 
 def test_blend_metrics_export_their_names() -> None:
