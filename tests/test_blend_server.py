@@ -343,11 +343,17 @@ def test_purge_prefix_and_an_epoch_bump_remove_chunks_and_their_index_entries(
     server, engine = live
     blender = engine.blender
     assert blender is not None
+    ask(server, engine, GLOBEX, ["owl", "glacier"], "How tall is the lighthouse?")  # globex's own copy
     ask(server, engine, ACME, ["glacier", "lighthouse", "owl"], "How tall is the lighthouse?")
     acme = engine.context("acme")
     owl = lm.tokenizer.encode(DOCS["owl"], add_special_tokens=False)
     assert blender.chunks.contains(acme, owl)
-    assert blender.purge_prefix(owl[:5], acme) > 0
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    prefix = "Barn owls hunt at dusk"  # the operator's purge of a document by its start
+    assert lm.tokenizer.encode(prefix, add_special_tokens=False) == owl[:5]
+    body = {"tenant": "acme", "prompt": prefix}
+    purged = httpx.post(server.url + "/admin/purge", json=body, headers=headers).json()
+    assert purged["removed_chunk_tokens"] >= len(owl) // 16 * 16 and purged["prefix_tokens"] == 5
     assert not blender.chunks.contains(acme, owl)
     left = [e for _, e in list(blender.known._entries.items()) if e.tokens[:5] == tuple(owl[:5])]
     assert left and {e.ctx.tenant for e in left} == {"globex"}  # globex's own copy stays
@@ -355,7 +361,6 @@ def test_purge_prefix_and_an_epoch_bump_remove_chunks_and_their_index_entries(
     assert (blend_of(usage) or (0, 0))[0] > 0  # glacier and lighthouse still reused; owl stored again
     assert blender.chunks.contains(acme, owl)
 
-    headers = {"Authorization": f"Bearer {ADMIN}"}
     assert httpx.post(server.url + "/admin/epoch", json={"model": MODEL_ID}, headers=headers).status_code == 200
     assert not blender.chunks.contains(acme, owl) and len(blender.known) == 0
     assert blender.index is not None and len(blender.index) == 0

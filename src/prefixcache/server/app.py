@@ -272,16 +272,19 @@ def _operator_routes(app: FastAPI, server: Server) -> None:
     @app.post("/admin/purge", dependencies=[Depends(auth.admin)])
     def purge(body: PurgeRequest) -> dict[str, Any]:
         cache = server.need_cache()
+        blender = server.blend_engine.blender if server.blend_engine is not None else None
         if body.prompt is None and body.messages is None:
-            blender = server.blend_engine.blender if server.blend_engine is not None else None
+            # NOTE: the blender counts the tenant's chunks before the cache's purge removes them
             chunks = {"removed_chunks": blender.purge(body.tenant)} if blender is not None else {}
             return {"tenant": body.tenant, "removed_blocks": cache.purge(body.tenant)} | chunks
         if body.messages is not None:
             tokens = engine.tokenize_chat([{"role": m.role, "content": m.text()} for m in body.messages], False)
         else:
             tokens = engine.tokenize_text(body.prompt or "")
-        removed = cache.purge_prefix(tokens, engine.context(body.tenant))
-        return {"tenant": body.tenant, "prefix_tokens": len(tokens), "removed_blocks": removed}
+        ctx = engine.context(body.tenant)
+        removed = cache.purge_prefix(tokens, ctx)
+        chunk_tokens = {"removed_chunk_tokens": blender.purge_prefix(tokens, ctx)} if blender is not None else {}
+        return {"tenant": body.tenant, "prefix_tokens": len(tokens), "removed_blocks": removed} | chunk_tokens
 
     @app.get("/admin/stats", dependencies=[Depends(auth.admin)])
     def stats() -> dict[str, Any]:
