@@ -37,8 +37,8 @@ $(KERNEL): $(SIM_NATIVE) src/prefixcache/storage/_placed.c setup.py | $(STAMP)
 setup: $(STAMP) $(KERNEL)
 
 lint: $(STAMP) $(KERNEL)
-	$(BIN)/ruff check src tests tests_vllm benchmarks
-	$(BIN)/ruff format --check src tests tests_vllm benchmarks
+	$(BIN)/ruff check src tests tests_vllm benchmarks tools
+	$(BIN)/ruff format --check src tests tests_vllm benchmarks tools
 	$(BIN)/mypy
 
 # The tests start a real redis-server, run Prometheus's promtool and load the dashboard in
