@@ -142,17 +142,15 @@ class GateFigures:
 
     @staticmethod
     def of(plan: str, scores: Sequence[ItemScore], layers: int, floor: NoiseFloor | None = None) -> GateFigures:
-        if not scores:
-            raise ValueError("no items were scored")
-        n = len(scores)
+        q = NoiseFloor.of(plan, scores)  # the same measures over the same items
         work = sum(s.token_layers for s in scores) / (layers * sum(s.length for s in scores))
         return GateFigures(
             plan=plan,
-            items=n,
-            top1=sum(s.top1 for s in scores) / n,
-            greedy_em=sum(s.greedy_match for s in scores) / n,
-            mean_kl=sum(s.kl for s in scores) / n,
-            max_kl=max(s.kl for s in scores),
+            items=q.items,
+            top1=q.top1,
+            greedy_em=q.greedy_em,
+            mean_kl=q.mean_kl,
+            max_kl=q.max_kl,
             reused=sum(s.reused for s in scores),
             recomputed=sum(s.recomputed for s in scores),
             fresh=sum(s.fresh for s in scores),
