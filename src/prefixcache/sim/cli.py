@@ -14,12 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.config import ISOLATION_MODES, CacheConfig, PublishConfig
-from prefixcache.fleet.scoring import Routing, Scorer
 from prefixcache.policies import POLICIES
-from prefixcache.sim.costmodel import GPUS, MODELS, CostModel
+from prefixcache.sim.costmodel import GPUS, MODELS
 from prefixcache.sim.engines import ENGINES
-from prefixcache.sim.fleet import replay_fleet
-from prefixcache.sim.fleet_results import DEFAULT_DECODE_SECONDS, DEFAULT_EVENT_LAG, FleetSpec
+from prefixcache.sim.fleet_cli import add_fleet_flags, run_fleet, wants_fleet
 from prefixcache.sim.inputs import (
     BYTE_FORMS,
     DEFAULT_GPU,
@@ -72,47 +70,6 @@ def _block_size(item: str) -> int:
     if value < 1:
         raise ValueError(item)
     return value
-
-
-def _backends(item: str) -> int:
-    try:
-        value = int(item)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--backends: not an integer: {item!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--backends: need at least 1 backend, got {value}")
-    return value
-
-
-_FLEET_FLAGS = ("routing", "event_lag", "decode_ms", "load_weight", "no_oracle")
-
-
-def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("fleet (routing across backends)")
-    g.add_argument("--backends", type=_backends, default=None, metavar="N", help="replay through N backend caches")
-    g.add_argument(
-        "--routing",
-        default=None,
-        type=lambda t: _parse_list(t, Routing, "--routing", [r.value for r in Routing]),
-        help=f"routings to compare, comma-separated ({', '.join(r.value for r in Routing)}; default all)",
-    )
-    g.add_argument(
-        "--event-lag",
-        type=int,
-        default=None,
-        metavar="K",
-        help=f"requests routed before a backend's KV event reaches the router (default {DEFAULT_EVENT_LAG})",
-    )
-    g.add_argument(
-        "--decode-ms",
-        type=float,
-        default=None,
-        help=f"decode time per output token on a backend, ms (default {1000 * DEFAULT_DECODE_SECONDS:g})",
-    )
-    g.add_argument(
-        "--load-weight", type=float, default=None, help="the cost routing's load weight (default: Scorer's, 0.25)"
-    )
-    g.add_argument("--no-oracle", action="store_true", default=None, help="skip the oracle runs of prefix and cost")
 
 
 def add_replay_parser(sub: Any) -> None:
@@ -251,7 +208,7 @@ def add_replay_parser(sub: Any) -> None:
         help="write each tree-mode configuration's Prometheus metrics (what a server would expose) to DIR/*.prom;"
         " `prefixcache diagnose FILE` reads them",
     )
-    _add_fleet_flags(p)
+    add_fleet_flags(p)
 
 
 def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -284,14 +241,14 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     def source() -> Iterable[Request]:
         return read_trace(args.trace, args.format, tokenizer, args.hashed_blocks)
 
-    fleet = args.backends is not None or any(getattr(args, name) is not None for name in _FLEET_FLAGS)
+    fleet = wants_fleet(args)
     if fleet and args.tenant_capacity is not None:
         parser.error("--tenant-capacity applies to a single-cache replay's HTML report, not a fleet's")
     summary = _summary(args, parser, source)
     if summary is None:
         return 2
     if fleet:
-        return _run_fleet(args, parser, source, cost, summary)
+        return run_fleet(args, parser, source, cost, summary, _replay_configs(args))
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     try:
         configs = _replay_configs(args)
@@ -336,83 +293,6 @@ def _summary(
     if errors:
         parser.error("; ".join(errors))
     return summary
-
-
-def _fleet_spec(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FleetSpec:
-    given = [f"--{name.replace('_', '-')}" for name in _FLEET_FLAGS if getattr(args, name) is not None]
-    if args.backends is None:
-        parser.error(f"{', '.join(given)} needs --backends N")
-    unsupported = [
-        flag
-        for flag, on in (
-            ("--mode flat", "flat" in args.mode),
-            ("--partial-blocks", args.partial_blocks),
-            ("--publish", args.publish is not None),
-            ("--ttl", args.ttl is not None),
-            ("--include-output", args.include_output),
-            ("--metrics", args.metrics is not None),
-            ("--model none", args.model == "none"),
-            ("--capacity-bytes", args.capacity_bytes is not None),
-        )
-        if on
-    ]
-    if unsupported:
-        parser.error(
-            f"--backends does not combine with {', '.join(unsupported)} (a fleet replay routes whole blocks "
-            "on tree-mode caches, and needs the cost model for its timing)"
-        )
-    if args.event_lag is not None and args.event_lag < 0:
-        parser.error(f"--event-lag must be >= 0 requests, got {args.event_lag}")
-    try:
-        scorer = Scorer() if args.load_weight is None else Scorer(load_weight=args.load_weight)
-        return FleetSpec(
-            args.backends,
-            tuple(args.routing) if args.routing is not None else tuple(Routing),
-            DEFAULT_EVENT_LAG if args.event_lag is None else args.event_lag,
-            DEFAULT_DECODE_SECONDS if args.decode_ms is None else args.decode_ms / 1000.0,
-            scorer,
-            oracle=not args.no_oracle,
-        )
-    except ValueError as exc:
-        parser.error(str(exc))
-
-
-def _run_fleet(
-    args: argparse.Namespace,
-    parser: argparse.ArgumentParser,
-    source: Callable[[], Iterable[Request]],
-    cost: CostModel | None,
-    summary: TraceSummary,
-) -> int:
-    from prefixcache.sim import fleet_report, report
-
-    spec = _fleet_spec(args, parser)
-    assert cost is not None  # --model none is refused above
-    show = not args.no_progress and not args.json and sys.stderr.isatty()
-    try:
-        results = replay_fleet(
-            source,
-            _replay_configs(args),
-            spec,
-            cost,
-            trace_name=args.trace.name,
-            warmup=args.warmup,
-            engine=args.engine,
-            progress=lambda total, label: report.progress(total, label, show),
-            summary=summary,
-        )
-    except ValueError as exc:
-        print(f"prefixcache replay: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(fleet_report.fleet_json(results))
-    else:
-        fleet_report.render_fleet_table(results)
-    if args.html is not None:
-        fleet_report.write_fleet_html(results, args.html)
-        if not args.json:
-            print(f"HTML report: {args.html}")
-    return 0
 
 
 def _replay_configs(args: argparse.Namespace) -> list[ReplayConfig]:
