@@ -14,12 +14,17 @@ benchmark writes the gate's verdict as passed (as the server tests do) because i
 measures the storing path's latency, not answer quality (benchmarks/bench_blend.py and
 ``prefixcache gate-blend`` measure that).
 
-    .venv/bin/python benchmarks/bench_blend_store.py [--requests 12] [--rounds 2]
+    .venv/bin/python benchmarks/bench_blend_store.py [--requests 12] [--rounds 2] [--fsync-ms 20]
+
+``--fsync-ms`` adds that much to every ``fsync`` of the process (the disk tier's durable
+write): this machine's virtual disk syncs in well under a millisecond, a network volume
+or a busy SSD takes milliseconds; both setups get the same handicap.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -115,11 +120,25 @@ def run(disk: bool, requests: int, offset: int) -> list[float]:
     return latencies
 
 
+def slow_fsync(ms: float) -> None:
+    """Every ``os.fsync`` of this process takes ``ms`` longer (see the module's docstring)."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        real(fd)
+        time.sleep(ms / 1000)
+
+    os.fsync = fsync
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--fsync-ms", type=float, default=0.0, help="added to every fsync (a slower disk)")
     args = parser.parse_args()
+    if args.fsync_ms:
+        slow_fsync(args.fsync_ms)
     ratios = []
     for r in range(args.rounds):
         order = (False, True) if r % 2 == 0 else (True, False)
