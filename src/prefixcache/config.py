@@ -33,7 +33,7 @@ GiB = 1 << 30
 class Secret:
     """The mark of a setting that is a credential or may carry one (a URL with a password):
     ``Annotated[str, SECRET]``. An error about it never shows its value, and the settings'
-    dump masks it (``settings/__init__.py``), so a new secret is safe by being marked."""
+    dump masks it (``prefixcache.settings``), so a new secret is safe by being marked."""
 
 
 SECRET = Secret()

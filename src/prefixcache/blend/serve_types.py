@@ -1,6 +1,6 @@
 """What the server's blend mode is configured with, and what it tells about a request.
 
-``BlendConfig`` is the ``[blend]`` section once validated (``settings/__init__.py`` builds
+``BlendConfig`` is the ``[blend]`` section once validated (``prefixcache.settings`` builds
 it); ``BlendUsage`` is one request's account, carried to the HTTP layer by a
 ``BlendedDone`` (a ``DoneEvent`` with the account attached), so that ``usage`` and the
 metrics say how many prompt tokens a blend reused and recomputed, apart from the exact
