@@ -23,13 +23,14 @@ lets a test check it at every store call (``tests/guard_store.py``).
 
 A section that frees memory slots whose frames a slower tier still has to receive
 (a demotion out of a memory tier) copies them out right after it lets go of the lock
-(``_fill``), before it returns: no caller can forget to.
+(``_deciding``), before it returns: no caller can forget to.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from prefixcache.cache import loadsteps, writesteps
 from prefixcache.cache.ledger import Alive, Ledger
@@ -127,17 +128,12 @@ class Owner:
             return loadsteps.plan_load(self.ledger, block, partial_tokens, first)
 
     def commit_read(self, plan: LoadPlan, loaded: Loaded) -> Promotion:
-        with self._lock:
-            promotion = loadsteps.commit_read(self.ledger, plan, loaded)
-            copyouts = self._copyouts()
-        _fill(copyouts)
-        return promotion
+        with self._deciding():
+            return loadsteps.commit_read(self.ledger, plan, loaded)
 
     def commit_promotion(self, plan: LoadPlan, promotion: Promotion, promoted: Promoted) -> None:
-        with self._lock:
+        with self._deciding():
             loadsteps.commit_promotion(self.ledger, plan, promotion, promoted)
-            copyouts = self._copyouts()
-        _fill(copyouts)
 
     def unpin(self, pin: Pin) -> None:
         with self._lock:
@@ -149,29 +145,19 @@ class Owner:
         """The chain an insert with KV stores next: the published prefix it owes (when
         ``publish`` and one is owed: ``chain.tenants >= 0``), else what the cache lacks."""
         ledger = self.ledger
-        with self._lock:
+        with self._deciding():
             lookup = ledger.lookup(tokens, ctx, segments)
             chain = ledger.publish(lookup, ctx, tiers=True) if publish and ledger.publisher.active else None
-            if chain is None:
-                chain = ledger.extend(lookup, ctx, None, tiers=True)
-            copyouts = self._copyouts()
-        _fill(copyouts)
-        return chain
+            return chain if chain is not None else ledger.extend(lookup, ctx, None, tiers=True)
 
     def commit_insert(self, chain: Chain, written: Written) -> int:
-        with self._lock:
-            stored = writesteps.commit_chain(self.ledger, chain, written)
-            copyouts = self._copyouts()
-        _fill(copyouts)
-        return stored
+        with self._deciding():
+            return writesteps.commit_chain(self.ledger, chain, written)
 
     def commit_write(self, job: Job, outcome: Outcome) -> list[tuple[int, bytes]]:
         """The writer's commit of one job; the deletes to run (outside the lock) before its next."""
-        with self._lock:
-            deletes = writesteps.commit_write(self.ledger, job, outcome)
-            copyouts = self._copyouts()
-        _fill(copyouts)
-        return deletes
+        with self._deciding():
+            return writesteps.commit_write(self.ledger, job, outcome)
 
     def insert(self, tokens: object, ctx: CacheContext, segments: object) -> int:
         with self._lock:
@@ -238,14 +224,16 @@ class Owner:
         with self._lock:
             return self.ledger.counters.removals[reason]
 
-    def _copyouts(self) -> list[LazyFrame]:
-        return self.books.take_copyouts() if self.books is not None else []
-
-
-def _fill(copyouts: Iterable[LazyFrame]) -> None:
-    """Copy out the frames a decision detached from memory slots, which frees the slots."""
-    for source in copyouts:
-        source.frame()
+    @contextmanager
+    def _deciding(self) -> Iterator[None]:
+        """A section that may detach memory slots: under the lock, then (the lock let go,
+        before the caller goes on) the detached frames are copied out, which frees the
+        slots."""
+        with self._lock:
+            yield
+            copyouts: list[LazyFrame] = self.books.take_copyouts() if self.books is not None else []
+        for source in copyouts:
+            source.frame()
 
 
 def _writer_stats(mode: str, queue: WriteQueue, books: Books) -> WriterStats:
