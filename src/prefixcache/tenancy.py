@@ -32,6 +32,11 @@ PUBLIC = ""  # the namespace, owner and pool name of public blocks
 GLOBAL = "*"  # the pool name when one pool holds everything
 
 
+def namespace_of(isolation: str, tenant: str) -> str:
+    """The key namespace of ``tenant``'s blocks under ``isolation`` (the table above)."""
+    return PUBLIC if isolation == "shared" else tenant
+
+
 @dataclass(eq=False)
 class Pool:
     """A share of capacity (in tokens) with its own eviction policy."""
@@ -80,7 +85,7 @@ class Tenancy:
         return self.partitioned and (self.config.publish is not None or self.config.shared_quota is not None)
 
     def namespace(self, tenant: str) -> str:
-        return PUBLIC if self.mode == "shared" else tenant
+        return namespace_of(self.mode, tenant)
 
     def pool_for(self, tenant: str, public: bool) -> Pool:
         """The pool a block stored by ``tenant`` takes capacity from."""

@@ -43,7 +43,7 @@ import numpy as np
 
 from prefixcache.cache import Match, PrefixCache
 from prefixcache.hashing import CacheContext
-from prefixcache.tenancy import PUBLIC
+from prefixcache.tenancy import namespace_of
 
 __all__ = ["CHUNK_EXTRA", "ChunkKV", "Chunks", "chunk_context"]
 
@@ -81,7 +81,7 @@ class Chunks:
 
     def namespace(self, ctx: CacheContext) -> str:
         """Where ``ctx``'s chunks live: the cache's rule (shared: public; else the tenant)."""
-        return PUBLIC if self.cache.config.isolation == "shared" else ctx.tenant
+        return namespace_of(self.cache.config.isolation, ctx.tenant)
 
     def reusable(self, n: int) -> int:
         """How many leading tokens of a line of ``n`` are stored as its chunk."""
