@@ -1,35 +1,45 @@
 """Payload framing: one block's KV for all layers as bytes a tier can store and trust.
 
-A frame is a versioned binary header followed by the raw tensor bytes (design.md
-invariant 8: only plain bytes and fixed-width fields are parsed, no object serializer,
-so a frame read back from disk or Redis can never run code)::
+A frame is a versioned binary header followed by the tensor's bytes, raw or compressed
+by a codec (design.md invariant 8: only plain bytes and fixed-width fields are parsed,
+no object serializer, so a frame read back from disk or Redis can never run code)::
 
     +------+-----+---+----+---+-----+---+-------+-----+--------+---+--------+-----+--------+-----------+
-    | PXKV | ver | H | dt | n | flg | k | shape | key | tok_ck | P | pay_ck | pad | hdr_ck | payload   |
+    | PXKV | ver | H | dt | n | c f | k | shape | key | tok_ck | P | pay_ck | pad | hdr_ck | payload   |
     +------+-----+---+----+---+-----+---+-------+-----+--------+---+--------+-----+--------+-----------+
-       4      2    2   1    1    2    2    4n      k      16     8     16    0-15     8       P bytes
+       4      2    2   1    1   1 1   2    4n      k      16     8     16    0-15     8       P bytes
     |<------------------------------------------ header: H bytes ---------------------->|
 
     field    type     meaning (all integers little-endian)
     -------  -------  -----------------------------------------------------------------------
     PXKV     4 bytes  magic
-    ver      u16      format version, 1
+    ver      u16      format version: 1 for raw frames, 2 for compressed ones
     H        u16      header length = offset of the payload, a multiple of 16
-    dt       u8       dtype code: 1 float32, 2 float16, 3 bfloat16
+    dt       u8       dtype code of the (decoded) tensor: 1 float32, 2 float16, 3 bfloat16
     n        u8       number of dims, 5: [layers, 2 (K, V), kv_heads, block_tokens, head_dim]
-    flg      u16      flags, 0 (a reader refuses flags it does not know)
+    c f      u8 u8    version 2: codec (0 raw, 1 bf16, 2 int8, 3 int4), then flags, 0;
+                      version 1: one u16 of flags, 0 (a reader refuses flags it does not know)
     k        u16      key length, 1..65438 (so that H fits its u16)
-    shape    u32 x n  the tensor's shape, every dim >= 1
+    shape    u32 x n  the (decoded) tensor's shape, every dim >= 1
     key      k bytes  the block key (hashing.py)
     tok_ck   16 bytes xxh3_128 of the block's token ids as little-endian uint32
-    P        u64      payload length = prod(shape) * itemsize
-    pay_ck   16 bytes xxh3_128 of the payload
+    P        u64      stored payload length: prod(shape) * itemsize for raw, the codec's
+                      exact size for this shape otherwise (every codec is fixed-size)
+    pay_ck   16 bytes xxh3_128 of the stored payload
     pad      zeros    so that H is a multiple of 16
     hdr_ck   u64      xxh3_64 of the header's first H - 8 bytes
-    payload  P bytes  the tensor in C order, little-endian
+    payload  P bytes  raw: the tensor in C order, little-endian; else the codec's layout
+                      (quant.py)
+
+NOTE: raw frames are still written as version 1, byte for byte what older writers
+wrote, so older readers and existing disks keep working; only compressed frames need a
+reader that knows version 2. A frame of a codec the reader does not know is a miss
+(``UnknownCodec``). The key does not depend on the codec: a block stored compressed is
+the same block (``transcode`` keeps key and token checksum).
 
 ``encode`` copies the tensor once (header and payload joined into one ``bytes``);
-``decode`` verifies everything and returns a view over the frame, copying nothing.
+``decode`` verifies everything and returns a view over a raw frame, copying nothing,
+or a new array dequantised from a compressed one, only after it verified the frame.
 Every way a frame can be bad raises a ``FrameError`` subclass, which a tier turns into
 a miss (invariant 6); a bad *argument* (a caller bug) raises plain ``ValueError`` or
 ``TypeError`` instead, so that it is never mistaken for a miss.
@@ -55,16 +65,16 @@ tells a caller which it is either way. ml_dtypes is optional, never a dependency
 
 from __future__ import annotations
 
-import importlib
 import math
 import operator
 from collections.abc import Sequence
-from typing import Final
 
 import numpy as np
 import xxhash
 
+from prefixcache.storage import quant
 from prefixcache.storage.header import (
+    CODECS,
     CODES,
     DTYPES,
     FLOAT_LABELS,
@@ -73,6 +83,7 @@ from prefixcache.storage.header import (
     MAX_DIM,
     MAX_KEY_LEN,
     NDIM,
+    OUT_DTYPES,
     VERSION,
     WIRE_DTYPES,
     Buffer,
@@ -84,16 +95,20 @@ from prefixcache.storage.header import (
     ShapeMismatch,
     TokenMismatch,
     TruncatedFrame,
+    UnknownCodec,
+    Unrepresentable,
     UnsupportedVersion,
     byte_view,
     header_length,
     pack_header,
     parse_header,
+    payload_size,
     show_key,
     token_checksum,
 )
 
 __all__ = [
+    "CODECS",
     "DTYPES",
     "HEADER_ALIGN",
     "MAGIC",
@@ -109,75 +124,87 @@ __all__ = [
     "ShapeMismatch",
     "TokenMismatch",
     "TruncatedFrame",
+    "UnknownCodec",
+    "Unrepresentable",
     "UnsupportedVersion",
     "decode",
     "encode",
     "encoded_size",
     "peek_header",
+    "stored_ratio",
     "token_checksum",
+    "transcode",
+    "verify",
 ]
-
-
-def _ml_bfloat16() -> np.dtype | None:
-    """ml_dtypes' bfloat16 if the package is importable: optional, never required."""
-    try:
-        module = importlib.import_module("ml_dtypes")
-    except ImportError:
-        return None
-    bfloat16: np.dtype = np.dtype(module.bfloat16)
-    return bfloat16
-
-
-def _bfloat16_out() -> np.dtype:
-    native = _ml_bfloat16()
-    return np.dtype("<u2") if native is None else native  # NOTE: not `or`: a plain np.dtype is falsy
-
-
-# NOTE: resolved once at import and never changed: a constant of the install, not state.
-_OUT: Final[dict[int, np.dtype]] = {1: np.dtype("<f4"), 2: np.dtype("<f2"), 3: _bfloat16_out()}
-
-
-# ---------------------------------------------------------------------------- errors
-
-
-# ---------------------------------------------------------------------------- header
 
 
 # ---------------------------------------------------------------------------- encode
 
 
-def encode(key: bytes, tokens: Buffer, kv: np.ndarray, *, dtype: str | None = None) -> bytes:
-    """One block's frame: header plus the raw bytes of ``kv``.
+def encode(key: bytes, tokens: Buffer, kv: np.ndarray, *, dtype: str | None = None, codec: str = "raw") -> bytes:
+    """One block's frame: header plus ``kv``'s bytes, raw or in ``codec`` (``CODECS``).
 
     ``tokens`` are the block's token ids as little-endian uint32 bytes (as the cache
     stores them); only their checksum is kept. ``dtype`` is needed for raw bfloat16
-    (``np.uint16`` arrays) and otherwise, when given, must agree with ``kv``.
+    (``np.uint16`` arrays) and otherwise, when given, must agree with ``kv``. A lossy
+    codec raises ``Unrepresentable`` for a tensor it cannot hold (a non-finite value, a
+    scale beyond float16): a failed write, not a bad frame.
 
     NOTE: a non-C-contiguous (or big-endian) ``kv`` is accepted and made contiguous
     little-endian with one extra copy, because the payload checksum needs the bytes in
     frame order before the header is written. Hand over a C-contiguous array to get the
-    single copy (the join of header and payload).
+    single copy (the join of header and payload) of a raw frame.
     """
-    _check_key(key)
+    _check_codec(codec)
     _check_tokens(tokens, "tokens")
+    return _encode(key, token_checksum(tokens), kv, dtype, codec)
+
+
+def _encode(key: bytes, tok_ck: bytes, kv: np.ndarray, dtype: str | None, codec: str) -> bytes:
+    """``encode`` with the token checksum given: ``transcode`` keeps the one it read."""
+    _check_key(key)
     label = _label_of(kv, dtype)
     arr = _contiguous(kv, label)
     shape = _check_shape(arr.shape)
-    payload = arr.reshape(-1).view(np.uint8).data
-    return b"".join((pack_header(key, label, shape, token_checksum(tokens), payload), payload))
+    if codec == "raw":
+        payload = arr.reshape(-1).view(np.uint8).data
+    else:
+        _check_codec_shape(shape, label, codec)
+        payload = quant.encode(codec, arr, label).data
+    return b"".join((pack_header(key, label, shape, tok_ck, payload, codec), payload))
 
 
-def encoded_size(shape: Sequence[int], dtype: str, key_len: int) -> int:
-    """Exact length of a frame of this shape, dtype and key length: fixed-size slots use it."""
+def encoded_size(shape: Sequence[int], dtype: str, key_len: int, codec: str = "raw") -> int:
+    """Exact length of a frame of this shape, dtype, key length and codec: fixed-size
+    slots and byte-counted capacities use it."""
     try:
         dims = tuple(operator.index(d) for d in shape)
     except TypeError:
         raise ValueError(f"shape must be a sequence of integers, got {shape!r}") from None
     shape = _check_shape(dims)
     _check_label(dtype)
+    _check_codec(codec)
     if not 1 <= key_len <= MAX_KEY_LEN:
         raise ValueError(f"key length must be in [1, {MAX_KEY_LEN}], got {key_len}")
-    return header_length(len(shape), key_len) + math.prod(shape) * WIRE_DTYPES[dtype].itemsize
+    return header_length(len(shape), key_len) + _check_codec_shape(shape, dtype, codec)
+
+
+def stored_ratio(shape: Sequence[int], dtype: str, codec: str, key_len: int = 32) -> float:
+    """How many frames of ``codec`` fit in the bytes of one raw frame (header included):
+    what a planner multiplies a tier's capacity in blocks by."""
+    return encoded_size(shape, dtype, key_len) / encoded_size(shape, dtype, key_len, codec)
+
+
+def _check_codec(codec: str) -> None:
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; valid: {', '.join(CODECS)}")
+
+
+def _check_codec_shape(shape: tuple[int, ...], label: str, codec: str) -> int:
+    try:
+        return payload_size(codec, shape, label)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (the codec needs it)") from None
 
 
 def _check_key(key: bytes) -> None:
@@ -259,11 +286,15 @@ def decode(
     check_payload: bool = True,
     computed_checksum: bytes | None = None,
 ) -> np.ndarray:
-    """The KV tensor of a frame, verified, as a view over the frame's bytes (no copy).
+    """The KV tensor of a frame, verified before anything is read from its payload.
 
-    ``key`` is always checked; ``tokens``, ``shape`` and ``dtype`` when given. The
-    array is read-only when the frame is (``bytes``) and keeps the frame alive; a caller
-    that reuses the frame's buffer (a slot, an mmap) must copy the array first.
+    A raw frame comes back as a view over the frame's bytes (no copy): read-only when
+    the frame is (``bytes``), and it keeps the frame alive; a caller that reuses the
+    frame's buffer (a slot, an mmap) must copy the array first. A compressed frame comes
+    back as a new, writable array of the header's dtype.
+
+    ``key`` is always checked; ``tokens``, ``shape`` and ``dtype`` when given (shape and
+    dtype are the decoded tensor's for every codec).
 
     NOTE: ``check_payload=False`` skips only the payload checksum (the header, its
     checksum and every length are still checked). It is for frames whose exact,
@@ -271,6 +302,8 @@ def decode(
     a load hashes each payload once; anything else must keep the check.
     ``computed_checksum`` is the payload's checksum as the caller computed it while it
     read the bytes (``placed.read_placed``): compared to the header's instead of hashing.
+    A placed read copies raw rows, so a compressed frame given with it is refused
+    (``CorruptFrame``): its bytes, placed as if raw, are not the block's KV.
     """
     _check_key(key)
     if tokens is not None:
@@ -280,9 +313,43 @@ def decode(
     view = byte_view(frame)
     head = parse_header(view)
     _check_expected(head, key, tokens, shape, dtype)
+    if computed_checksum is not None and head.codec != "raw":
+        raise CorruptFrame(f"placed read: expected a raw frame, found codec {head.codec}")
     _check_payload(view, head, check_payload, computed_checksum)
-    out: np.ndarray = np.frombuffer(view, _OUT[CODES[head.dtype]], math.prod(head.shape), head.header_length)
+    out_dtype = OUT_DTYPES[head.dtype]
+    if head.codec != "raw":
+        return quant.decode(head.codec, view[head.header_length :], head.shape, head.dtype, out_dtype)
+    out: np.ndarray = np.frombuffer(view, out_dtype, math.prod(head.shape), head.header_length)
     return out.reshape(head.shape)
+
+
+def verify(frame: Buffer, *, key: bytes) -> FrameHeader:
+    """The header of a whole, intact frame of ``key``: header, lengths and payload
+    checksum checked, nothing dequantised. What a store runs on the bytes it reads, so
+    it never hands out another block's or a damaged frame, whatever its codec."""
+    _check_key(key)
+    view = byte_view(frame)
+    head = parse_header(view)
+    _check_expected(head, key, None, None, None)
+    _check_payload(view, head)
+    return head
+
+
+def transcode(frame: Buffer, *, key: bytes, codec: str, check_payload: bool = True) -> Buffer:
+    """The same block as a frame of ``codec``: same key, same token checksum (the key
+    never depends on the codec). ``frame`` itself when it already is one (checked as
+    ``decode`` would). ``FrameError`` for a bad ``frame``; ``Unrepresentable`` when
+    ``codec`` cannot hold its values."""
+    _check_codec(codec)
+    _check_key(key)
+    view = byte_view(frame)
+    head = parse_header(view)
+    _check_expected(head, key, None, None, None)
+    _check_payload(view, head, check_payload)
+    if head.codec == codec:
+        return frame
+    kv = decode(frame, key=key, check_payload=False)
+    return _encode(key, head.token_checksum, kv, head.dtype, codec)
 
 
 def _check_expected(

@@ -395,7 +395,7 @@ def _read_frame(key: bytes) -> Callable[[str], bytes]:
     def read(path: str) -> bytes:
         with open(path, "rb", buffering=0) as f:
             data = f.readall()
-        codec.decode(data, key=key)
+        codec.verify(data, key=key)
         return data
 
     return read

@@ -10,7 +10,7 @@ and fetches them with one MGET. That is how a fleet shares one cache::
     server B --EXISTS k0..k5->| (maxmemory evicts on its own)    |
              --MGET k0..k3--> +----------------------------------+
 
-Every value is a codec frame, verified on the way out (``codec.decode(value, key=key)``),
+Every value is a codec frame, verified on the way out (``codec.verify(value, key=key)``),
 so a frame written by one node is checked by another and bad bytes are a counted miss
 (invariants 6 and 8). Every failure of Redis (down, slow, refusing) is a counted miss
 for reads and a ``TierError`` for writes, never an exception out of a read and never
@@ -76,7 +76,7 @@ class RedisTierBase(TierStore):
 
     Error kinds counted in ``stats.errors``: ``connection``, ``timeout``, ``redis`` (any
     other Redis error), ``breaker_open`` (a call skipped by the open breaker) and
-    ``checksum`` (a value that failed ``codec.decode``; it is deleted, best effort).
+    ``checksum`` (a value that failed ``codec.verify``; it is deleted, best effort).
 
     NOTE: ``namespace`` is the deployment seed. It isolates deployments sharing one Redis
     by key prefix; it is not a security boundary (see codec.py on MACs).
@@ -217,7 +217,7 @@ class RedisTierBase(TierStore):
     # ------------------------------------------------------------------ reads
 
     def get_many(self, keys: Sequence[bytes]) -> list[Frame | None]:
-        """The frames of ``keys``, each verified by ``codec.decode(value, key=key)``, ``None`` for any miss.
+        """The frames of ``keys``, each verified by ``codec.verify(value, key=key)``, ``None`` for any miss.
 
         NOTE: the frame is verified here, not only by the cache, because a shared Redis
         holds other writers' bytes: a store must never hand out a frame of another block
@@ -255,7 +255,7 @@ class RedisTierBase(TierStore):
             self.stats.error("checksum")
             return None
         try:
-            codec.decode(value, key=key)
+            codec.verify(value, key=key)
         except codec.FrameError:
             self.stats.error("checksum")
             return None
