@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 FLOOR_DTYPE = "bfloat16"
+RECORD = "record"  # an entry's note beside its figures (GateStore.put)
 
 log = logging.getLogger("prefixcache.blend")
 
@@ -256,7 +257,12 @@ class GateStore:
 
     NOTE: format 1 (a bare object of figures by key, before the floor) is read as an
     empty store, with a warning: its figures are never judged, so a server measures them
-    again (``gate_on_start``) or keeps the mode off. Writing drops them."""
+    again (``gate_on_start``) or keeps the mode off. Writing drops them.
+
+    A key is any string: the blend gate's are ``gate_key``'s, the codec gate's
+    (``quality/``) its own. An entry may carry a ``record`` beside its figures (what the
+    figures were measured on, the verdict of the day they were): for the people reading
+    the file; a read judges the figures again and never trusts it."""
 
     VERSION = 2
 
@@ -271,11 +277,17 @@ class GateStore:
         entry = self._read().get(key)
         return figures_from_json(entry) if entry is not None else None
 
-    def put(self, key: str, figures: GateFigures) -> None:
+    def record(self, key: str) -> dict[str, Any] | None:
+        """The record stored beside the figures of ``key`` (None: none, or no entry)."""
+        entry = self._read().get(key)
+        record = entry.get(RECORD) if entry is not None else None
+        return dict(record) if isinstance(record, dict) else None
+
+    def put(self, key: str, figures: GateFigures, record: dict[str, Any] | None = None) -> None:
         if figures.floor is None:
             raise ValueError(f"figures of {figures.plan} have no noise floor: measure them with prepare and evaluate")
         entries = self._read()
-        entries[key] = asdict(figures)
+        entries[key] = asdict(figures) | ({RECORD: record} if record is not None else {})
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         doc = {"version": self.VERSION, "figures": entries}
@@ -304,8 +316,9 @@ class GateStore:
 
 
 def figures_from_json(entry: dict[str, Any]) -> GateFigures:
-    """Figures as ``GateStore`` writes them (``asdict``), the floor included."""
+    """Figures as ``GateStore`` writes them (``asdict``), the floor included, the record left out."""
     fields = dict(entry)
+    fields.pop(RECORD, None)  # for people: never part of what is judged
     floor = fields.pop("floor", None)
     return GateFigures(**fields, floor=NoiseFloor(**floor) if floor is not None else None)
 
