@@ -12,6 +12,8 @@
   diagnosis with the next action; exit 1 when something needs action.
 - ``prefixcache audit-timing URL``: audit a server for prompt-cache timing leaks between
   tenants; exit 1 on a leak, 2 when inconclusive.
+- ``prefixcache gate-codec``: measure each KV codec against raw on a model (the codec
+  quality gate) and store the figures a server checks its tiers' codecs against.
 - ``prefixcache demo``: drive the cache with synthetic chat traffic and print what it saved.
 """
 
@@ -31,6 +33,7 @@ from prefixcache.hashing import CacheContext
 from prefixcache.ops.audit_cli import add_audit_parser, run_audit_timing
 from prefixcache.ops.diagnose import add_diagnose_parser, run_diagnose
 from prefixcache.policies import POLICIES
+from prefixcache.quality.codec_cli import add_gate_codec_parser, run_gate_codec
 from prefixcache.sim.cli import add_replay_parser, add_workload_parser, run_replay, run_workload
 from prefixcache.sim.curve_cli import add_curve_parser, run_curve
 from prefixcache.sim.plan_cli import add_plan_parser, run_plan
@@ -110,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_audit_parser(sub)
     add_route_parser(sub)
     add_serve_vllm_parser(sub)
+    add_gate_codec_parser(sub)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server with the prefix cache")
     serve.add_argument("--config", help="TOML settings file (default: $PREFIXCACHE_CONFIG, else built-in defaults)")
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
@@ -144,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_route(args, parser)
     if args.command == "serve-vllm":
         return run_serve_vllm(args, parser)
+    if args.command == "gate-codec":
+        return run_gate_codec(args, parser)
     if args.command == "serve":
         from prefixcache.server.main import run_serve  # torch and transformers load only here
 
