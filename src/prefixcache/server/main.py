@@ -24,12 +24,15 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from prefixcache.api.transport import uvicorn_config
+from prefixcache.blend.gate import model_fingerprint
 from prefixcache.blend.serve_engine import BlendEngine
 from prefixcache.blend.serve_gate import open_blender
 from prefixcache.cache import PrefixCache
-from prefixcache.engine import Engine, load_model
+from prefixcache.config import CacheConfig
+from prefixcache.engine import Engine, LoadedModel, load_model
 from prefixcache.engine.model import ModelError
 from prefixcache.fleet.publisher import FleetPublisher, PublisherConfig
+from prefixcache.quality.codec_gate import LOSSLESS, CodecGateRefused, CodecStart, check_codecs
 from prefixcache.server import app as server_app
 from prefixcache.server.app import PublisherFactory
 from prefixcache.settings import LOCAL_TENANT, Settings, describe, load_settings
@@ -95,10 +98,27 @@ class Service:
                 log.warning("event=cache_flush_incomplete seconds=%.1f abandoned_writes=%d", took, abandoned)
 
 
+def check_tier_codecs(settings: Settings, loaded: LoadedModel, config: CacheConfig) -> CodecStart:
+    """The codec gate's start check on the tiers of ``config`` (``quality/codec_gate.py``):
+    raises ``CodecGateRefused`` when a lossy codec has not passed for this model."""
+    # NOTE: getattr until every TierConfig has a codec (issue 29); raw needs no gate
+    tiers = [(tier.label, str(getattr(tier, "codec", LOSSLESS))) for tier in config.tiers]
+    return check_codecs(
+        model_fingerprint(loaded),
+        tiers,
+        settings.server.codec_gate_file,
+        allow_ungated=settings.server.allow_ungated_codecs,
+    )
+
+
 def build_service(settings: Settings) -> Service:
     """Load the model, open the cache and wire the app (what ``serve`` and the tests run)."""
     loaded = load_model(settings.model.name, settings.model.models_dir, settings.model.device, settings.model.dtype)
-    cache = PrefixCache(settings.cache_config(loaded.kv)) if settings.server.cache else None
+    cache = None
+    if settings.server.cache:
+        cache_config = settings.cache_config(loaded.kv)
+        check_tier_codecs(settings, loaded, cache_config)  # before a tier opens: a refusal leaves nothing behind
+        cache = PrefixCache(cache_config)
     model_id = settings.model.served_id
     # the queue, the deadline, each tenant's share and the slicing of the worker's time
     args: dict[str, Any] = {"max_queue": settings.server.max_queue, "timeout_s": settings.server.request_timeout_s}
@@ -152,7 +172,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     try:
         service = build_service(settings)
-    except (ModelError, FileNotFoundError) as exc:  # the model or a tier's folder: a clear error, no traceback
+    except (ModelError, FileNotFoundError, CodecGateRefused) as exc:  # the model, a tier's folder or codec
         parser.error(str(exc))
     host, port = settings.server.host, settings.server.port
     url = f"http://{host}:{port}"

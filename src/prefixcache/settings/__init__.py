@@ -101,6 +101,10 @@ class ServerSettings(BaseModel):
     cache: bool = True  # off: every prompt is prefilled in full
     flush_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM or SIGINT: how long queued writes may take
     allow_open_access: bool = False  # needed to listen beyond loopback with no [auth] api_keys
+    # the codec gate's figures (``prefixcache gate-codec --out``): a tier codec other than
+    # raw starts only once passed there for the model, unless allow_ungated_codecs (logged)
+    codec_gate_file: str = ".prefixcache/codec-gate.json"
+    allow_ungated_codecs: bool = False
     # proxies whose X-Forwarded-For and X-Forwarded-Proto are believed (IPs or CIDR networks):
     # the client address that failed logins are throttled by, TLS for the dashboard cookie
     trusted_proxies: Annotated[
