@@ -109,6 +109,8 @@ def test_round_trip_is_bit_exact(
     head = peek_header(frame)
     assert (head.key, head.shape, head.dtype, head.frame_length) == (key, shape, dtype, len(frame))
     assert head.header_length % codec.HEADER_ALIGN == 0
+    assert (head.version, head.codec) == (1, "raw")  # raw frames stay version 1
+    assert codec.verify(frame, key=key) == head
 
 
 @pytest.mark.parametrize(
@@ -427,9 +429,10 @@ def test_spliced_or_cut_frames_never_decode_wrong(start: int, junk: bytes, cut: 
 
 def test_errors_are_value_errors_and_distinct() -> None:
     errors = [TruncatedFrame, CorruptFrame, KeyMismatch, TokenMismatch, ShapeMismatch, DtypeMismatch]
-    errors.append(UnsupportedVersion)
+    errors += [UnsupportedVersion, codec.UnknownCodec]
     assert all(issubclass(e, FrameError) and issubclass(e, ValueError) for e in errors)
-    assert len(set(errors)) == 7
+    assert len(set(errors)) == 8
+    assert issubclass(codec.Unrepresentable, ValueError) and not issubclass(codec.Unrepresentable, FrameError)
 
 
 def test_no_pickle() -> None:
@@ -463,3 +466,14 @@ def test_check_payload_false_skips_only_the_payload_checksum() -> None:
         codec.decode(bytes(header_flip), key=head.key, check_payload=False)
     with pytest.raises(TruncatedFrame):
         codec.decode(small_frame()[:-1], key=head.key, check_payload=False)
+
+
+def test_verify_checks_what_a_store_must_and_returns_the_header() -> None:
+    """What disk and Redis run on what they read: key, header, lengths, payload checksum."""
+    frame = small_frame()
+    assert codec.verify(frame, key=KEY) == peek_header(frame)
+    raises_with(KeyMismatch, codec.verify, frame, key=KEY[::-1])
+    damaged = bytearray(frame)
+    damaged[-1] ^= 0x80
+    raises_with(CorruptFrame, codec.verify, bytes(damaged), key=KEY)
+    raises_with(TruncatedFrame, codec.verify, frame[:-1], key=KEY)
