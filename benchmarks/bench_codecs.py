@@ -396,12 +396,16 @@ def bench_ttft(tiers: list[Tier], prompt_tokens: int, repeats: int) -> dict[str,
 # ---------------------------------------------------------------------------- 4. hit rate
 
 
+Rates = dict[tuple[str, int, str], float]
+"""Token hit rate by (KV dtype, budget in raw tokens, codec)."""
+
+
 def tokens_in(budget_bytes: int, dtype: str, name: str) -> int:
     """Tokens whose 16-token frames of ``name`` fit in ``budget_bytes`` (whole blocks)."""
     return budget_bytes // frame_bytes(dtype, name) * BLOCK
 
 
-def bench_hit_rates(trace: Path, dtypes: Sequence[str]) -> dict[tuple[str, int, str], float]:
+def bench_hit_rates(trace: Path, dtypes: Sequence[str]) -> Rates:
     """Token hit rate by (dtype, budget in raw tokens, codec)."""
     requests = list(read_trace(trace, "mooncake"))
     summary = summarize(lambda: requests)
@@ -460,7 +464,7 @@ def start_redis(root: Path, stack: ExitStack) -> str | None:
     return server.url
 
 
-def summary(ttft: dict[str, dict[str, list[float]]] | None) -> None:
+def summary(ttft: dict[str, dict[str, list[float]]] | None, hits: dict[str, Rates]) -> None:
     print("5. Summary against the issue's targets (ratios: whole 16-token frames, tokens per byte)")
     for name, target in (("int8", INT8_TARGET), ("int4", INT4_TARGET)):
         for against in ("float32", "bfloat16"):
@@ -469,6 +473,13 @@ def summary(ttft: dict[str, dict[str, list[float]]] | None) -> None:
             print(
                 f"   {name} on {against} KV vs raw {against}: {r:.2f}x tokens per byte (target >= {target}x): {verdict}"
             )
+    for trace, rates in hits.items():
+        for dtype in DTYPES:
+            cells = ", ".join(
+                f"{budget // 1_000_000}M {rates[(dtype, budget, 'int8')]:.1%} vs {rates[(dtype, budget, 'raw')]:.1%}"
+                for budget in BUDGETS
+            )
+            print(f"   int8 vs raw token hit rate at equal bytes ({dtype} KV), {trace}: {cells}")
     if ttft is None or "disk cold" not in ttft:
         print("   int8 TTFT at 90 % cached from disk vs raw: not measured (--no-model)")
         return
@@ -518,10 +529,9 @@ def main() -> None:
 
     print("4. Token hit rate at equal bytes: N = the bytes of 1M / 3M raw tokens' frames")
     print("   (each codec replayed at the tokens its frames fit in N: the codec's capacity in tokens)")
-    for trace in traces:
-        bench_hit_rates(trace, DTYPES)
+    hits = {trace.stem: bench_hit_rates(trace, DTYPES) for trace in traces}
     print()
-    summary(ttft)
+    summary(ttft, hits)
 
 
 if __name__ == "__main__":
