@@ -381,9 +381,8 @@ def bench_ttft(tiers: list[Tier], prompt_tokens: int, repeats: int) -> dict[str,
     print(f"   SmolLM2 ({dtype}, CPU), {prompt_tokens}-token prompts, {cached} cached ({cached / prompt_tokens:.0%}),"
           f" a new prompt each round; full prefill {spread([t * 1e3 for t in full], '{:.0f}')} ms")  # fmt: skip
     print(f"   {'tier':<10} {'codec':<6} {'TTFT ms':>20} {'TTFT / raw':>20} {'speedup vs full':>20}")
-    for label, by_codec in results.items():
-        if label == "full prefill":
-            continue
+    for label in (tier.label for tier in tiers if tier.label in results):
+        by_codec = results[label]
         for name in CODECS:
             times = by_codec[name]
             rel = [t / r for t, r in zip(times, by_codec["raw"], strict=True)]
