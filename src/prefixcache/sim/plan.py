@@ -20,6 +20,10 @@ isolation, block size) on the trace:
    tiers' total (the plan's capacity when they hold it).
 4. The savings: the prefill FLOPs the cache saves at the plan's capacity (the cost
    model, on the counted requests), as GPU-hours and money per hour of trace time.
+5. The codecs (``codec_sizing``, ``plan_tiers``), when a tier or ``codecs`` names one:
+   the capacity in stored bytes of each, a codec tier's tokens per byte, the decode
+   time its hits add to their transfer, and the savings net of loading the hits the
+   tiers serve. Without a codec the plan and its outputs are what they always were.
 
 The curve comes from a ``CurveSource``. ``ExactCurve``, the default, replays the trace
 at each capacity asked for (the compiled kernel where it models the configuration;
@@ -32,16 +36,18 @@ ceiling are always measured by exact replays, so the figures it reports are exac
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Protocol
 
 from prefixcache.config import CacheConfig, KVLayout
+from prefixcache.sim.codec_sizing import RAW, DecodeRate, Measure, check_codec, codecs, decode_rate, measure_decode_rate
 from prefixcache.sim.costmodel import CostModel
 from prefixcache.sim.forks import fork_map, processes
 from prefixcache.sim.held import hold
-from prefixcache.sim.plan_inputs import Tier, check_tiers
+from prefixcache.sim.plan_inputs import Tier, check_tiers, decode_rates
+from prefixcache.sim.plan_tiers import CodecSize, TierShare, codec_sizes, split
 from prefixcache.sim.replay import replay
 from prefixcache.sim.results import UNLIMITED, ReplayConfig, ReplayResult
 from prefixcache.sim.summary import TraceSource, TraceSummary, summarize, warmup_requests
@@ -89,6 +95,8 @@ class PlanInputs:
     precision: float = DEFAULT_PRECISION
     tiers: tuple[Tier, ...] = ()
     price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR
+    codecs: tuple[str, ...] = ()  # also size the cache in these (besides the tiers' own)
+    decode_rates: tuple[tuple[str, float], ...] = ()  # given decode rates (bytes/s) by codec; others measured
 
     def __post_init__(self) -> None:
         if not _number(self.target) or not 0 < self.target <= 1:
@@ -100,7 +108,24 @@ class PlanInputs:
         if not _number(self.warmup) or not 0 <= self.warmup < 1:
             raise ValueError(f"warm-up must be a fraction in [0, 1), got {self.warmup!r}")
         object.__setattr__(self, "tiers", check_tiers(self.tiers))
+        object.__setattr__(self, "codecs", tuple(dict.fromkeys(check_codec(c, "--codec") for c in self.codecs)))
+        object.__setattr__(self, "decode_rates", decode_rates(self.decode_rates))
+        idle = sorted({name for name, _ in self.decode_rates} - set(self.sized_codecs))
+        if idle:
+            raise ValueError(f"decode rate given for {', '.join(idle)}, which no tier stores and --codec does not name")
         self.config(1)  # the cache configuration checks policy, isolation and block size
+
+    @property
+    def codec_aware(self) -> bool:
+        """Whether the plan speaks of codecs: a tier stores one, or ``codecs`` names any.
+        NOTE: otherwise every output is what it was before codecs existed, byte for byte."""
+        return bool(self.codecs) or any(t.codec != RAW for t in self.tiers)
+
+    @property
+    def sized_codecs(self) -> tuple[str, ...]:
+        """The codecs the plan sizes the cache in (raw first when any), in ``codec.CODECS`` order."""
+        named = {RAW, *self.codecs, *(t.codec for t in self.tiers)} if self.codec_aware else set()
+        return tuple(c for c in codecs() if c in named)
 
     def config(self, capacity: float) -> ReplayConfig:
         cap = UNLIMITED if math.isinf(capacity) else int(capacity)
@@ -154,18 +179,6 @@ class ExactCurve:
 
 
 @dataclass(frozen=True, slots=True)
-class TierShare:
-    """What one tier holds and serves in the plan."""
-
-    tier: Tier
-    capacity_tokens: float  # the part of the plan's capacity it holds (0 when the faster ones suffice)
-    kv_bytes: float
-    hit_rate: float  # share of the counted prompt tokens it serves
-    load_seconds_per_token: float  # bytes per token / bandwidth
-    worth_it: bool  # loading a token is faster than the prefill it saves (on average)
-
-
-@dataclass(frozen=True, slots=True)
 class Plan:
     """The planner's answer. ``capacity_tokens`` is ``None`` when the target is above the
     ceiling; the savings are then those of an unlimited cache."""
@@ -190,6 +203,9 @@ class Plan:
     curve_source: str
     engine: str
     over_context: int  # counted prompts longer than the model's context (costed all the same)
+    lookup_tokens: int = 0  # counted prompt tokens looked up (the tiers' hit rates are shares of them)
+    decode: Mapping[str, DecodeRate] = field(default_factory=dict)  # by codec, the rates the plan used
+    sizes: tuple[CodecSize, ...] = ()  # the capacity in each codec's stored bytes (codec-aware plans)
 
     @property
     def reachable(self) -> bool:
@@ -212,6 +228,29 @@ class Plan:
     @property
     def tiers_suffice(self) -> bool:
         return self.capacity_tokens is None or self.tiers_hold >= self.capacity_tokens
+
+    @property
+    def load_hours(self) -> float:
+        """Hours spent loading the hits the tiers serve (transfer + decode), over the counted requests."""
+        return sum(s.hit_rate * self.lookup_tokens * s.load_seconds_per_token for s in self.tiers) / 3600
+
+    @property
+    def decode_hours(self) -> float:
+        """The decode part of ``load_hours``."""
+        return sum(s.hit_rate * self.lookup_tokens * s.decode_seconds_per_token for s in self.tiers) / 3600
+
+    @property
+    def net_gpu_hours_saved(self) -> float:
+        """Prefill GPU-hours saved less the loads of the hits the tiers serve, were the GPU
+        to wait for every one of them (the pessimistic end: a load that overlaps other
+        work costs nothing)."""
+        return self.gpu_hours_saved - self.load_hours
+
+    @property
+    def net_money_per_hour(self) -> float | None:
+        if self.traffic_seconds <= 0:
+            return None
+        return self.net_gpu_hours_saved / (self.traffic_seconds / 3600) * self.inputs.price_per_gpu_hour
 
 
 def _probes(below: float, above: float, n: int, granule: int) -> list[float]:
@@ -272,6 +311,7 @@ def make_plan(
     engine: str = "auto",
     jobs: int | None = None,
     hold_bytes: int | None = None,
+    measure: Measure = measure_decode_rate,
 ) -> Plan:
     """Plan the cache for ``inputs.target`` on the trace ``source()`` streams.
 
@@ -279,7 +319,8 @@ def make_plan(
     replays); the ceiling and the plan's own capacity are replayed exactly, in up to
     ``jobs`` processes (default: one per CPU; the plan is the same for any number).
     The trace is read once and held in memory up to ``hold_bytes`` (``held.hold``: the
-    default budget; 0 reads it from ``source`` on every pass; the same plan either way)."""
+    default budget; 0 reads it from ``source`` on every pass; the same plan either way).
+    ``measure`` times a codec's decode where ``inputs`` gives no rate for it."""
     workers = processes(jobs)
     source = hold(source, hold_bytes)
     summary = summarize(source)
@@ -309,7 +350,9 @@ def make_plan(
     bpt = inputs.kv.bytes_per_token
     saved_gpu_s = inputs.cost.gpu_seconds(at.prefill_flops_saved or 0.0)
     per_hit = saved_gpu_s / at.hit_tokens if at.hit_tokens else None
-    shares, tiers_hold = _tier_split(curve, inputs.tiers, capacity, bpt, per_hit, points)
+    given = dict(inputs.decode_rates)
+    decode = {c: decode_rate(c, inputs.kv, granule, given, measure) for c in inputs.sized_codecs}
+    shares, tiers_hold = split(curve.hit_rates, inputs.tiers, inputs.kv, granule, capacity, per_hit, points, decode)
     curve_points = _dedupe(points)
     rates = [p.token_hit_rate for p in curve_points]
     return Plan(
@@ -333,47 +376,10 @@ def make_plan(
         curve_source=curve.label,
         engine=at.engine,
         over_context=facts.over_context,
+        lookup_tokens=at.lookup_tokens,
+        decode=decode,
+        sizes=codec_sizes(inputs.sized_codecs, capacity, inputs.kv, granule),
     )
-
-
-def _tier_split(
-    curve: CurveSource,
-    tiers: Sequence[Tier],
-    capacity: float | None,
-    bytes_per_token: float,
-    per_hit: float | None,
-    points: list[CurvePoint],
-) -> tuple[tuple[TierShare, ...], float]:
-    """Each tier's part of the capacity, fastest first, and the hits it serves by recency
-    (``points`` gains the curve points this reads)."""
-    if not tiers:
-        return (), math.inf
-    need = math.inf if capacity is None else capacity
-    bounds, held = [], 0.0
-    for tier in tiers:
-        held += min(math.floor(tier.size_bytes / bytes_per_token), max(need - held, 0.0))
-        bounds.append(held)
-    known = {p.capacity_tokens: p.token_hit_rate for p in points}
-    wanted = [b for b in bounds if b > 0 and b not in known]
-    for point in curve.hit_rates(sorted(set(wanted))) if wanted else []:
-        known[point.capacity_tokens] = point.token_hit_rate
-        points.append(point)
-    rate = {0.0: 0.0, **known}
-    shares, previous = [], 0.0
-    for tier, bound in zip(tiers, bounds, strict=True):
-        load = bytes_per_token / tier.bandwidth
-        shares.append(
-            TierShare(
-                tier=tier,
-                capacity_tokens=bound - previous,
-                kv_bytes=(bound - previous) * bytes_per_token,
-                hit_rate=rate[bound] - rate[previous],
-                load_seconds_per_token=load,
-                worth_it=per_hit is not None and load < per_hit,
-            )
-        )
-        previous = bound
-    return tuple(shares), previous
 
 
 def _dedupe(points: Sequence[CurvePoint]) -> tuple[CurvePoint, ...]:

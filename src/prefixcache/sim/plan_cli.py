@@ -15,11 +15,21 @@ from typing import Any
 
 from prefixcache.config import ISOLATION_MODES, CacheConfig
 from prefixcache.policies import POLICIES
+from prefixcache.sim.codec_sizing import codecs
 from prefixcache.sim.costmodel import GPUS, MODELS, CostModel, get_gpu, get_model
 from prefixcache.sim.engines import ENGINES
 from prefixcache.sim.forks import cpus
 from prefixcache.sim.plan import DEFAULT_PRECISION, DEFAULT_PRICE_PER_GPU_HOUR, PlanInputs, make_plan
-from prefixcache.sim.plan_inputs import TIER_EXAMPLE, Tier, kv_layout, load_tiers_toml, parse_tier
+from prefixcache.sim.plan_inputs import (
+    CODEC_TIER_EXAMPLE,
+    TIER_EXAMPLE,
+    Tier,
+    kv_layout,
+    load_decode_rates_toml,
+    load_tiers_toml,
+    parse_decode_rate,
+    parse_tier,
+)
 from prefixcache.sim.tracefile import HASHED_BLOCKS
 from prefixcache.sim.traces import FORMATS, Request, read_trace
 
@@ -32,13 +42,18 @@ examples:
       --tier disk:4T:2GB/s --price-per-gpu-hour 3.5 --html plan.html
   prefixcache plan trace.jsonl --model my-7b:params=7e9,layers=32,hidden=4096,context=32768 \\
       --kv-layout kv_heads=8,head_dim=128,dtype=float16 --target-hit-rate 0.6 --json
+  prefixcache plan trace.jsonl --model llama-3-8b --target-hit-rate 0.8 --tier memory:64G:20GB/s \\
+      --tier disk:2T:2GB/s:int8 --codec int4 --decode-rate int8=8GB/s
 
 The capacity is the smallest at which the policy's token hit rate on the counted requests
 (after --warmup) reaches the target, found by replaying the trace at the capacities a
 search needs (to --precision, relative). Sizes: 64G = 64GiB = 64 x 2^30 bytes; 64GB =
 64 x 10^9; bandwidths end in /s (20GB/s). Tiers are filled fastest first; each serves
-the hits a cache of its cumulative size adds to the faster ones'. Exit status: 0 with a
-plan, 1 when the target is above the trace's ceiling (reported), 2 for bad input.
+the hits a cache of its cumulative size adds to the faster ones'. A tier's 4th field is
+the codec it stores frames in (raw by default): its bytes hold more tokens, and a hit
+it serves costs a decode on top of its transfer (--decode-rate, else measured here).
+Exit status: 0 with a plan, 1 when the target is above the trace's ceiling (reported),
+2 for bad input.
 """
 
 
@@ -106,10 +121,30 @@ def add_plan_parser(sub: Any) -> None:
         "--tier",
         action="append",
         default=[],
-        metavar="NAME:SIZE:BANDWIDTH",
-        help=f"a storage tier, e.g. {TIER_EXAMPLE} (repeat for more)",
+        metavar="NAME:SIZE:BANDWIDTH[:CODEC]",
+        help=f"a storage tier, e.g. {TIER_EXAMPLE} or {CODEC_TIER_EXAMPLE} (codec: {', '.join(codecs())}; "
+        "default raw; repeat for more)",
     )
-    p.add_argument("--tiers", type=Path, metavar="FILE", help="storage tiers from a TOML file of [[tier]] tables")
+    p.add_argument(
+        "--tiers",
+        type=Path,
+        metavar="FILE",
+        help="storage tiers from a TOML file of [[tier]] tables (and an optional [decode_rate] table)",
+    )
+    p.add_argument(
+        "--codec",
+        default=None,
+        metavar="LIST",
+        help=f"also size the cache in these codecs' stored bytes, comma-separated ({', '.join(codecs())})",
+    )
+    p.add_argument(
+        "--decode-rate",
+        action="append",
+        default=[],
+        metavar="CODEC=RATE",
+        help="a codec's decode rate in decoded bytes a second, e.g. int8=8GB/s, for deterministic output "
+        "(default: measured on this machine; repeat for more)",
+    )
     p.add_argument("--format", choices=("auto", *FORMATS), default="auto", help="trace format (default: auto)")
     p.add_argument("--hashed-blocks", choices=HASHED_BLOCKS, default="auto", help="as for replay (default auto)")
     p.add_argument("--engine", choices=ENGINES, default="auto", help="tree mode's engine, as for replay")
@@ -125,9 +160,19 @@ def _tiers(args: argparse.Namespace) -> list[Tier]:
     return tiers
 
 
+def _decode_rates(args: argparse.Namespace) -> list[tuple[str, float]]:
+    rates = [parse_decode_rate(spec) for spec in args.decode_rate]
+    if args.tiers is not None:
+        rates += load_decode_rates_toml(args.tiers)
+    return rates
+
+
 def plan_inputs(args: argparse.Namespace) -> PlanInputs:
     """The planner's inputs from the flags; a ValueError names what is wrong."""
     model = get_model(args.model)
+    named = [c.strip() for c in (args.codec or "").split(",") if c.strip()]
+    if args.codec is not None and not named:
+        raise ValueError("--codec: give at least one codec")
     return PlanInputs(
         target=args.target_hit_rate,
         cost=CostModel(model, get_gpu(args.gpu), args.utilization),
@@ -139,6 +184,8 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
         precision=args.precision,
         tiers=tuple(_tiers(args)),
         price_per_gpu_hour=args.price_per_gpu_hour,
+        codecs=tuple(named),
+        decode_rates=tuple(_decode_rates(args)),
     )
 
 

@@ -14,6 +14,10 @@ Sizes and bandwidths take a number with an optional unit. ``K``, ``M``, ``G``, `
 alone or with ``iB`` are powers of 1024 (``64G`` = ``64GiB`` = 64 x 2^30 bytes, as
 memory is sold); with ``B`` alone they are powers of 1000 (``20GB/s`` = 20 x 10^9
 bytes a second, as links and disks are rated). A bandwidth ends in ``/s``.
+
+A tier may name the codec it stores frames in (``disk:2T:2GB/s:int8``; default raw):
+its size then holds more tokens, and each hit it serves costs a decode on top of its
+transfer (``codec_sizing``), at a rate given per codec (``int8=8GB/s``) or measured.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from types import MappingProxyType
 from typing import Any
 
 from prefixcache.config import KVLayout
+from prefixcache.sim.codec_sizing import RAW, check_codec
 from prefixcache.sim.costmodel import ModelProfile
 
 KV_LAYOUTS: Mapping[str, KVLayout] = MappingProxyType(
@@ -109,15 +114,18 @@ def parse_bandwidth(text: str, what: str = "bandwidth") -> float:
 
 @dataclass(frozen=True, slots=True)
 class Tier:
-    """One storage tier: a name, its size in bytes, the bandwidth it loads KV at."""
+    """One storage tier: a name, its size in stored bytes, the bandwidth it loads them at,
+    and the codec its frames are stored in."""
 
     name: str
     size_bytes: float
     bandwidth: float  # bytes a second
+    codec: str = RAW
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError(f"tier name must be a non-empty string, got {self.name!r}")
+        check_codec(self.codec, f"tier {self.name!r}")
         for field_name, value in (("size", self.size_bytes), ("bandwidth", self.bandwidth)):
             if (
                 isinstance(value, bool)
@@ -128,43 +136,99 @@ class Tier:
 
 
 TIER_EXAMPLE = "memory:64G:20GB/s"
+CODEC_TIER_EXAMPLE = "disk:2T:2GB/s:int8"
 
 
 def parse_tier(spec: str) -> Tier:
-    """``NAME:SIZE:BANDWIDTH``, e.g. ``memory:64G:20GB/s`` or ``disk:2T:2GB/s``."""
+    """``NAME:SIZE:BANDWIDTH[:CODEC]``, e.g. ``memory:64G:20GB/s`` or ``disk:2T:2GB/s:int8``."""
     parts = [part.strip() for part in spec.split(":")]
-    if len(parts) != 3 or not all(parts):
-        raise ValueError(f"tier {spec!r}: expected NAME:SIZE:BANDWIDTH, e.g. {TIER_EXAMPLE!r}")
-    name, size, bandwidth = parts
-    return Tier(name, parse_bytes(size, f"tier {name!r} size"), parse_bandwidth(bandwidth, f"tier {name!r} bandwidth"))
+    if len(parts) not in (3, 4) or not all(parts):
+        raise ValueError(
+            f"tier {spec!r}: expected NAME:SIZE:BANDWIDTH[:CODEC], e.g. {TIER_EXAMPLE!r} or {CODEC_TIER_EXAMPLE!r}"
+        )
+    name, size, bandwidth = parts[:3]
+    return Tier(
+        name,
+        parse_bytes(size, f"tier {name!r} size"),
+        parse_bandwidth(bandwidth, f"tier {name!r} bandwidth"),
+        check_codec(parts[3], f"tier {name!r}") if len(parts) == 4 else RAW,
+    )
+
+
+def parse_decode_rate(spec: str) -> tuple[str, float]:
+    """``CODEC=RATE``, e.g. ``int8=8GB/s``: decoded bytes a second of that codec."""
+    name, eq, rate = (part.strip() for part in spec.partition("="))
+    if not eq or not name or not rate:
+        raise ValueError(f"decode rate {spec!r}: expected CODEC=RATE, e.g. 'int8=8GB/s'")
+    if check_codec(name, f"decode rate {spec!r}") == RAW:
+        raise ValueError(f"decode rate {spec!r}: raw frames are not decoded (they are handed over as they are)")
+    return name, parse_bandwidth(rate, f"decode rate of {name}")
+
+
+def decode_rates(specs: Sequence[tuple[str, float]]) -> tuple[tuple[str, float], ...]:
+    """The given rates by codec, each codec once."""
+    names = [name for name, _ in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"decode rate given twice for: {', '.join(twice)}")
+    return tuple(sorted(specs))
+
+
+_TIER_KEYS = {"name", "size", "bandwidth"}
 
 
 def load_tiers_toml(path: str | Path) -> list[Tier]:
     """Tiers from a TOML file of ``[[tier]]`` tables with ``name``, ``size`` and
-    ``bandwidth`` (strings as on the command line)::
+    ``bandwidth``, and optionally ``codec`` (strings as on the command line)::
 
         [[tier]]
         name = "memory"
         size = "64G"
         bandwidth = "20GB/s"
-    """
+
+        [[tier]]
+        name = "disk"
+        size = "2T"
+        bandwidth = "2GB/s"
+        codec = "int8"
+
+    Decode rates, if the file gives them, are read by ``load_decode_rates_toml``."""
+    data = _read_toml(path)
+    unknown = sorted(set(data) - {"tier", "decode_rate"})
+    tables = data.get("tier")
+    if unknown or not isinstance(tables, list) or not tables:
+        raise ValueError(
+            f"tiers file {path}: expected one or more [[tier]] tables (and optionally a [decode_rate] table) "
+            "and nothing else"
+        )
+    tiers = []
+    for i, table in enumerate(tables, 1):
+        keys = set(table) if isinstance(table, dict) else set()
+        if not _TIER_KEYS <= keys <= _TIER_KEYS | {"codec"} or not all(isinstance(table[k], str) for k in keys):
+            raise ValueError(
+                f"tiers file {path}: tier {i} needs exactly the strings name, size and bandwidth (and optionally codec)"
+            )
+        codec = f":{table['codec']}" if "codec" in table else ""
+        tiers.append(parse_tier(f"{table['name']}:{table['size']}:{table['bandwidth']}{codec}"))
+    return tiers
+
+
+def load_decode_rates_toml(path: str | Path) -> list[tuple[str, float]]:
+    """The ``[decode_rate]`` table of a tiers file (codec = rate, e.g. ``int8 = "8GB/s"``),
+    empty when it has none."""
+    table = _read_toml(path).get("decode_rate", {})
+    if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+        raise ValueError(f'tiers file {path}: [decode_rate] holds codec = "RATE" strings, e.g. int8 = "8GB/s"')
+    return [parse_decode_rate(f"{name}={rate}") for name, rate in table.items()]
+
+
+def _read_toml(path: str | Path) -> dict[str, Any]:
     try:
-        data: dict[str, Any] = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise ValueError(f"cannot read tiers file {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"tiers file {path}: invalid TOML: {exc}") from None
-    unknown = sorted(set(data) - {"tier"})
-    tables = data.get("tier")
-    if unknown or not isinstance(tables, list) or not tables:
-        raise ValueError(f"tiers file {path}: expected one or more [[tier]] tables and nothing else")
-    tiers = []
-    for i, table in enumerate(tables, 1):
-        keys = set(table) if isinstance(table, dict) else set()
-        if keys != {"name", "size", "bandwidth"} or not all(isinstance(table[k], str) for k in keys):
-            raise ValueError(f"tiers file {path}: tier {i} needs exactly the strings name, size and bandwidth")
-        tiers.append(parse_tier(f"{table['name']}:{table['size']}:{table['bandwidth']}"))
-    return tiers
 
 
 def check_tiers(tiers: Sequence[Tier]) -> tuple[Tier, ...]:

@@ -1,7 +1,10 @@
 """The capacity plan as text, JSON and a self-contained HTML page.
 
 The text is plain lines (what a terminal, a ticket and the docs all show the same way);
-every figure in it is also in the JSON, unrounded, for scripts.
+every figure in it is also in the JSON, unrounded, for scripts. A plan that names a
+codec (a tier's, or ``--codec``) adds what codecs change: the capacity in each codec's
+stored bytes, a codec and decode column in the tier table, where each decode rate came
+from, and the savings net of loading; a plan without one prints what it always has.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from prefixcache.sim.codec_sizing import MEASURE_MAX_TOKENS
 from prefixcache.sim.plan import DEFAULT_PRICE_PER_GPU_HOUR, Plan
 from prefixcache.sim.plan_inputs import layout_label
 from prefixcache.sim.report import format_tokens
@@ -36,7 +40,7 @@ def _rate(bandwidth: float) -> str:
 
 
 def _money(x: float) -> str:
-    return f"${x:,.2f}"
+    return f"-${-x:,.2f}" if x < 0 else f"${x:,.2f}"
 
 
 def headline(plan: Plan) -> str:
@@ -62,6 +66,7 @@ def render_text(plan: Plan) -> str:
     ]
     kv = inp.kv
     lines.append(f"  KV of {cost.model.name}: {layout_label(kv)} = {kv.bytes_per_token:,} bytes/token")
+    lines += _size_lines(plan)
     if plan.capacity_tokens is not None:
         lines.append(f"  hit rate at {plan.capacity_tokens:,.0f} tokens: {_pct(plan.hit_rate, 2)} (replayed)")
         if plan.below is not None:
@@ -80,35 +85,82 @@ def render_text(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _size_lines(plan: Plan) -> list[str]:
+    """The capacity in each codec's stored bytes (codec-aware plans only)."""
+    if not plan.sizes:
+        return []
+    if plan.capacity_tokens is None:
+        return [f"  stored per token at {plan.block_size}-token blocks: " + _per_token(plan)]
+    out = [f"  the same {plan.capacity_tokens:,.0f} tokens stored as frames at {plan.block_size}-token blocks:"]
+    for size in plan.sizes:
+        out.append(
+            f"    {size.codec:<5} {gib(size.kv_bytes or 0.0):>12}  "
+            f"({size.ratio:.2f}x tokens per byte of raw, {size.stored_bytes_per_token:,.0f} bytes/token)"
+        )
+    return out
+
+
+def _per_token(plan: Plan) -> str:
+    return "; ".join(f"{s.codec} {s.stored_bytes_per_token:,.0f} bytes ({s.ratio:.2f}x)" for s in plan.sizes)
+
+
 def _tier_lines(plan: Plan) -> list[str]:
     if not plan.tiers:
         return []
     per_hit = plan.prefill_seconds_per_hit_token
+    codecs = plan.inputs.codec_aware
+    codec_head = f" {'codec':<5}" if codecs else ""
+    decode_head = f" {'transfer':>11} {'decode':>11}" if codecs else ""
     out = [
         "",
         f"Tiers, fastest filled first (a hit token saves {_us(per_hit)} of prefill GPU time on average):",
-        f"  {'tier':<10} {'size':>12} {'bandwidth':>11} {'holds (tokens)':>15} {'KV':>12} {'serves':>7} "
-        f"{'load/token':>11}",
+        f"  {'tier':<10} {'size':>12} {'bandwidth':>11}{codec_head} {'holds (tokens)':>15} "
+        f"{'stored' if codecs else 'KV':>12} {'serves':>7}{decode_head} {'load/token':>11}",
     ]
     for s in plan.tiers:
         verdict = "" if s.capacity_tokens == 0 else ("  worth it" if s.worth_it else "  TOO SLOW: loading costs more")
+        codec = f" {s.tier.codec:<5}" if codecs else ""
+        decode = f" {_us(s.transfer_seconds_per_token):>11} {_us(s.decode_seconds_per_token):>11}" if codecs else ""
         out.append(
-            f"  {s.tier.name:<10} {gib(s.tier.size_bytes):>12} {_rate(s.tier.bandwidth):>11} "
-            f"{s.capacity_tokens:>15,.0f} {gib(s.kv_bytes):>12} {_pct(s.hit_rate):>7} "
+            f"  {s.tier.name:<10} {gib(s.tier.size_bytes):>12} {_rate(s.tier.bandwidth):>11}{codec} "
+            f"{s.capacity_tokens:>15,.0f} {gib(s.kv_bytes):>12} {_pct(s.hit_rate):>7}{decode} "
             f"{_us(s.load_seconds_per_token):>11}{verdict}"
         )
     total = sum(s.hit_rate for s in plan.tiers)
-    out.append(f"  {'total':<10} {'':>12} {'':>11} {plan.tiers_hold:>15,.0f} {'':>12} {_pct(total):>7}")
+    codec_pad = " " * len(codec_head)
+    out.append(f"  {'total':<10} {'':>12} {'':>11}{codec_pad} {plan.tiers_hold:>15,.0f} {'':>12} {_pct(total):>7}")
     if not plan.tiers_suffice and plan.capacity_tokens is not None:
-        missing = (plan.capacity_tokens - plan.tiers_hold) * plan.bytes_per_token
-        out.append(f"  the tiers hold {_pct(total)}, short of the target: {gib(missing)} more KV needed")
+        last = plan.tiers[-1]
+        per_token = last.stored_bytes_per_token if codecs else plan.bytes_per_token
+        missing = (plan.capacity_tokens - plan.tiers_hold) * per_token
+        stored = f" (as {last.tier.codec} frames, {last.tier.name}'s codec)" if codecs else ""
+        out.append(f"  the tiers hold {_pct(total)}, short of the target: {gib(missing)} more KV needed{stored}")
     slow = [s.tier.name for s in plan.tiers if s.capacity_tokens and not s.worth_it]
     if slow:
+        what = "loading a token's KV (transfer + decode)" if codecs else "loading a token's KV"
         out.append(
-            f"  too slow to be worth it: {', '.join(slow)} (loading a token's KV takes longer than the prefill it "
+            f"  too slow to be worth it: {', '.join(slow)} ({what} takes longer than the prefill it "
             "saves; recomputing is faster unless the load overlaps other work)"
         )
+    out += _decode_lines(plan)
     return out
+
+
+def _decode_lines(plan: Plan) -> list[str]:
+    """Where each decode rate the tiers use came from."""
+    used = [rate for codec, rate in plan.decode.items() if any(s.tier.codec == codec for s in plan.tiers)]
+    named = [r for r in used if r.source != "none"]
+    if not named:
+        return []
+    where = {
+        "given": "given (--decode-rate or the tiers file)",
+        "measured": f"measured: codec.decode of a synthetic block of this layout, on this machine, "
+        f"at up to {MEASURE_MAX_TOKENS} tokens",
+    }
+    return [
+        f"  decode rate of {r.codec}: {r.bytes_per_second / 1e9:.3g} GB/s of decoded KV, {where[r.source]}"
+        for r in named
+    ]
 
 
 def _savings_lines(plan: Plan) -> list[str]:
@@ -131,12 +183,31 @@ def _savings_lines(plan: Plan) -> list[str]:
             f"  money saved per hour of traffic: {_money(money)} at {_money(inp.price_per_gpu_hour)} per GPU-hour "
             f"({'the default; ' if inp.price_per_gpu_hour == DEFAULT_PRICE_PER_GPU_HOUR else ''}--price-per-gpu-hour)"
         )
+    if plan.inputs.codec_aware and plan.tiers:
+        out += _net_lines(plan)
     if plan.over_context:
         out.append(
             f"  {plan.over_context:,} counted prompts exceed {cost.model.name}'s {cost.model.context_length:,}-token "
             "context (costed by the same formula)"
         )
     return out
+
+
+def _net_lines(plan: Plan) -> list[str]:
+    """The savings less the loads of the hits the tiers serve (codec-aware plans)."""
+    hours = plan.traffic_seconds / 3600
+    if hours <= 0:
+        return [
+            f"  net of loading the tiers' hits: {plan.net_gpu_hours_saved:.4g} GPU-hours over the trace "
+            f"(loads {plan.load_hours:.3g}, of which decode {plan.decode_hours:.3g})"
+        ]
+    net_money = plan.net_money_per_hour or 0.0
+    return [
+        f"  net of loading the hits the tiers serve, were the GPU to wait for each load: "
+        f"{plan.net_gpu_hours_saved / hours:.3g} GPU-hours per hour of traffic, {_money(net_money)} per hour "
+        f"(loads cost {plan.load_hours / hours:.3g} GPU-hours per hour, of which decode "
+        f"{plan.decode_hours / hours:.3g})"
+    ]
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:
@@ -146,7 +217,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     def cap(c: float) -> float | None:
         return None if math.isinf(c) else c
 
-    return {
+    out = {
         "trace": plan.trace,
         "target_hit_rate": inp.target,
         "reachable": plan.reachable,
@@ -202,6 +273,37 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "engine": plan.engine,
         "curve": [{"capacity_tokens": cap(p.capacity_tokens), "token_hit_rate": p.token_hit_rate} for p in plan.curve],
     }
+    return _codec_json(plan, out) if inp.codec_aware else out
+
+
+def _codec_json(plan: Plan, out: dict[str, Any]) -> dict[str, Any]:
+    """What codecs add to the JSON (codec-aware plans only: the rest is unchanged)."""
+    for entry, s in zip(out["tiers"], plan.tiers, strict=True):
+        entry |= {
+            "codec": s.tier.codec,
+            "stored_bytes_per_token": s.stored_bytes_per_token,
+            "transfer_seconds_per_token": s.transfer_seconds_per_token,
+            "decode_seconds_per_token": s.decode_seconds_per_token,
+        }
+    out["codecs"] = [
+        {
+            "codec": size.codec,
+            "ratio": size.ratio,
+            "stored_bytes_per_token": size.stored_bytes_per_token,
+            "kv_bytes": size.kv_bytes,
+            "decode_bytes_per_s": None
+            if math.isinf(plan.decode[size.codec].bytes_per_second)
+            else plan.decode[size.codec].bytes_per_second,
+            "decode_rate_source": plan.decode[size.codec].source,
+        }
+        for size in plan.sizes
+    ]
+    out["lookup_tokens"] = plan.lookup_tokens
+    out["load_gpu_hours"] = plan.load_hours
+    out["decode_gpu_hours"] = plan.decode_hours
+    out["net_gpu_hours_saved"] = plan.net_gpu_hours_saved
+    out["net_money_saved_per_hour"] = plan.net_money_per_hour
+    return out
 
 
 def to_json(plan: Plan) -> str:
