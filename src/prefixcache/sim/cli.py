@@ -15,7 +15,9 @@ from typing import Any
 
 from prefixcache.config import ISOLATION_MODES, CacheConfig, PublishConfig
 from prefixcache.policies import POLICIES
-from prefixcache.sim.costmodel import GPUS, MODELS
+from prefixcache.sim.codec_replay import codec_capacities, codec_note
+from prefixcache.sim.codec_sizing import codecs
+from prefixcache.sim.costmodel import GPUS, MODELS, CostModel
 from prefixcache.sim.engines import ENGINES
 from prefixcache.sim.fleet_cli import add_fleet_flags, run_fleet, wants_fleet
 from prefixcache.sim.inputs import (
@@ -46,6 +48,7 @@ examples:
   prefixcache replay trace.jsonl --format mooncake --policy lru,s3fifo --capacity-tokens 1e6,1e7,inf --warmup 0.5
   prefixcache replay users.jsonl --isolation shared,namespace,partitioned --block-size 16,64 --json
   prefixcache replay users.jsonl --mode flat --policy lru,fifo,s3fifo --html report.html
+  prefixcache replay trace.jsonl --model llama-3-8b --capacity-bytes 64GiB --codec raw,int8,int4 --warmup 0.5
   prefixcache replay trace.jsonl --backends 4 --routing round_robin,least_loaded,prefix,cost --capacity-tokens 1e6
 
 Lists are comma-separated; every combination is replayed (policies x capacities x block
@@ -110,6 +113,13 @@ def add_replay_parser(sub: Any) -> None:
         type=lambda t: _parse_list(t, parse_bytes, "--capacity-bytes"),
         help=f"cache capacities in bytes of KV, comma-separated, instead of --capacity-tokens: {BYTE_FORMS}; "
         "needs --model, whose KV layout turns bytes into tokens",
+    )
+    p.add_argument(
+        "--codec",
+        default=None,
+        type=lambda t: _parse_list(t, str, "--codec", codecs()),
+        help=f"with --capacity-bytes: the bytes are stored frames of these codecs, comma-separated "
+        f"({', '.join(codecs())}); each turns them into its own number of tokens (default: raw KV bytes)",
     )
     p.add_argument(
         "--block-size",
@@ -247,11 +257,14 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     summary = _summary(args, parser, source)
     if summary is None:
         return 2
+    if args.codec is not None:
+        assert cost is not None  # inputs.static_errors: --codec needs --capacity-bytes, which needs --model
+        notes = [_codec_note(args, cost, summary)]
     if fleet:
-        return run_fleet(args, parser, source, cost, summary, _replay_configs(args))
+        return run_fleet(args, parser, source, cost, summary, _replay_configs(args, cost, summary))
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     try:
-        configs = _replay_configs(args)
+        configs = _replay_configs(args, cost, summary)
         results = replay(
             source,
             configs,
@@ -295,14 +308,32 @@ def _summary(
     return summary
 
 
-def _replay_configs(args: argparse.Namespace) -> list[ReplayConfig]:
-    """Every combination the flags list, in the order the table shows them."""
+def _replay_configs(args: argparse.Namespace, cost: CostModel | None, summary: TraceSummary) -> list[ReplayConfig]:
+    """Every combination the flags list, in the order the table shows them. With
+    ``--codec`` each byte capacity becomes, per codec, the tokens its frames hold at the
+    block size replayed (the trace's own for a pre-hashed trace)."""
     block_sizes = args.block_size or [16]
-    combos = itertools.product(args.mode, args.isolation, block_sizes, args.policy, args.capacity_tokens)
-    return [
-        ReplayConfig(_cache_config(args, policy, capacity, block_size, isolation, mode), mode)
-        for mode, isolation, block_size, policy, capacity in combos
-    ]
+    if args.codec is None:
+        combos = itertools.product(args.mode, args.isolation, block_sizes, args.policy, args.capacity_tokens)
+        return [
+            ReplayConfig(_cache_config(args, policy, capacity, block_size, isolation, mode), mode)
+            for mode, isolation, block_size, policy, capacity in combos
+        ]
+    assert cost is not None and cost.model.kv is not None
+    kv, configs = cost.model.kv, []
+    for mode, isolation, block_size, policy in itertools.product(args.mode, args.isolation, block_sizes, args.policy):
+        block = summary.native_block_size or block_size
+        for c in codec_capacities(args.capacity_bytes, args.codec, kv, block):
+            cache = _cache_config(args, policy, c.tokens, block_size, isolation, mode)
+            configs.append(ReplayConfig(cache, mode, codec=c.codec))
+    return configs
+
+
+def _codec_note(args: argparse.Namespace, cost: CostModel, summary: TraceSummary) -> str:
+    assert cost.model.kv is not None
+    blocks = [summary.native_block_size] if summary.native_block_size else (args.block_size or [16])
+    rows = [c for block in blocks for c in codec_capacities(args.capacity_bytes, args.codec, cost.model.kv, block)]
+    return codec_note(cost.model.name, cost.model.kv, rows)
 
 
 def _cache_config(

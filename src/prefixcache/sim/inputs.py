@@ -166,6 +166,14 @@ def static_errors(args: argparse.Namespace) -> list[str]:
             errors.append(
                 "--capacity-bytes needs --model NAME: the model's KV layout says how many bytes a token holds"
             )
+    if _given(args, "codec"):
+        if not _given(args, "capacity_bytes"):
+            errors.append(
+                "--codec says what the bytes of --capacity-bytes are stored as; with capacities in tokens it "
+                "changes nothing: give --capacity-bytes"
+            )
+        if _given(args, "tenant_capacity"):
+            errors.append("--tenant-capacity cannot name one of several codecs' capacities: leave it out with --codec")
     if _given(args, "tenant_capacity") and args.html is None:
         errors.append("--tenant-capacity picks the capacity of the HTML report's per-tenant chart: add --html FILE")
     return errors

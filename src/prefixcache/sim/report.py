@@ -77,8 +77,13 @@ def isolation_label(c: ReplayConfig) -> str:
     return f"{c.isolation}+publish{publish.min_tenants}" if publish is not None else c.isolation
 
 
+def _has_codec(results: Sequence[ReplayResult]) -> bool:
+    return any(r.config.codec is not None for r in results)
+
+
 def table_headers(results: Sequence[ReplayResult]) -> list[str]:
-    headers = ["policy", "capacity", "block", "isolation", "mode", "requests", "token hit", "request hit"]
+    codec = ["codec"] if _has_codec(results) else []
+    headers = ["policy", *codec, "capacity", "block", "isolation", "mode", "requests", "token hit", "request hit"]
     if _has_block_hits(results):
         headers.append("block hit")
     headers += ["optimal", "gap (pp)", "evictions"]
@@ -94,12 +99,15 @@ def table_rows(results: Sequence[ReplayResult]) -> list[list[str]]:
     them; a result without shows a dash, so that a mixed table stays aligned."""
     with_cost = _has_cost(results)
     with_block_hits = _has_block_hits(results)
+    with_codec = _has_codec(results)
     rows = []
     for r in results:
         c = r.config
         block = f"{c.block_size}" + (" partial" if c.cache.partial_blocks else "")
         mode = f"{c.mode} ({r.engine})" if c.mode == "tree" else c.mode
-        row = [c.policy, format_capacity(c.capacity_tokens), block, isolation_label(c), mode, f"{r.requests:,}"]
+        codec = [c.codec or "raw"] if with_codec else []
+        row = [c.policy, *codec, format_capacity(c.capacity_tokens), block, isolation_label(c), mode]
+        row.append(f"{r.requests:,}")
         row += [percent(r.token_hit_rate), percent(r.request_hit_rate)]
         if with_block_hits:
             row.append(percent(r.block_hit_rate))
@@ -151,7 +159,7 @@ def render_table(results: list[ReplayResult], console: Console | None = None, no
     """Print the comparison table, one row per result, in the order given, then the
     notes (``result_notes(results)``, and the caller's ``notes``)."""
     table = Table(title=title(results))
-    text_columns = {"policy", "capacity", "block", "isolation", "mode"}
+    text_columns = {"policy", "codec", "capacity", "block", "isolation", "mode"}
     for header in table_headers(results):
         # NOTE: fold, never ellipsis: "39…" in a narrow terminal reads as a number.
         table.add_column(header, justify="left" if header in text_columns else "right", overflow="fold")

@@ -32,10 +32,15 @@ class ReplayConfig:
     NOTE: ``cache`` is the one source of truth; the properties below only read it, for
     the code that compares configurations. What a pre-hashed trace changes (its own
     block size, capacity in native blocks) is derived from it when the replay starts
-    (``summary.effective_configs``, ``engines.engine_config``)."""
+    (``summary.effective_configs``, ``engines.engine_config``).
+
+    ``codec`` names the frames a byte capacity was counted in (``replay --codec``): the
+    cache's capacity in tokens is already what those bytes hold, so the replay itself
+    never reads it; labels and JSON show it. ``None``: no codec was asked for."""
 
     cache: CacheConfig
     mode: str = "tree"
+    codec: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -69,12 +74,14 @@ class ReplayConfig:
         cap = "inf" if self.unlimited else f"{self.capacity_tokens:.3g}"
         publish = self.cache.publish
         promo = f" publish>={publish.min_tenants}" if publish is not None else ""
-        return f"{self.policy} cap={cap} bs={self.block_size} {self.isolation}{promo} {self.mode}"
+        codec = f" codec={self.codec}" if self.codec is not None else ""
+        return f"{self.policy} cap={cap} bs={self.block_size} {self.isolation}{promo} {self.mode}{codec}"
 
     def to_json(self) -> dict[str, Any]:
         """The configuration as flat JSON fields (an unlimited capacity is ``null`` with
         ``unlimited: true``)."""
         cache, publish = self.cache, self.cache.publish
+        codec = {} if self.codec is None else {"codec": self.codec}
         return {
             "policy": cache.policy,
             "capacity_tokens": None if self.unlimited else cache.capacity,
@@ -86,6 +93,7 @@ class ReplayConfig:
             "publish_min_tenants": None if publish is None else publish.min_tenants,
             "publish_min_tokens": (publish or _NO_PUBLISH).min_tokens,
             "unlimited": self.unlimited,
+            **codec,
         }
 
 
