@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from prefixcache.sim.codec_sizing import MEASURE_MAX_TOKENS
+from prefixcache.sim.codec_sizing import MEASURE_MAX_BYTES, MEASURE_MAX_TOKENS
 from prefixcache.sim.plan import DEFAULT_PRICE_PER_GPU_HOUR, Plan
 from prefixcache.sim.plan_inputs import layout_label
 from prefixcache.sim.report import format_tokens
@@ -154,8 +154,8 @@ def _decode_lines(plan: Plan) -> list[str]:
         return []
     where = {
         "given": "given (--decode-rate or the tiers file)",
-        "measured": f"measured: codec.decode of a synthetic block of this layout, on this machine, "
-        f"at up to {MEASURE_MAX_TOKENS} tokens",
+        "measured": "measured: codec.decode of a synthetic block of this layout (up to "
+        f"{MEASURE_MAX_TOKENS} tokens, {MEASURE_MAX_BYTES >> 20} MiB), on this machine",
     }
     return [
         f"  decode rate of {r.codec}: {r.bytes_per_second / 1e9:.3g} GB/s of decoded KV, {where[r.source]}"
