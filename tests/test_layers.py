@@ -217,6 +217,29 @@ def test_config_dtypes_are_the_wire_dtypes() -> None:
     assert list(WIRE_DTYPES) == list(KV_DTYPES)  # the order errors list the valid ones in
 
 
+def test_config_codecs_are_the_frame_codecs() -> None:
+    """config.py names the tier codecs without importing storage; the codec writes each."""
+    from prefixcache.config import KV_CODECS
+    from prefixcache.storage.codec import CODECS
+
+    assert tuple(KV_CODECS) == tuple(CODECS)
+
+
+def test_config_counts_each_codecs_bytes_as_the_codec_frames_them() -> None:
+    """A tier's capacity in tokens comes from config's sizes (``KVLayout.stored_bytes``);
+    the codec's frames must take exactly those bytes and a header the same in every codec."""
+    from prefixcache.config import KV_CODECS, KVLayout
+    from prefixcache.storage.codec import encoded_size
+
+    layouts = (KVLayout(30, 3, 64, "float32"), KVLayout(2, 1, 48, "bfloat16"), KVLayout(3, 2, 8, "float16"))
+    for layout in layouts:
+        for tokens in (1, 7, 16):
+            header = encoded_size(layout.shape(tokens), layout.dtype, 16) - tokens * layout.bytes_per_token
+            for name in KV_CODECS:
+                frame = encoded_size(layout.shape(tokens), layout.dtype, 16, name)
+                assert frame - header == layout.stored_bytes(tokens, name), (layout, tokens, name)
+
+
 def test_serve_and_the_connector_default_to_one_table_of_tiers() -> None:
     """``[cache]`` and the connector's ``cache`` are CacheConfig's defaults but for the
     tiers, which both take from ``config.local_tiers`` (each in its own folder)."""

@@ -29,6 +29,7 @@ from prefixcache.integrations.vllm.scheduler import SchedulerState, StepPlan
 from prefixcache.integrations.vllm.scope import Bypass, Fingerprints, Media, Scope, scope_of
 from prefixcache.integrations.vllm.settings import model_key, parse_settings
 from prefixcache.integrations.vllm.worker import ConnectorWorker, LoadSpec, SaveSpec, Tally
+from prefixcache.storage import codec
 
 H, D, N, LAYERS, BLOCKS = 3, 8, 4, 2, 10
 
@@ -179,6 +180,32 @@ def test_a_saved_prefix_loads_bit_exact_into_other_blocks_for_its_tenant_only(tm
     assert {tier for _, tier in tally.hit_tokens} <= {"memory", "disk"}
     assert w2.take_tally() is None
     w2.close(5)
+
+
+def test_the_connectors_tiers_store_in_their_codec_and_load_the_decoded_kv(tmp_path: Path) -> None:
+    """The connector's cache is the same ``PrefixCache``: a disk tier that says int8
+    stores int8 frames, and a second process loads into vLLM's blocks what they decode to."""
+    source = cpu_caches(6)
+    tokens = tuple(range(500, 500 + 3 * N))
+    config = CacheConfig(
+        tiers=(TierConfig(kind="disk", capacity_bytes=1 << 22, path=str(tmp_path / "disk"), codec="int8"),),
+        writer="inline",
+    )
+    w = ConnectorWorker(config, paged(source), "m@1")
+    assert w.save(SaveSpec("r1", ALICE, tokens, (4, 0, 9))) == 3 * N
+    w.close(5)
+    frames = sorted((tmp_path / "disk").rglob("*.blk"))
+    assert len(frames) == 3 and {codec.peek_header(f.read_bytes()).codec for f in frames} == {"int8"}
+    target = cpu_caches(7)
+    w2 = ConnectorWorker(config, paged(target), "m@1")
+    assert w2.load(LoadSpec("r2", ALICE, tokens, 0, (6, 2, 3))) == []
+    for got, block in zip((6, 2, 3), (4, 0, 9), strict=True):
+        kv = paged(source).gather([block]).numpy()
+        key = b"k" * 16
+        want = codec.decode(codec.encode(key, b"", kv, codec="int8"), key=key)
+        assert not np.array_equal(want, kv) and np.array_equal(paged(target).gather([got]).numpy(), want)
+    w2.close(5)
+    assert parse_settings({"cache": {"tiers": [{"kind": "memory", "capacity_bytes": 1 << 20, "codec": "int4"}]}})
 
 
 def test_a_load_beyond_vllms_hit_reads_only_the_blocks_vllm_lacks(tmp_path: Path) -> None:

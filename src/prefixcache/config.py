@@ -26,6 +26,9 @@ LEVELS = {"device": "L0", "memory": "L1"}  # every other kind (disk, redis) is L
 # codec writes (``storage/header.py`` WIRE_DTYPES; tests/test_layers.py holds the two
 # alike). Written here, not read from storage, so that configuration sits below storage.
 KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# NOTE: the codecs a tier may store its frames in (``storage/codec.py`` CODECS, held
+# alike by tests/test_layers.py): written here for the same reason as KV_DTYPES.
+KV_CODECS = ("raw", "bf16", "int8", "int4")
 GiB = 1 << 30
 
 
@@ -112,6 +115,24 @@ class KVLayout:
     def bytes_per_token(self) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * KV_DTYPES[self.dtype]
 
+    def stored_bytes(self, tokens: int, codec: str) -> int:
+        """Payload bytes of a block of ``tokens`` stored in ``codec`` (the frame's header
+        aside): what a tier's capacity counts. NOTE: the codec's sizes written again here
+        so that configuration sits below storage; tests/test_layers.py holds them to
+        ``codec.encoded_size``."""
+        values = self.layers * 2 * self.kv_heads * tokens * self.head_dim
+        if codec == "raw":
+            return tokens * self.bytes_per_token
+        if codec == "bf16":
+            return values * 2
+        rows = self.layers * self.kv_heads
+        if codec == "int8":  # int8 values, fp16 scales: keys per channel, values per token
+            return values + rows * (self.head_dim + tokens) * 2
+        if codec == "int4":  # two values a byte, an fp16 scale and minimum per group
+            group = 32 if self.head_dim % 32 == 0 else self.head_dim
+            return (values + 1) // 2 + values // group * 4
+        raise ValueError(f"unknown codec {codec!r}; valid: {', '.join(KV_CODECS)}")
+
 
 @dataclass(frozen=True, slots=True)
 class TierConfig:
@@ -129,6 +150,11 @@ class TierConfig:
     nodes to discover the cluster from when that one is down (see docs/storage.md).
     ``verify_payload`` hashes every payload read from a memory or device tier too (disk
     and Redis always verify; see ``TierStore.private`` for why memory need not).
+    ``codec`` is how this tier stores a block's KV (``KV_CODECS``; docs/codecs.md):
+    ``"raw"`` as computed, or smaller and lossy (``"bf16"``, ``"int8"``, ``"int4"``),
+    decoded into the engine's dtype on load; capacity counts stored bytes, so a tier of
+    the same size holds more blocks. A block keeps its key whatever the codec. A device
+    tier stays raw (its frames are copied to the host as they are).
     """
 
     kind: str
@@ -147,6 +173,7 @@ class TierConfig:
     startup_nodes: tuple[str, ...] = ()
     device: str = "cpu"
     verify_payload: bool = False
+    codec: str = "raw"
 
     def __post_init__(self) -> None:
         if self.kind not in TIER_KINDS:
@@ -164,6 +191,10 @@ class TierConfig:
         if self.kind == "redis" and not self.url:
             raise ValueError("a redis tier needs url (e.g. redis://127.0.0.1:6379/0)")
         self._check_cluster()
+        if self.codec not in KV_CODECS:
+            raise ValueError(f"unknown tier codec {self.codec!r}; valid: {', '.join(KV_CODECS)}")
+        if self.kind == "device" and self.codec != "raw":
+            raise ValueError(f"a device tier stores raw frames; codec {self.codec!r} applies to memory, disk and redis")
         for name in ("connect_timeout", "read_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
@@ -326,8 +357,14 @@ class CacheConfig:
         if self.capacity_tokens is not None:
             return self.capacity_tokens
         if self.tiers and self.kv_layout is not None:
-            return sum(t.capacity_bytes for t in self.tiers) // self.kv_layout.bytes_per_token
+            return sum(self.tier_tokens(t) for t in self.tiers)
         return DEFAULT_CAPACITY_TOKENS
+
+    def tier_tokens(self, tier: TierConfig) -> int:
+        """The tokens ``tier`` holds: its stored bytes in its codec's blocks (a raw tier of
+        N bytes holds N // bytes_per_token)."""
+        assert self.kv_layout is not None
+        return tier.capacity_bytes * self.block_size // self.kv_layout.stored_bytes(self.block_size, tier.codec)
 
     @property
     def capacity(self) -> int:

@@ -332,10 +332,11 @@ def _open_tiers(
 ) -> tuple[Books, Transfer]:
     """The stores, their books and the byte mover; a disk that holds yesterday's frames
     has them as orphans, adopted when a request asks for them (the warm restart)."""
-    frame = codec.encoded_size(layout.shape(config.block_size), layout.dtype, key_len)
+    shape = layout.shape(config.block_size)
+    frames = [codec.encoded_size(shape, layout.dtype, key_len, tc.codec) for tc in config.tiers]
     stores = []
     try:
-        for tc in config.tiers:
+        for tc, frame in zip(config.tiers, frames, strict=True):
             stores.append(store_factory(tc, frame, config.seed))
     except BaseException:
         for store in stores:
@@ -343,8 +344,8 @@ def _open_tiers(
         raise
     queue = WriteQueue(config.write_queue_bytes)
     books = []
-    for i, (tc, store) in enumerate(zip(config.tiers, stores, strict=True)):
-        policy = make_policy(tc.policy or config.policy, max(tc.capacity_bytes // layout.bytes_per_token, 1))
+    for i, (tc, store, frame) in enumerate(zip(config.tiers, stores, frames, strict=True)):
+        policy = make_policy(tc.policy or config.policy, max(config.tier_tokens(tc), 1))
         book = TierBook(i, tc, store, policy, len(store) + store.room_for(frame))
         keys = getattr(store, "keys", None)  # a store that lists what it holds (a disk) may hold orphans
         if callable(keys):
@@ -356,7 +357,7 @@ def _open_tiers(
     trusts = [
         s.verifies_reads or (s.private and not tc.verify_payload) for s, tc in zip(stores, config.tiers, strict=True)
     ]
-    transfer = Transfer(stores, trusts, layout, queue, config.io_threads)
+    transfer = Transfer(stores, trusts, layout, queue, config.io_threads, [tc.codec for tc in config.tiers])
 
     def frame_bytes(tokens: int) -> int:
         return codec.encoded_size(layout.shape(tokens), layout.dtype, key_len)

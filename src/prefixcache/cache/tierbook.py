@@ -17,7 +17,7 @@ __all__ = ["TierBook"]
 
 # The error kinds a failed write is counted under by the cache, for the outcomes no store
 # counts: a store that fails a write counts its cause itself (io, timeout, connection...).
-_CACHE_ERRORS = {Outcome.FULL: "full", Outcome.NO_FRAME: "source"}
+_CACHE_ERRORS = {Outcome.FULL: "full", Outcome.NO_FRAME: "source", Outcome.UNENCODABLE: "codec"}
 
 
 class TierBook:

@@ -107,4 +107,4 @@ class Writer:
             log.exception("the write of %s to tier %d failed", job.key.hex()[:12], job.tier)
             outcome = Outcome.FAILED
         finally:
-            self.queue.finish(job, failed=outcome in (Outcome.FAILED, Outcome.FULL, Outcome.NO_FRAME))
+            self.queue.finish(job, failed=outcome not in (Outcome.DONE, Outcome.SKIPPED))

@@ -76,6 +76,7 @@ class Outcome(enum.Enum):
     FULL = "full"
     FAILED = "failed"
     NO_FRAME = "no_frame"  # a lazy source was gone (its frame could not be read)
+    UNENCODABLE = "unencodable"  # the tier's codec cannot hold these values (not finite, too large)
     SKIPPED = "skipped"  # canceled before it ran
 
 
@@ -89,8 +90,10 @@ class Transfer:
         layout: KVLayout,
         queue: WriteQueue,
         io_threads: int,
+        codecs: Sequence[str] | None = None,
     ) -> None:
         self.stores = list(stores)
+        self.codecs = list(codecs) if codecs is not None else ["raw"] * len(self.stores)  # per tier
         self.trusts = list(trusts)  # per tier: a load may skip the payload checksum
         self.layout = layout
         self.queue = queue
@@ -150,7 +153,7 @@ class Transfer:
         """One run of a load, on one thread: its tier and how long it took."""
         started, tier = time.perf_counter(), job.reads[lo].tier
         store = self.stores[tier]
-        if store.places_reads:
+        if store.places_reads and self.codecs[tier] == "raw":  # NOTE: placing copies raw rows
             self._run_placed(job, lo, hi)
             return tier, time.perf_counter() - started
         # NOTE: a store whose frames are fresh bytes (a network's) is fetched in batches of
@@ -241,7 +244,18 @@ class Transfer:
     # ------------------------------------------------------------------ write
 
     def put(self, tier: int, key: bytes, frame: Frame) -> Outcome:
-        """One frame into one store, now (an entry write or a promotion into a memory tier)."""
+        """One frame into one store, now (an entry write or a promotion into a memory tier),
+        in the tier's codec: a frame of another codec is decoded and encoded again here,
+        on the thread that moves the bytes (the caller's for a memory tier, else the writer's)."""
+        try:
+            # NOTE: a frame already in the tier's codec goes as it is (its payload is not
+            # hashed again on a request's path); another is checked in full before it is decoded.
+            if codec.peek_header(frame).codec != self.codecs[tier]:
+                frame = codec.transcode(frame, key=key, codec=self.codecs[tier])
+        except codec.Unrepresentable:
+            return Outcome.UNENCODABLE
+        except codec.FrameError:
+            return Outcome.NO_FRAME  # the source's copy is bad: nothing to write
         try:
             self.stores[tier].put(key, frame)
         except TierFull:
