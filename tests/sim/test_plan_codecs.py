@@ -190,7 +190,7 @@ def test_replay_codec_at_n_bytes_is_raw_at_the_tokens_they_hold(workload: Path) 
         for name in ("int8", "int4"):
             tokens = int(tokens_in(n, KV, 16, name))
             packed = by[name, tokens]
-            assert tokens > 1.8 * raw["capacity_tokens"]
+            assert tokens > 1.8 * raw["capacity_tokens"] and packed["capacity_stored_bytes"] == n
             assert packed["token_hit_rate"] >= raw["token_hit_rate"]
             (alone,) = replay_json(workload, "--capacity-tokens", str(tokens))  # raw with the capacity multiplied
             assert packed["hit_tokens"] == alone["hit_tokens"] and packed["evictions"] == alone["evictions"]

@@ -325,7 +325,7 @@ def _replay_configs(args: argparse.Namespace, cost: CostModel | None, summary: T
         block = summary.native_block_size or block_size
         for c in codec_capacities(args.capacity_bytes, args.codec, kv, block):
             cache = _cache_config(args, policy, c.tokens, block_size, isolation, mode)
-            configs.append(ReplayConfig(cache, mode, codec=c.codec))
+            configs.append(ReplayConfig(cache, mode, codec=c.codec, stored_bytes=c.capacity_bytes))
     return configs
 
 

@@ -67,7 +67,7 @@ def replay_configs(
 ) -> list[ReplayConfig]:
     """``cache`` at every (codec, byte budget), its capacity in the tokens they hold."""
     return [
-        ReplayConfig(_with_capacity(cache, c.tokens), codec=c.codec)
+        ReplayConfig(_with_capacity(cache, c.tokens), codec=c.codec, stored_bytes=c.capacity_bytes)
         for c in codec_capacities(capacity_bytes, names, kv, block_tokens)
     ]
 

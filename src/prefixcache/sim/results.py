@@ -34,13 +34,15 @@ class ReplayConfig:
     block size, capacity in native blocks) is derived from it when the replay starts
     (``summary.effective_configs``, ``engines.engine_config``).
 
-    ``codec`` names the frames a byte capacity was counted in (``replay --codec``): the
-    cache's capacity in tokens is already what those bytes hold, so the replay itself
-    never reads it; labels and JSON show it. ``None``: no codec was asked for."""
+    ``codec`` names the frames a byte capacity was counted in (``replay --codec``), and
+    ``stored_bytes`` that capacity: the cache's capacity in tokens is already what those
+    bytes hold, so the replay itself never reads them; labels and JSON show them.
+    ``None``: no codec was asked for."""
 
     cache: CacheConfig
     mode: str = "tree"
     codec: str | None = None
+    stored_bytes: float | None = None  # with a codec: the byte budget (math.inf: unlimited)
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -81,7 +83,13 @@ class ReplayConfig:
         """The configuration as flat JSON fields (an unlimited capacity is ``null`` with
         ``unlimited: true``)."""
         cache, publish = self.cache, self.cache.publish
-        codec = {} if self.codec is None else {"codec": self.codec}
+        codec = {}
+        if self.codec is not None:
+            stored = self.stored_bytes
+            codec = {
+                "codec": self.codec,
+                "capacity_stored_bytes": None if stored is None or math.isinf(stored) else stored,
+            }
         return {
             "policy": cache.policy,
             "capacity_tokens": None if self.unlimited else cache.capacity,
