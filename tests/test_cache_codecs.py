@@ -214,3 +214,25 @@ def test_two_caches_share_int8_frames_through_redis(redis_server: RedisServer) -
         assert np.array_equal(kv, expected(a, ["int8"] * 6))
         got, kv, tiers = load(two, a)  # now from raw memory: the same decoded values
         assert tiers == {"memory": len(a), "redis": 0} and np.array_equal(kv, expected(a, ["int8"] * 6))
+
+
+# ============================================================================ configuration
+
+
+def test_a_tier_codec_is_checked_with_a_teaching_error(tmp_path: Path) -> None:
+    from prefixcache.settings import load_settings
+
+    with pytest.raises(ValueError, match="unknown tier codec 'int9'; valid: raw, bf16, int8, int4"):
+        TierConfig(kind="memory", capacity_bytes=BIG, codec="int9")
+    with pytest.raises(ValueError, match="a device tier stores raw frames"):
+        TierConfig(kind="device", capacity_bytes=BIG, codec="int8")
+    toml = tmp_path / "c.toml"
+    toml.write_text(
+        '[[cache.tiers]]\nkind = "memory"\ncapacity_bytes = 1048576\n'
+        f'[[cache.tiers]]\nkind = "disk"\ncapacity_bytes = 1048576\npath = "{tmp_path}"\ncodec = "int8"\n'
+    )
+    tiers = load_settings(toml, env={}).cache.tiers
+    assert [t.codec for t in tiers] == ["raw", "int8"]
+    toml.write_text(toml.read_text().replace('"int8"', '"zstd"'))
+    with pytest.raises(ValueError, match=r"cache\.tiers: unknown tier codec .zstd."):
+        load_settings(toml, env={})
