@@ -21,6 +21,7 @@ from engine_support import MODELS_DIR, model
 from prefixcache.blend.evalset import load_eval_set
 from prefixcache.blend.gate import Prepared, model_fingerprint, prepare
 from prefixcache.blend.verdict import GateFigures, GateStore, NoiseFloor
+from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.engine import LoadedModel
 from prefixcache.quality.codec_gate import (
     CodecGateRefused,
@@ -30,7 +31,8 @@ from prefixcache.quality.codec_gate import (
     read_codec_figures,
 )
 from prefixcache.quality.codecs import BLOCK_TOKENS, cached_tokens, evaluate_codec, through_codec
-from prefixcache.settings import load_settings
+from prefixcache.server.main import build_service
+from prefixcache.settings import ModelSettings, ServerSettings, Settings, load_settings
 
 EVAL = Path(__file__).parent / "data" / "blend" / "eval.json"
 MODEL = "SmolLM2@0123456789abcdef"
@@ -235,3 +237,30 @@ def test_the_command_stores_what_the_server_reads(lm: LoadedModel, tmp_path: Pat
     outcome = decide_codecs(model_id, [("disk", "int8")], read_codec_figures(store, model_id, ["int8"])[0])
     assert outcome.verdicts[0].status in ("passed", "failed")  # measured: never absent
     assert (done.returncode == 0) == outcome.start
+
+
+@pytest.mark.model
+def test_the_server_starts_only_past_the_gate_or_overridden(
+    lm: LoadedModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate = tmp_path / "codec-gate.json"
+    tier = TierConfig(kind="memory", capacity_bytes=64 << 20, codec="int8")
+
+    def settings(allow: bool = False) -> Settings:
+        return Settings(
+            server=ServerSettings(codec_gate_file=str(gate), allow_ungated_codecs=allow),
+            model=ModelSettings(models_dir=str(MODELS_DIR), device="cpu"),
+            cache=CacheConfig(block_size=16, partial_blocks=True, tiers=(tier,)),
+        )
+
+    with pytest.raises(CodecGateRefused, match=r"int8 \(tiers memory\): never measured"):
+        build_service(settings())
+    with caplog.at_level(logging.WARNING, logger="prefixcache.quality"):
+        build_service(settings(allow=True)).close()
+    assert any("event=codec_gate_overridden" in r.getMessage() for r in caplog.records)
+    GateStore(gate).put(codec_key(model_fingerprint(lm), "int8"), figures("int8", 0.0, 0.0))
+    service = build_service(settings())
+    try:
+        assert service.cache is not None and service.cache.config.tiers[0].codec == "int8"
+    finally:
+        service.close()

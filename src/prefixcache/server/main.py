@@ -32,7 +32,7 @@ from prefixcache.config import CacheConfig
 from prefixcache.engine import Engine, LoadedModel, load_model
 from prefixcache.engine.model import ModelError
 from prefixcache.fleet.publisher import FleetPublisher, PublisherConfig
-from prefixcache.quality.codec_gate import LOSSLESS, CodecGateRefused, CodecStart, check_codecs
+from prefixcache.quality.codec_gate import CodecGateRefused, CodecStart, check_codecs
 from prefixcache.server import app as server_app
 from prefixcache.server.app import PublisherFactory
 from prefixcache.settings import LOCAL_TENANT, Settings, describe, load_settings
@@ -101,8 +101,7 @@ class Service:
 def check_tier_codecs(settings: Settings, loaded: LoadedModel, config: CacheConfig) -> CodecStart:
     """The codec gate's start check on the tiers of ``config`` (``quality/codec_gate.py``):
     raises ``CodecGateRefused`` when a lossy codec has not passed for this model."""
-    # NOTE: getattr until every TierConfig has a codec (issue 29); raw needs no gate
-    tiers = [(tier.label, str(getattr(tier, "codec", LOSSLESS))) for tier in config.tiers]
+    tiers = [(tier.label, tier.codec) for tier in config.tiers]  # raw ones need no gate (LOSSLESS)
     return check_codecs(
         model_fingerprint(loaded),
         tiers,
