@@ -81,7 +81,7 @@ def test_a_failed_codec_is_refused_with_by_how_much_and_the_command(tmp_path: Pa
     assert "int4 (tiers disk): failed" in text
     assert "mean_kl/floor 0.004 (needs <= 0.002, 2x the limit)" in text
     assert "max_kl/floor 0.03 (needs <= 0.01, 3x the limit)" in text
-    assert f"prefixcache gate-codec --model MODEL --codecs int4 --out {path}" in text
+    assert f"prefixcache gate-codec --model MODEL --codecs int4 --out {path}" in text  # MODEL: none named
     assert "allow_ungated_codecs" in text
 
 
@@ -253,8 +253,9 @@ def test_the_server_starts_only_past_the_gate_or_overridden(
             cache=CacheConfig(block_size=16, partial_blocks=True, tiers=(tier,)),
         )
 
-    with pytest.raises(CodecGateRefused, match=r"int8 \(tiers memory\): never measured"):
+    with pytest.raises(CodecGateRefused, match=r"int8 \(tiers memory\): never measured") as refused:
         build_service(settings())
+    assert "gate-codec --model smollm2-135m-instruct --codecs int8 " in str(refused.value)
     with caplog.at_level(logging.WARNING, logger="prefixcache.quality"):
         build_service(settings(allow=True)).close()
     assert any("event=codec_gate_overridden" in r.getMessage() for r in caplog.records)

@@ -81,6 +81,7 @@ class CodecStart:
     allow_ungated: bool
     store: str
     note: str = ""  # why the store was read as empty, when it was
+    name: str = "MODEL"  # the model as gate-codec --model takes it (the server's model.name)
 
     @property
     def ungated(self) -> tuple[CodecVerdict, ...]:
@@ -98,8 +99,8 @@ class CodecStart:
             lines.append(f"  note: {self.note}")
         codecs = ",".join(v.codec for v in self.ungated)
         lines.append(
-            f"measure: {GATE_COMMAND} --model MODEL --codecs {codecs} --out {self.store}; use codec = 'raw' on those"
-            " tiers; or set [server] allow_ungated_codecs = true to serve them unmeasured"
+            f"measure: {GATE_COMMAND} --model {self.name} --codecs {codecs} --out {self.store}; use codec = 'raw' on"
+            " those tiers; or set [server] allow_ungated_codecs = true to serve them anyway (logged)"
         )
         return "\n".join(lines)
 
@@ -129,6 +130,7 @@ def decide_codecs(
     allow_ungated: bool = False,
     store: str = "",
     note: str = "",
+    name: str = "MODEL",
 ) -> CodecStart:
     """The verdict on every lossy codec among ``tiers`` ((label, codec) pairs), from
     ``figures`` (by codec, for ``model``): pure, the server's log and refusal aside."""
@@ -138,7 +140,7 @@ def decide_codecs(
             used.setdefault(codec, []).append(label)
     bar = thresholds or GateThresholds()
     verdicts = tuple(_verdict(model, codec, tuple(labels), figures.get(codec), bar) for codec, labels in used.items())
-    return CodecStart(model, verdicts, allow_ungated, store, note)
+    return CodecStart(model, verdicts, allow_ungated, store, note, name)
 
 
 def check_codecs(
@@ -148,6 +150,7 @@ def check_codecs(
     *,
     allow_ungated: bool = False,
     thresholds: GateThresholds | None = None,
+    name: str = "MODEL",
 ) -> CodecStart:
     """Read the gate file, decide, and log: one line per lossy codec; raise
     ``CodecGateRefused`` when one has not passed and the operator did not override."""
@@ -156,7 +159,7 @@ def check_codecs(
     codecs = sorted({codec for _, codec in tiers if codec != LOSSLESS})
     figures, note = read_codec_figures(store, model, codecs) if codecs else ({}, "")
     outcome = decide_codecs(
-        model, tiers, figures, thresholds=thresholds, allow_ungated=allow_ungated, store=str(path), note=note
+        model, tiers, figures, thresholds=thresholds, allow_ungated=allow_ungated, store=str(path), note=note, name=name
     )
     for v in outcome.verdicts:
         if v.passed:

@@ -107,6 +107,7 @@ def check_tier_codecs(settings: Settings, loaded: LoadedModel, config: CacheConf
         tiers,
         settings.server.codec_gate_file,
         allow_ungated=settings.server.allow_ungated_codecs,
+        name=settings.model.name,
     )
 
 
