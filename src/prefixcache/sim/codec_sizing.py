@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,7 +118,7 @@ Measure = Callable[[KVLayout, int, str], float]
 """(layout, block tokens, codec) -> decoded bytes a second: how the planner measures."""
 
 
-def decode_rate(name: str, kv: KVLayout, block_tokens: int, given: dict[str, float], measure: Measure) -> DecodeRate:
+def decode_rate(name: str, kv: KVLayout, block_tokens: int, given: Mapping[str, float], measure: Measure) -> DecodeRate:
     """The rate the plan uses for ``name``: raw decodes nothing; a given figure wins over
     a measurement."""
     if check_codec(name) == RAW:

@@ -39,6 +39,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
+from types import MappingProxyType
 from typing import Protocol
 
 from prefixcache.config import CacheConfig, KVLayout
@@ -204,7 +205,7 @@ class Plan:
     engine: str
     over_context: int  # counted prompts longer than the model's context (costed all the same)
     lookup_tokens: int = 0  # counted prompt tokens looked up (the tiers' hit rates are shares of them)
-    decode: Mapping[str, DecodeRate] = field(default_factory=dict)  # by codec, the rates the plan used
+    decode: Mapping[str, DecodeRate] = field(default_factory=lambda: MappingProxyType({}))  # by codec: rates used
     sizes: tuple[CodecSize, ...] = ()  # the capacity in each codec's stored bytes (codec-aware plans)
 
     @property
@@ -351,7 +352,7 @@ def make_plan(
     saved_gpu_s = inputs.cost.gpu_seconds(at.prefill_flops_saved or 0.0)
     per_hit = saved_gpu_s / at.hit_tokens if at.hit_tokens else None
     given = dict(inputs.decode_rates)
-    decode = {c: decode_rate(c, inputs.kv, granule, given, measure) for c in inputs.sized_codecs}
+    decode = MappingProxyType({c: decode_rate(c, inputs.kv, granule, given, measure) for c in inputs.sized_codecs})
     shares, tiers_hold = split(curve.hit_rates, inputs.tiers, inputs.kv, granule, capacity, per_hit, points, decode)
     curve_points = _dedupe(points)
     rates = [p.token_hit_rate for p in curve_points]
