@@ -205,7 +205,10 @@ def test_the_connectors_tiers_store_in_their_codec_and_load_the_decoded_kv(tmp_p
         want = codec.decode(codec.encode(key, b"", kv, codec="int8"), key=key)
         assert not np.array_equal(want, kv) and np.array_equal(paged(target).gather([got]).numpy(), want)
     w2.close(5)
-    assert parse_settings({"cache": {"tiers": [{"kind": "memory", "capacity_bytes": 1 << 20, "codec": "int4"}]}})
+    lossy = {"cache": {"tiers": [{"kind": "memory", "capacity_bytes": 1 << 20, "codec": "int4"}]}}
+    with pytest.raises(ValueError, match=r"lossy tier codecs \(memory: int4\) have no quality gate inside vLLM"):
+        parse_settings(lossy)
+    assert parse_settings({**lossy, "allow_ungated_codecs": True}).cache.tiers[0].codec == "int4"
 
 
 def test_a_load_beyond_vllms_hit_reads_only_the_blocks_vllm_lacks(tmp_path: Path) -> None:

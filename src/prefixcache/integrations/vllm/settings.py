@@ -56,6 +56,10 @@ class ConnectorSettings(BaseModel):
     load_threads: int = Field(default=2, ge=1, le=64)  # concurrent async loads
     socket_dir: str = ""  # where the worker's lookup socket lives; default $XDG_RUNTIME_DIR or /tmp
     flush_timeout_s: float = Field(default=30.0, ge=0)  # on shutdown: how long queued writes may take
+    # A tier codec other than raw is lossy; the quality gate (``prefixcache gate-codec``)
+    # measures our own engine, not the model vLLM serves, so the connector takes one only
+    # when the operator says they have measured it (or accept it): logged at start.
+    allow_ungated_codecs: bool = False
 
 
 def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -72,7 +76,22 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         raise ValueError(f"invalid kv_connector_extra_config {where}: {error['msg']}") from None
     if settings.cache.kv_layout is not None:
         raise ValueError("kv_connector_extra_config cache.kv_layout comes from vLLM; remove it")
+    _check_codecs(settings)
     return settings
+
+
+def _check_codecs(settings: ConnectorSettings) -> None:
+    """A lossy tier codec only with ``allow_ungated_codecs`` (see the field), then logged."""
+    lossy = [f"{t.label}: {t.codec}" for t in settings.cache.tiers if t.codec != "raw"]
+    if not lossy:
+        return
+    if not settings.allow_ungated_codecs:
+        raise ValueError(
+            f"lossy tier codecs ({', '.join(lossy)}) have no quality gate inside vLLM: measure the "
+            "model's weights with `prefixcache gate-codec --model PATH` (docs/codecs.md), then set "
+            "kv_connector_extra_config allow_ungated_codecs: true; or use codec 'raw'"
+        )
+    log.warning("event=codec_gate_overridden where=vllm codecs=%s", ",".join(lossy))
 
 
 def read_secret(settings: ConnectorSettings) -> bytes | None:
