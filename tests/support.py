@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import math
 import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from prefixcache.cache.stats import CacheStats, Histogram, TierStats, WriterStats
 from prefixcache.sim.summary import TraceSource
@@ -142,3 +145,26 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.01)
+
+
+def run_cli(args: list[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ``prefixcache ARGS`` run in this process; an
+    argparse error's SystemExit becomes its code."""
+    from prefixcache.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main(args)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return code, out.getvalue(), err.getvalue()
+
+
+def raises_with(exc: type[codec.FrameError], fn: Callable[..., object], *args: Any, **kwargs: Any) -> codec.FrameError:
+    """Assert ``fn`` raises exactly ``exc`` with a message naming what was expected and found."""
+    with pytest.raises(codec.FrameError) as info:
+        fn(*args, **kwargs)
+    assert type(info.value) is exc, f"expected {exc.__name__}, got {type(info.value).__name__}: {info.value}"
+    assert "expected" in str(info.value) and "found" in str(info.value), str(info.value)
+    return info.value

@@ -33,7 +33,7 @@ from prefixcache.storage.codec import (
     encoded_size,
     peek_header,
 )
-from support import WIRE
+from support import WIRE, raises_with
 
 KEY = bytes(range(16))
 TOKENS = struct.pack("<4I", 7, 8, 9, 10)
@@ -74,15 +74,6 @@ def patch(frame: bytes, offset: int, fmt: str, value: int, *, rehash: bool = Tru
         length = struct.unpack_from("<H", frame, OFF_HLEN)[0]
         struct.pack_into("<Q", out, length - 8, xxhash.xxh3_64_intdigest(bytes(out[: length - 8])))
     return bytes(out)
-
-
-def raises_with(exc: type[FrameError], fn: Any, *args: Any, **kwargs: Any) -> FrameError:
-    """Assert ``fn`` raises exactly ``exc`` with a message naming what was expected and found."""
-    with pytest.raises(FrameError) as info:
-        fn(*args, **kwargs)
-    assert type(info.value) is exc, f"expected {exc.__name__}, got {type(info.value).__name__}: {info.value}"
-    assert "expected" in str(info.value) and "found" in str(info.value), str(info.value)
-    return info.value
 
 
 # ============================================================================ round trips

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import struct
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -35,6 +34,7 @@ from prefixcache.storage.codec import (
     verify,
 )
 from prefixcache.storage.placed import Place, read_placed
+from support import raises_with
 
 KEY = bytes(range(16))
 TOKENS = struct.pack("<4I", 7, 8, 9, 10)
@@ -80,14 +80,6 @@ def reseal(frame: bytes | bytearray) -> bytes:
     out[OFF_PAYLOAD_CK : OFF_PAYLOAD_CK + 16] = xxhash.xxh3_128_digest(bytes(out[length:]))
     struct.pack_into("<Q", out, length - 8, xxhash.xxh3_64_intdigest(bytes(out[: length - 8])))
     return bytes(out)
-
-
-def raises(exc: type[FrameError], fn: Any, *args: Any, **kwargs: Any) -> FrameError:
-    with pytest.raises(FrameError) as info:
-        fn(*args, **kwargs)
-    assert type(info.value) is exc, f"expected {exc.__name__}, got {type(info.value).__name__}: {info.value}"
-    assert "expected" in str(info.value) and "found" in str(info.value), str(info.value)
-    return info.value
 
 
 def out_eps(dtype: str) -> tuple[float, float]:
@@ -378,9 +370,9 @@ def test_transcode_keeps_key_and_tokens() -> None:
 
 def test_transcode_refuses_bad_frames_and_values() -> None:
     frame = bytearray(encode(KEY, TOKENS, normal(TINY)))
-    raises(codec.KeyMismatch, transcode, bytes(frame), key=b"other", codec="int8")
+    raises_with(codec.KeyMismatch, transcode, bytes(frame), key=b"other", codec="int8")
     frame[-1] ^= 1
-    raises(CorruptFrame, transcode, bytes(frame), key=KEY, codec="int8")
+    raises_with(CorruptFrame, transcode, bytes(frame), key=KEY, codec="int8")
     nan = encode(KEY, TOKENS, np.full(TINY, np.nan, np.float32))
     with pytest.raises(Unrepresentable):
         transcode(nan, key=KEY, codec="int4")
@@ -471,7 +463,7 @@ def test_bad_int8_scales_with_good_checksums(bad: float, which: str) -> None:
     at = peek_header(bytes(frame)).header_length + math.prod(shape)
     at += 0 if which == "key" else 2 * layers * heads * dim
     struct.pack_into("<e", frame, at + 2 * 3, bad)
-    err = raises(CorruptFrame, decode, reseal(frame), key=KEY)
+    err = raises_with(CorruptFrame, decode, reseal(frame), key=KEY)
     assert f"int8 {which} scales" in str(err)
     verify(reseal(frame), key=KEY)  # the checksums match: only decode's scale check can catch it
 
@@ -486,7 +478,7 @@ def test_bad_int4_scales_with_good_checksums(bad: float, field: str) -> None:
     if field == "min" and bad == -2.0:
         decode(reseal(frame), key=KEY)  # a negative minimum is a fine minimum
         return
-    err = raises(CorruptFrame, decode, reseal(frame), key=KEY)
+    err = raises_with(CorruptFrame, decode, reseal(frame), key=KEY)
     assert "int4" in str(err)
 
 
@@ -494,21 +486,21 @@ def test_unknown_codec_with_good_checksums_is_a_miss() -> None:
     frame = bytearray(encode(KEY, TOKENS, normal(TINY), codec="int8"))
     for code in (4, 17, 255):
         frame[OFF_CODEC] = code
-        err = raises(UnknownCodec, decode, reseal(frame), key=KEY)
+        err = raises_with(UnknownCodec, decode, reseal(frame), key=KEY)
         assert isinstance(err, UnsupportedVersion)
-        raises(UnknownCodec, verify, reseal(frame), key=KEY)
-        raises(UnknownCodec, peek_header, reseal(frame))
+        raises_with(UnknownCodec, verify, reseal(frame), key=KEY)
+        raises_with(UnknownCodec, peek_header, reseal(frame))
 
 
 def test_flags_of_either_version_must_be_zero() -> None:
     v2 = bytearray(encode(KEY, TOKENS, normal(TINY), codec="int8"))
     v2[OFF_FLAGS] = 1
-    err = raises(UnsupportedVersion, decode, reseal(v2), key=KEY)
+    err = raises_with(UnsupportedVersion, decode, reseal(v2), key=KEY)
     assert type(err) is UnsupportedVersion
     v1 = bytearray(encode(KEY, TOKENS, normal(TINY)))
     for codec_byte in (1, 2, 3):  # a codec byte in a version-1 frame is a flag it cannot have
         v1[OFF_CODEC] = codec_byte
-        raises(UnsupportedVersion, decode, reseal(v1), key=KEY)
+        raises_with(UnsupportedVersion, decode, reseal(v1), key=KEY)
 
 
 def test_version_2_raw_is_accepted() -> None:
@@ -524,14 +516,14 @@ def test_payload_length_must_be_the_codec_size() -> None:
     int8 = encode(KEY, TOKENS, normal(WIDE), codec="int8")
     relabelled = bytearray(int8)
     relabelled[OFF_CODEC] = CODECS.index("int4")  # an int8 payload read as int4 is refused by its length
-    raises(CorruptFrame, decode, reseal(relabelled), key=KEY)
+    raises_with(CorruptFrame, decode, reseal(relabelled), key=KEY)
     for delta in (-1, 1, -2):
         longer = bytearray(int8)
         struct.pack_into("<Q", longer, OFF_PAYLOAD_LEN, len(int8) - peek_header(int8).header_length + delta)
-        raises(CorruptFrame, decode, reseal(longer), key=KEY)
+        raises_with(CorruptFrame, decode, reseal(longer), key=KEY)
     reshaped = bytearray(int8)
     struct.pack_into("<I", reshaped, OFF_SHAPE + 4, 3)  # int8 needs K and V: a K/V axis of 2
-    raises(CorruptFrame, decode, reseal(reshaped), key=KEY)
+    raises_with(CorruptFrame, decode, reseal(reshaped), key=KEY)
 
 
 @settings(max_examples=200, deadline=None)
@@ -566,6 +558,6 @@ def test_a_placed_read_never_takes_a_compressed_frame_for_raw(tmp_path: Path) ->
     assert len(got.frame) == len(frame)
     stored = xxhash.xxh3_128_digest(frame[peek_header(frame).header_length :])
     for checksum in (got.checksum, stored):
-        err = raises(CorruptFrame, decode, got.frame, key=KEY, computed_checksum=checksum)
+        err = raises_with(CorruptFrame, decode, got.frame, key=KEY, computed_checksum=checksum)
         assert "int8" in str(err)
     assert placed.NATIVE in (True, False)

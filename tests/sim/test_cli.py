@@ -5,12 +5,10 @@ installed entry point."""
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ import pytest
 
 from prefixcache.cli import main
 from prefixcache.sim.traces import read_trace
-from support import SYNTHETIC
+from support import SYNTHETIC, run_cli
 
 EXAMPLE = ["--format", "mooncake", "--policy", "lru,s3fifo", "--capacity-tokens", "1e6,1e7,inf", "--warmup", "0.5"]
 REQUIRED = (
@@ -32,18 +30,6 @@ REQUIRED = (
 )
 
 slow = pytest.mark.slow
-
-
-def run_cli(args: list[str]) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of ``prefixcache ARGS`` run in this process; an
-    argparse error's SystemExit becomes its code."""
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            code = main(args)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
 
 
 def strict_json(text: str) -> Any:

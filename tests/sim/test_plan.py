@@ -5,16 +5,13 @@ the problem. The shipped Mooncake traces are the slow tests."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from prefixcache.cli import main
 from prefixcache.config import CacheConfig, KVLayout
 from prefixcache.sim.costmodel import CostModel, get_gpu, get_model
 from prefixcache.sim.plan import CurvePoint, ExactCurve, Plan, PlanInputs, make_plan, search
@@ -25,19 +22,14 @@ from prefixcache.sim.traces import read_trace
 from prefixcache.sim.workload_spec import WorkloadSpec
 from prefixcache.sim.workloads import write_jsonl
 from support import CONVERSATION, SYNTHETIC, source_of
+from support import run_cli as run_prefixcache
 
 slow = pytest.mark.slow
 LLAMA_8B_BYTES = 32 * 2 * 8 * 128 * 2  # layers x (K, V) x KV heads x head dim x bfloat16
 
 
 def run_cli(args: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            code = main(["plan", *args])
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
+    return run_prefixcache(["plan", *args])
 
 
 @pytest.fixture(scope="module")

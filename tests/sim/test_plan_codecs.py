@@ -6,16 +6,13 @@ files were written by the planner before codecs existed)."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from prefixcache.cli import main
 from prefixcache.sim.codec_replay import hit_rates_at_bytes
 from prefixcache.sim.codec_sizing import (
     DecodeRate,
@@ -38,22 +35,12 @@ from prefixcache.sim.plan_inputs import (
 from prefixcache.sim.workload_spec import WorkloadSpec
 from prefixcache.sim.workloads import write_jsonl
 from prefixcache.storage import codec
-from support import CONVERSATION, SYNTHETIC, source_of
+from support import CONVERSATION, SYNTHETIC, run_cli, source_of
 
 GOLDEN = Path(__file__).parent / "golden"
 KV = kv_layout(get_model("llama-3-8b"))
 BPT = KV.bytes_per_token
 CODECS = "raw, bf16, int8, int4"
-
-
-def run_cli(args: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            code = main(args)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

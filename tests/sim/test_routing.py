@@ -4,16 +4,13 @@ fleet replay's behaviour, checked on generated workloads whose answer is known i
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Iterable
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from prefixcache.cli import main
 from prefixcache.config import CacheConfig
 from prefixcache.fleet.scoring import Routing
 from prefixcache.sim.costmodel import CostModel, get_gpu, get_model
@@ -25,20 +22,10 @@ from prefixcache.sim.routing import BackendQueue, EventIndex
 from prefixcache.sim.traces import read_trace
 from prefixcache.sim.workload_spec import WorkloadSpec
 from prefixcache.sim.workloads import repeated_prefix, write_jsonl
-from support import CONVERSATION, SYNTHETIC
+from support import CONVERSATION, SYNTHETIC, run_cli
 
 slow = pytest.mark.slow
 COST = CostModel(get_model("llama-3-8b"), get_gpu("h100"))
-
-
-def run_cli(args: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            code = main(args)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
 
 
 def workload(tmp: Path, seed: int = 0, emit: str = "hash_ids", requests: int = 1500) -> Path:
