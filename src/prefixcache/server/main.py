@@ -113,6 +113,14 @@ def check_tier_codecs(settings: Settings, loaded: LoadedModel, config: CacheConf
 
 def build_service(settings: Settings) -> Service:
     """Load the model, open the cache and wire the app (what ``serve`` and the tests run)."""
+    engine, cache = open_engine(settings)
+    return Service(engine, cache, settings)
+
+
+def open_engine(settings: Settings) -> tuple[Engine, PrefixCache | None]:
+    """The model, its cache (behind the codec gate's start check) and the engine over them,
+    as ``serve`` runs them; ``prefixcache warm`` opens the same, so what it stores is what
+    a server started on these settings looks up."""
     loaded = load_model(settings.model.name, settings.model.models_dir, settings.model.device, settings.model.dtype)
     cache = None
     if settings.server.cache:
@@ -124,7 +132,7 @@ def build_service(settings: Settings) -> Service:
     args: dict[str, Any] = {"max_queue": settings.server.max_queue, "timeout_s": settings.server.request_timeout_s}
     args |= settings.admission.engine_args()
     if not settings.blend.enabled:
-        return Service(Engine(loaded, model_id, cache=cache, **args), cache, settings)
+        return Engine(loaded, model_id, cache=cache, **args), cache
     for tier in cache.config.tiers if cache is not None else ():
         log.info(
             "event=blend_tier tier=%s capacity_bytes=%d (chunks are blocks: they share the tier with the others)",
@@ -133,8 +141,7 @@ def build_service(settings: Settings) -> Service:
         )
     config = settings.blend.config()
     blender, gate = open_blender(config, loaded, model_id, cache)
-    engine = BlendEngine(loaded, model_id, config, blender, gate, cache=cache, **args)
-    return Service(engine, cache, settings)
+    return BlendEngine(loaded, model_id, config, blender, gate, cache=cache, **args), cache
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
