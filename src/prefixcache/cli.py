@@ -14,6 +14,8 @@
   tenants; exit 1 on a leak, 2 when inconclusive.
 - ``prefixcache gate-codec``: measure each KV codec against raw on a model (the codec
   quality gate) and store the figures a server checks its tiers' codecs against.
+- ``prefixcache warm PROMPTS``: prefill a file of prompts or chats into the cache's tiers
+  (or through a server) before traffic arrives; a rerun skips what is stored.
 - ``prefixcache demo``: drive the cache with synthetic chat traffic and print what it saved.
 """
 
@@ -37,6 +39,7 @@ from prefixcache.quality.codec_cli import add_gate_codec_parser, run_gate_codec
 from prefixcache.sim.cli import add_replay_parser, add_workload_parser, run_replay, run_workload
 from prefixcache.sim.curve_cli import add_curve_parser, run_curve
 from prefixcache.sim.plan_cli import add_plan_parser, run_plan
+from prefixcache.warm.cli import add_warm_parser, run_warm
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -114,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_route_parser(sub)
     add_serve_vllm_parser(sub)
     add_gate_codec_parser(sub)
+    add_warm_parser(sub)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server with the prefix cache")
     serve.add_argument("--config", help="TOML settings file (default: $PREFIXCACHE_CONFIG, else built-in defaults)")
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
@@ -150,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_serve_vllm(args, parser)
     if args.command == "gate-codec":
         return run_gate_codec(args, parser)
+    if args.command == "warm":
+        return run_warm(args, parser)
     if args.command == "serve":
         from prefixcache.server.main import run_serve  # torch and transformers load only here
 
