@@ -101,6 +101,7 @@ class Guarded(TierStore):
         self.private = inner.private  # type: ignore[misc]
         self.sync = inner.sync  # type: ignore[misc]
         self.places_reads = inner.places_reads  # type: ignore[misc]
+        self.read_width = inner.read_width
         self.stats = inner.stats
 
     def __getattr__(self, name: str) -> Any:

@@ -90,6 +90,9 @@ class TierStore(ABC):
     # Whether ``read_placed`` is offered: a loader then reads frame by frame straight
     # into place rather than in batches of fresh frames it copies afterwards.
     places_reads: ClassVar[bool] = False
+    # How many frames ``get_many`` fetches at once (a network store's parallel requests):
+    # a loader asks for that many batches' worth in one call, so the requests overlap.
+    read_width: int = 1
 
     def __init__(self, capacity_bytes: int) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:

@@ -159,9 +159,11 @@ class Transfer:
         # NOTE: a store whose frames are fresh bytes (a network's) is fetched in batches of
         # about _BATCH_BYTES: each frame is copied while it is still in the core's cache, and
         # the memory of the frames not kept serves the next batch rather than the whole run
-        # being faulted in afresh. A private store's frames are views of what it holds.
+        # being faulted in afresh. A private store's frames are views of what it holds. A
+        # store that fetches in parallel (``read_width``, an object store's GETs) gets that
+        # many batches at once, or its requests would run one after another.
         frame_bytes = self.layout.bytes_per_token * (len(job.reads[lo].tokens) // 4)
-        step = hi - lo if store.private else max(1, _BATCH_BYTES // max(1, frame_bytes))
+        step = hi - lo if store.private else max(1, _BATCH_BYTES // max(1, frame_bytes)) * store.read_width
         for a in range(lo, hi, step):
             self._fetch_and_copy(job, a, min(hi, a + step))
         return tier, time.perf_counter() - started
