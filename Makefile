@@ -76,9 +76,9 @@ vllm-test: $(VLLM_STAMP) $(STAMP) system-deps
 	$(BIN)/python -c 'from pathlib import Path; from prefixcache.engine.model import resolve_model as r; r("smollm2-135m-instruct", Path(".prefixcache/models"))'
 	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests_vllm
 
-# The fast loop: the tests that need only the venv (no model, Redis or Chromium, nothing slow).
+# The fast loop: the tests that need only the venv (no model, Redis, S3 server or Chromium, nothing slow).
 unit: $(STAMP) $(KERNEL)
-	$(BIN)/python -m pytest -m "not (slow or model or redis or chromium)"
+	$(BIN)/python -m pytest -m "not (slow or model or redis or s3 or chromium)"
 
 # The OpenAI-compatible server on its defaults (127.0.0.1:8000, SmolLM2, cache under ./.prefixcache/);
 # it prints its URL and an example curl. Settings: prefixcache.toml when present, PREFIXCACHE_* env vars.

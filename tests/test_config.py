@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from prefixcache import CacheConfig, CacheContext, PrefixCache, PublishConfig
+from prefixcache.config import TierConfig
 from prefixcache.policies import POLICIES
 
 
@@ -236,3 +237,45 @@ def test_replace_revalidates() -> None:
     assert dataclasses.replace(config, block_size=4).block_size == 4
     with pytest.raises(ValueError, match="block_size"):
         dataclasses.replace(config, block_size=0)
+
+
+# --- the s3 tier -------------------------------------------------------------------
+
+
+def s3(**kwargs: Any) -> TierConfig:
+    return TierConfig(**{"kind": "s3", "capacity_bytes": 1 << 30, "bucket": "kv-cache", **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"bucket": None}, "needs bucket"),
+        ({"bucket": "Has_Upper"}, "S3 bucket name"),
+        ({"bucket": "ab"}, "S3 bucket name"),
+        ({"prefix": "a//b"}, "no empty parts"),
+        ({"endpoint": "s3.example.com"}, "http:// or https://"),
+        ({"endpoint": "ftp://s3.example.com"}, "http:// or https://"),
+        ({"concurrency": 0}, "concurrency must be >= 1"),
+        ({"namespace": "a/b"}, "no '/'"),
+    ],
+)
+def test_bad_s3_tiers_fail_at_construction_saying_why(kwargs: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        s3(**kwargs)
+
+
+def test_an_s3_endpoint_never_carries_credentials_and_the_error_never_shows_them() -> None:
+    with pytest.raises(ValueError, match="may not carry credentials") as info:
+        s3(endpoint="https://AKIAEXAMPLE:hunter2secret@s3.example.com")
+    assert "hunter2secret" not in str(info.value) and "AKIAEXAMPLE" not in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["bucket", "endpoint", "region", "profile", "prefix"])
+def test_s3_fields_on_another_tier_are_refused(field: str) -> None:
+    with pytest.raises(ValueError, match=f"{field} applies to an s3 tier only"):
+        TierConfig(kind="memory", capacity_bytes=1, **{field: "kv-cache"})
+
+
+def test_a_valid_s3_tier_is_an_l2_tier() -> None:
+    tier = s3(endpoint="http://127.0.0.1:9000", prefix="prefixcache/prod", region="eu-west-1", codec="int8")
+    assert tier.level == "L2" and tier.concurrency == 16 and tier.label == "s3"

@@ -7,6 +7,7 @@ and why, so that a misconfigured deployment fails at start, not on the first req
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,10 +19,10 @@ from prefixcache.policies import check_policy
 
 ISOLATION_MODES = ("shared", "namespace", "partitioned")
 DEFAULT_CAPACITY_TOKENS = 1 << 20
-TIER_KINDS = ("device", "memory", "disk", "redis")
+TIER_KINDS = ("device", "memory", "disk", "redis", "s3")
 WRITE_MODES = ("back", "through", "selective")
 WRITERS = ("background", "inline", "deferred")
-LEVELS = {"device": "L0", "memory": "L1"}  # every other kind (disk, redis) is L2
+LEVELS = {"device": "L0", "memory": "L1"}  # every other kind (disk, redis, s3) is L2
 # NOTE: the KV dtypes a layout may name, and their bytes per value: the ones the frame
 # codec writes (``storage/header.py`` WIRE_DTYPES; tests/test_layers.py holds the two
 # alike). Written here, not read from storage, so that configuration sits below storage.
@@ -30,6 +31,7 @@ KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # alike by tests/test_layers.py): written here for the same reason as KV_DTYPES.
 KV_CODECS = ("raw", "bf16", "int8", "int4")
 GiB = 1 << 30
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's bucket naming rules, in short
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +150,12 @@ class TierConfig:
     ``cluster`` makes the Redis tier a Redis Cluster: ``url`` is then one node of it
     (``redis://host:port``, database 0) and ``startup_nodes`` (``"host:port"``) more
     nodes to discover the cluster from when that one is down (see docs/storage.md).
-    ``verify_payload`` hashes every payload read from a memory or device tier too (disk
-    and Redis always verify; see ``TierStore.private`` for why memory need not).
+    ``bucket``, ``prefix``, ``endpoint`` (default: AWS), ``region`` and ``profile`` place an
+    ``s3`` tier's objects (docs/storage.md); it has no credential setting: they come
+    from the environment, the shared profile or a role, never from this configuration.
+    ``concurrency`` bounds its parallel requests (and ``read_timeout`` each one, whole).
+    ``verify_payload`` hashes every payload read from a memory or device tier too (disk,
+    Redis and S3 always verify; see ``TierStore.private`` for why memory need not).
     ``codec`` is how this tier stores a block's KV (``KV_CODECS``; docs/codecs.md):
     ``"raw"`` as computed, or smaller and lossy (``"bf16"``, ``"int8"``, ``"int4"``),
     decoded into the engine's dtype on load; capacity counts stored bytes, so a tier of
@@ -174,6 +180,12 @@ class TierConfig:
     device: str = "cpu"
     verify_payload: bool = False
     codec: str = "raw"
+    bucket: str | None = None
+    prefix: str = ""
+    endpoint: str | None = None  # http(s)://host[:port]; never credentials (refused)
+    region: str | None = None
+    profile: str | None = None
+    concurrency: int = 16
 
     def __post_init__(self) -> None:
         if self.kind not in TIER_KINDS:
@@ -191,10 +203,13 @@ class TierConfig:
         if self.kind == "redis" and not self.url:
             raise ValueError("a redis tier needs url (e.g. redis://127.0.0.1:6379/0)")
         self._check_cluster()
+        self._check_s3()
         if self.codec not in KV_CODECS:
             raise ValueError(f"unknown tier codec {self.codec!r}; valid: {', '.join(KV_CODECS)}")
         if self.kind == "device" and self.codec != "raw":
-            raise ValueError(f"a device tier stores raw frames; codec {self.codec!r} applies to memory, disk and redis")
+            raise ValueError(
+                f"a device tier stores raw frames; codec {self.codec!r} applies to memory, disk, redis and s3"
+            )
         for name in ("connect_timeout", "read_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
@@ -223,6 +238,36 @@ class TierConfig:
                 raise ValueError(f"startup_nodes are 'host:port' strings, got {node!r}")
         if self.namespace is not None and ("{" in self.namespace or "}" in self.namespace):
             raise ValueError("a redis cluster's namespace may not hold { or } (they make the keys' hash tag)")
+
+    def _check_s3(self) -> None:
+        if self.kind != "s3":
+            for name in ("bucket", "endpoint", "region", "profile"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} applies to an s3 tier only, not to {self.kind!r}")
+            if self.prefix:
+                raise ValueError(f"prefix applies to an s3 tier only, not to {self.kind!r}")
+            return
+        if not self.bucket or not _BUCKET.fullmatch(self.bucket):
+            raise ValueError(
+                f"an s3 tier needs bucket, an S3 bucket name (3-63 characters: a-z, 0-9, '.', '-'), got {self.bucket!r}"
+            )
+        if not isinstance(self.prefix, str) or any(not part for part in self.prefix.strip("/").split("/")[1:]):
+            raise ValueError(
+                f"an s3 prefix is a key prefix like 'prefixcache/prod' (no empty parts), got {self.prefix!r}"
+            )
+        if self.endpoint is not None:
+            url = urlsplit(self.endpoint) if isinstance(self.endpoint, str) else None
+            if url is None or url.scheme not in ("http", "https") or not url.hostname:
+                raise ValueError(
+                    "an s3 endpoint is an http:// or https:// URL of the service, e.g. https://s3.example.com"
+                )
+            if url.username or url.password or url.query:
+                raise ValueError(
+                    "an s3 endpoint may not carry credentials or a query: they come from the environment or a profile"
+                )
+        check_int(f"tiers[{self.kind}].concurrency", self.concurrency, 1)
+        if self.namespace is not None and "/" in self.namespace:
+            raise ValueError("an s3 tier's namespace is one part of the object key: no '/'")
 
     @property
     def label(self) -> str:

@@ -42,8 +42,10 @@ class TierBook:
 
     @property
     def probes(self) -> bool:
-        """Whether a request should ask this store for keys the tree does not know."""
-        return self.config.kind == "redis" or bool(self.orphans)
+        """Whether a request should ask this store for keys the tree does not know: a
+        shared store (Redis, an S3 bucket: other servers write there), or one that held
+        blocks when it was opened (a disk after a restart)."""
+        return self.config.kind in ("redis", "s3") or bool(self.orphans)
 
     def snapshot(self, pending: int) -> TierStats:
         store, c = self.store, self.counts

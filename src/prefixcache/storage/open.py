@@ -11,8 +11,8 @@ __all__ = ["open_store"]
 
 
 def open_store(config: TierConfig, frame_bytes: int, seed: str) -> TierStore:
-    """The store of ``config``, for frames of up to ``frame_bytes``; Redis keys are
-    prefixed by the tier's namespace (default: the deployment seed)."""
+    """The store of ``config``, for frames of up to ``frame_bytes``; Redis keys and S3
+    object paths are prefixed by the tier's namespace (default: the deployment seed)."""
     slot = MemoryStore.slot_for(frame_bytes)
     if config.kind == "memory":
         return MemoryStore(config.capacity_bytes, slot)
@@ -23,6 +23,22 @@ def open_store(config: TierConfig, frame_bytes: int, seed: str) -> TierStore:
     if config.kind == "disk":
         assert config.path is not None
         return DiskStore(config.path, config.capacity_bytes, config.fsync)
+    if config.kind == "s3":
+        from prefixcache.storage.s3 import S3Store  # obstore and boto3 are optional dependencies
+
+        assert config.bucket is not None
+        return S3Store(
+            config.bucket,
+            config.capacity_bytes,
+            config.namespace or seed,
+            prefix=config.prefix,
+            endpoint=config.endpoint,
+            region=config.region,
+            profile=config.profile,
+            connect_timeout=config.connect_timeout,
+            read_timeout=config.read_timeout,
+            concurrency=config.concurrency,
+        )
     assert config.url is not None
     if config.cluster:
         from prefixcache.storage.redis_cluster import RedisClusterStore  # redis-py is an optional dependency
