@@ -8,6 +8,8 @@ Run as a script, it is the *other* server process::
     python tier_worker.py disk DIR N          # store prompts 0..N-1 on a disk tier, close, exit
     python tier_worker.py disk-forever DIR    # store prompts 0, 1, ... printing each; until killed
     python tier_worker.py redis URL N         # store prompts 0..N-1 through to Redis, exit
+    python tier_worker.py s3 ENDPOINT N       # store prompts 0..N-1 through to the bucket S3_BUCKET
+                                              # (prefix S3_PREFIX) of an S3 API endpoint, exit
     python tier_worker.py slow-disk DIR N     # store prompts 0..N-1 through to a disk that takes
                                               # 50 ms a write (a background writer), print what is
                                               # written and what is queued, then wait to be killed
@@ -32,6 +34,8 @@ from support import WIRE
 
 BLOCK = 4
 SEED = "tiers-test"
+S3_BUCKET = "prefixcache-tests"
+S3_PREFIX = "pc"
 CTX = CacheContext(tenant="acme", model="m")
 
 
@@ -82,6 +86,15 @@ def store(cache: PrefixCache, tokens: list[int], dtype: str = "float16") -> int:
     return cache.insert(tokens, CTX, kv=kv_for(tokens, dtype))
 
 
+def s3_tier(endpoint: str, **kwargs: object) -> TierConfig:
+    """The tests' s3 tier: their bucket on ``endpoint``, a generous timeout unless told
+    (a loaded 2-core machine runs the S3 server too)."""
+    kwargs.setdefault("read_timeout", 3.0)
+    return TierConfig(
+        kind="s3", capacity_bytes=1 << 30, bucket=S3_BUCKET, prefix=S3_PREFIX, endpoint=endpoint, **kwargs
+    )  # type: ignore[arg-type]
+
+
 def main(argv: list[str]) -> None:
     mode, where = argv[0], argv[1]
     big = 1 << 30
@@ -89,6 +102,11 @@ def main(argv: list[str]) -> None:
         tiers = (
             TierConfig(kind="memory", capacity_bytes=big, write="through"),
             TierConfig(kind="redis", capacity_bytes=big, url=where),
+        )
+    elif mode == "s3":
+        tiers = (
+            TierConfig(kind="memory", capacity_bytes=big, write="through"),
+            s3_tier(where),
         )
     else:
         tiers = (
