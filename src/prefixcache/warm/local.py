@@ -26,22 +26,22 @@ from prefixcache.warm.progress import Tally, TierDelta
 
 __all__ = ["Snapshot", "tier_deltas", "warm_engine"]
 
-Snapshot = dict[str, tuple[int, int]]  # tier name -> (blocks held, bytes written)
+Snapshot = dict[str, tuple[int, int, int]]  # tier name -> (blocks held, bytes written, writes dropped)
 Report = Callable[[Tally, int, str], None]  # after each line: (tally, line, what happened)
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)  # one token: the prefill is what is wanted
 
 
 def snapshot(cache: PrefixCache) -> Snapshot:
-    return {t.name: (t.blocks, t.bytes_written) for t in cache.stats().tiers}
+    return {t.name: (t.blocks, t.bytes_written, t.writes_dropped) for t in cache.stats().tiers}
 
 
 def tier_deltas(cache: PrefixCache, before: Snapshot) -> list[TierDelta]:
     """What each tier gained since ``before`` (flush first: writes still queued are not in it)."""
     bs = cache.config.block_size
     out = []
-    for name, (blocks, written) in snapshot(cache).items():
-        held, wrote = before.get(name, (0, 0))
-        out.append(TierDelta(name, blocks - held, (blocks - held) * bs, written - wrote))
+    for name, (blocks, written, dropped) in snapshot(cache).items():
+        held, wrote, lost = before.get(name, (0, 0, 0))
+        out.append(TierDelta(name, blocks - held, (blocks - held) * bs, written - wrote, dropped - lost))
     return out
 
 
@@ -96,6 +96,11 @@ def _warm_one(
         return f"{len(tokens)} tokens: already cached, skipped"
     done = engine.generate(Request(tokens, tenant, GREEDY)).result()
     engine.wait_idle()  # NOTE: its KV is inserted after its answer: wait, so the next prompt finds it
+    writer = cache.stats().writer
+    if writer is not None and writer.queued_bytes * 2 > writer.limit_bytes:
+        # NOTE: a full write queue drops writes (a server's requests never wait on a disk);
+        # a warm has nobody waiting, so it waits for the slow tiers instead of losing blocks
+        cache.flush()
     usage = done.usage
     tally.warmed += 1
     tally.cached_tokens += usage.cached_tokens

@@ -20,6 +20,7 @@ class TierDelta:
     blocks: int
     tokens: int
     bytes_written: int
+    writes_dropped: int = 0  # refused by a full write queue: a rerun stores them
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Tally:
             lines.append(
                 f"  tier {tier.name}: +{tier.blocks:,} blocks ({tier.tokens:,} tokens), "
                 f"{tier.bytes_written:,} bytes written"
+                + (f", {tier.writes_dropped:,} writes dropped (a rerun stores them)" if tier.writes_dropped else "")
             )
         return lines
 

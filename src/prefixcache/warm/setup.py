@@ -9,6 +9,9 @@ The checks come before the model loads, each naming the setting to change:
 - ``--tenant`` must be a tenant the server can serve (one of ``[auth] api_keys``'
   tenants, ``local`` in local mode; any name behind a gateway's ``tenant_header``),
   else its blocks would never be hit;
+- every tier but the slowest writes through while warm runs (``through_settings``): a
+  write-back tier copies a block down only when it evicts it, so a warm's blocks would
+  end with its process; keys and codecs are the settings' own;
 - ``--public`` needs an isolation mode with public prefixes: ``namespace``, or
   ``partitioned`` with a public pool (``shared_quota`` or ``[cache.publish]``). A
   public warm is the operator's declaration (``PrefixCache.declare_public``), the same
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prefixcache.cache import PrefixCache
@@ -32,7 +35,7 @@ from prefixcache.warm.inputs import BadLine, WarmItem
 from prefixcache.warm.local import Snapshot, snapshot, tier_deltas, warm_engine
 from prefixcache.warm.progress import Progress, Tally
 
-__all__ = ["LocalWarm", "WarmSetupError", "check_public", "warm_tenant"]
+__all__ = ["LocalWarm", "WarmSetupError", "check_public", "through_settings", "warm_tenant"]
 
 
 class WarmSetupError(ValueError):
@@ -52,6 +55,18 @@ def check_public(settings: Settings) -> None:
             "--public: isolation = 'partitioned' without a public pool; set [cache] shared_quota "
             "(or [cache.publish]) to give public prefixes their pool"
         )
+
+
+def through_settings(settings: Settings) -> Settings:
+    """``settings`` with every tier above the slowest writing through (the module's note)."""
+    tiers = settings.cache.tiers
+    through = tuple(replace(t, write="through") for t in tiers[:-1]) + tiers[-1:]
+    if through == tiers:
+        return settings
+    for tier in tiers[:-1]:
+        if tier.write != "through":
+            print(f"prefixcache warm: tier {tier.label} writes through for this warm (write = {tier.write!r})")
+    return settings.model_copy(update={"cache": replace(settings.cache, tiers=through)})
 
 
 def warm_tenant(settings: Settings, tenant: str | None) -> str:
@@ -95,6 +110,7 @@ class LocalWarm:
         if public:
             check_public(settings)
         name = warm_tenant(settings, tenant)
+        settings = through_settings(settings)
         try:
             engine, cache = open_engine(settings)
         except (ModelError, FileNotFoundError, CodecGateRefused) as exc:
