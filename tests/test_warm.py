@@ -177,7 +177,9 @@ def cached(reply: Any) -> tuple[int, int]:
 @pytest.mark.model
 def test_a_server_started_after_a_warm_hits_at_its_first_request(tmp_path: Path) -> None:
     chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Is fuel included?"}]
-    prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": SYSTEM + "Question: when do rentals end?"}, {"messages": chat}])
+    prompts = write_lines(
+        tmp_path / "p.jsonl", [{"prompt": SYSTEM + "Question: when do rentals end?"}, {"messages": chat}]
+    )
     code, out, err = warm(config(tmp_path), prompts)
     assert code == 0, err
     assert "warm done: 2 prompts" in out and re.search(r"tier disk: \+\d+ blocks", out)
@@ -242,7 +244,9 @@ def test_bad_lines_stop_the_warm_or_are_counted(tmp_path: Path) -> None:
 def test_warm_through_a_server_with_an_api_key(tmp_path: Path) -> None:
     """The --vllm-url path against our own server: the key's tenant is the one warmed."""
     prompt = SYSTEM + "Question: may I return it late?"
-    prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": prompt}, {"messages": [{"role": "user", "content": SYSTEM}]}])
+    prompts = write_lines(
+        tmp_path / "p.jsonl", [{"prompt": prompt}, {"messages": [{"role": "user", "content": SYSTEM}]}]
+    )
     cfg = config(tmp_path, keys=KEYS)
     with serving(cfg) as url:
         code, out, err = run_cli(["warm", "--vllm-url", url, "--api-key", "sk-a", str(prompts)])
