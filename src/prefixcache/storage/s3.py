@@ -31,8 +31,8 @@ while a probe is O(the request's chain) and only for the requests that need it.
 
 Client: obstore (Rust ``object_store``) over boto3, by measured throughput: parallel GETs
 of block-sized objects from a real S3 API server on loopback (``benchmarks/
-bench_s3_client.py``; figures in docs/storage.md) gave obstore more throughput at about
-half of boto3's client CPU per GET, CPU a serving process needs for its model. Its
+bench_s3_client.py``; figures in docs/storage.md) gave obstore more throughput for less
+client CPU per GET than boto3, CPU a serving process needs for its model. Its
 ``timeout`` is a deadline on the whole request (boto3's read timeout is per socket read,
 so a slowly dripping reply could outlast it). Credentials come from boto3's chain
 (``obstore.auth.boto3``): environment, shared profile (``profile``), SSO, instance or
