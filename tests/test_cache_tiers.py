@@ -648,3 +648,62 @@ def test_a_match_that_probes_a_tier_searches_the_tree_once(tmp_path: Path) -> No
         with cache.match(q, CTX) as m:  # P's keys collide with Q's: caught, Q gets the shared block
             assert m.cached_tokens == BLOCK
         assert cache.stats().collisions == 1
+
+
+# ============================================================================ public blocks in probing tiers
+
+
+@pytest.mark.parametrize("isolation", ["namespace", "partitioned"])
+def test_published_blocks_are_found_after_a_restart_and_private_ones_stay_private(
+    tmp_path: Path, isolation: str
+) -> None:
+    """A declared public prefix written to disk is found by another tenant after a
+    restart (the public chain is probed when the tenant's own finds nothing); a private
+    prompt's blocks on the same disk are found by their tenant only."""
+    extra: dict[str, object] = {"isolation": isolation}
+    if isolation == "partitioned":
+        extra["shared_quota"] = 1 << 12
+    tiers = (mem(64, write="through"), disk(tmp_path))
+    bob = CacheContext(tenant="bob", model="m")
+    public, private = prompt(7), prompt(8)
+    with cache_with(*tiers, **extra) as one:
+        one.declare_public(public, CTX)
+        store(one, public)
+        store(one, private)
+        assert one.flush(timeout=30)
+    with cache_with(*tiers, **extra) as two:  # a new process: the tree is empty, the disk holds both
+        with two.match(public, bob) as m:
+            assert m.cached_tokens == len(public)
+            loaded = two.load(m)
+            assert loaded.tokens == len(public) and np.array_equal(loaded.kv, kv_for(public))
+        with two.match(private, bob) as m:
+            assert m.cached_tokens <= BLOCK  # at most the first block, which prompt(7) made public
+        assert fetch(two, private)[:2] == (len(private), len(private))  # its own tenant still finds all of it
+        check_tiers(two)
+
+
+def test_a_shared_mode_cache_probes_no_public_chain(tmp_path: Path) -> None:
+    with cache_with(mem(64, write="through"), disk(tmp_path)) as cache:
+        lookup = cache._ledger.lookup(prompt(1), CTX, None, probing=True)
+        assert len(lookup.roots) == 1
+
+
+@needs_redis
+def test_a_prefix_one_server_published_is_found_by_another_through_redis(redis_server: RedisServer) -> None:
+    """Two servers of a fleet on one Redis: what one published, another tenant of the
+    other finds (peek says so first, adopting nothing); a private prompt stays its own."""
+    tiers = (mem(64, write="through"), rds(redis_server.url))
+    bob = CacheContext(tenant="bob", model="m")
+    public, private = prompt(11), prompt(12)
+    with cache_with(*tiers, isolation="namespace") as one, cache_with(*tiers, isolation="namespace") as two:
+        one.declare_public(public, CTX)
+        store(one, public)
+        store(one, private)
+        assert one.flush(timeout=30)
+        ahead = two.peek(public, bob)
+        assert (ahead.num_blocks, ahead.probed_blocks) == (6, 6) and not two._ledger.tree.nodes
+        with two.match(public, bob) as m:
+            assert m.cached_tokens == len(public) and two.load(m).tokens == len(public)
+        with two.match(private, bob) as m:
+            assert m.cached_tokens == BLOCK  # the public first block only
+        assert fetch(two, private)[:2] == (len(private), len(private))

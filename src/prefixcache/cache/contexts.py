@@ -74,6 +74,11 @@ class Contexts:
         adapter = self._epochs.get((ctx.model, ctx.adapter), 0) if ctx.adapter is not None else 0
         return model, adapter
 
+    def drop_empty(self, lookup: Lookup) -> None:
+        """``drop_if_empty`` for each root of ``lookup`` (its own, and a public one it made)."""
+        for root in lookup.roots:
+            self.drop_if_empty(root)
+
     def drop_if_empty(self, root: Root) -> None:
         """Forget a root that no block belongs to, so that contexts seen once (a tenant
         that never inserts, a one-off ``extra``) do not accumulate."""
@@ -81,10 +86,18 @@ class Contexts:
             del self._roots[root.ctx_name]
 
     def lookup(
-        self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None, namespace: str, public: bool
+        self,
+        tokens: Tokens,
+        ctx: CacheContext,
+        segments: Sequence[Segment] | None,
+        namespace: str,
+        public: bool,
+        probe_public: bool = False,
     ) -> Lookup:
         """The request's own chain (in ``namespace``), then, with ``public``, the public
-        one when anything hangs there."""
+        one when anything hangs there, or always with ``probe_public`` (a tier may hold
+        public blocks no tree here knows: a restart, another server's Redis). A root made
+        only for that is dropped again by ``drop_empty`` when nothing was adopted."""
         if not isinstance(ctx, CacheContext):
             raise TypeError(f"ctx must be a CacheContext, got {type(ctx).__name__}")
         data = token_bytes(tokens, self._vocab)
@@ -93,8 +106,8 @@ class Contexts:
         assert own is not None
         entries = [own]
         if public:
-            shared = self.root(ctx, PUBLIC, create=False)
-            if shared is not None and shared[0].children:
+            shared = self.root(ctx, PUBLIC, create=probe_public)
+            if shared is not None and (shared[0].children or probe_public):
                 entries.append(shared)
         chains = [KeyChain(hasher, data, segs, root.ctx_enc, self._oneshot) for root, hasher in entries]
         return Lookup(data, segs, chains, [root for root, _ in entries])

@@ -156,8 +156,7 @@ class PrefixCache:
         decided = self._owner.begin_match(tokens, ctx, segments)
         if isinstance(decided, Probe):
             assert self._io is not None
-            tier, n = self._io.run_probe(decided)
-            decided = self._owner.end_match(tokens, ctx, segments, decided, tier, n)
+            decided = self._owner.end_match(tokens, ctx, segments, decided, self._io.run_probe(decided))
         return Match(self, decided, ctx.tenant)
 
     def peek(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None) -> Peek:

@@ -67,9 +67,22 @@ class Ledger:
 
     # ================================================================ lookup and match
 
-    def lookup(self, tokens: object, ctx: CacheContext, segments: object) -> Lookup:
+    def lookup(self, tokens: object, ctx: CacheContext, segments: object, *, probing: bool = False) -> Lookup:
+        """The request's chains. ``probing`` (a match or a peek that may ask the tiers): the
+        public chain too, even with nothing of it in the tree (``plan_probe``)."""
         namespace = self.tenancy.namespace(getattr(ctx, "tenant", ""))
-        return self.contexts.lookup(tokens, ctx, segments, namespace, self.tenancy.mode != "shared")  # type: ignore[arg-type]
+        public = self.tenancy.mode != "shared"
+        # NOTE: a probing tier may hold published blocks of the public root that this tree
+        # never saw (warmed offline, published by another server): look there too.
+        books = self.books
+        probe_public = (
+            probing
+            and public
+            and books is not None
+            and (not self.tenancy.partitioned or self.tenancy.has_public_pool)
+            and any(t.probes for t in books.tiers)
+        )
+        return self.contexts.lookup(tokens, ctx, segments, namespace, public, probe_public)  # type: ignore[arg-type]
 
     def alive(self) -> Alive:
         ttl = self.config.ttl_seconds

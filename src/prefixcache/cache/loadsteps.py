@@ -8,7 +8,7 @@ move here; ``tiered.py`` moves them between these steps.
 from __future__ import annotations
 
 from prefixcache.cache.ledger import Ledger
-from prefixcache.cache.plans import Found, LoadPlan, Probe, Promoted, Promotion
+from prefixcache.cache.plans import Found, LoadPlan, Probe, Probed, Promoted, Promotion
 from prefixcache.cache.residency import NONE, Books
 from prefixcache.cache.tree import Block, Lookup, Node, Pin, path_to
 from prefixcache.hashing import CacheContext
@@ -30,39 +30,91 @@ def plan_probe(ledger: Ledger, lookup: Lookup, found: Found, *, pin: bool = True
     """The keys of this request's chain beyond what the tree holds, and the tiers to ask
     for them (Redis, or a disk reopened after a restart: keys are the same in every
     process, invariant 2). None when there is nothing to ask. Without ``pin`` (a peek,
-    which adopts nothing) the probe holds nothing in the tree."""
+    which adopts nothing) the probe holds nothing in the tree.
+
+    A match on the request's own chain is continued on it. Otherwise (no match, or a
+    published prefix) the public chain is asked first, which the lookup carries whenever
+    a tier probes (published blocks outlive the tree that published them: a restart, a
+    ``prefixcache warm``, another server on the same Redis), then the request's own
+    chain from where the public one ends (``Probe.then``)."""
+    deepest = found[0]
+    which = 0 if deepest is None else _chain_of(lookup, deepest)
+    if which < 0:
+        return None
+    if which == 0 and deepest is not None:
+        return _probe_chain(ledger, lookup, found, 0, deepest, pin)
+    own = _probe_chain(ledger, lookup, found, 0, None, pin)
+    if own is not None and deepest is not None:
+        own.after = deepest.end // ledger.config.block_size  # the public match's blocks
+    public = _probe_chain(ledger, lookup, found, 1, deepest, pin) if len(lookup.roots) > 1 else None
+    if public is None:
+        return own
+    public.then = own
+    return public
+
+
+def _chain_of(lookup: Lookup, block: Block) -> int:
+    return next((i for i, root in enumerate(lookup.roots) if block.root is root), -1)
+
+
+def _probe_chain(
+    ledger: Ledger, lookup: Lookup, found: Found, which: int, deepest: Block | None, pin: bool
+) -> Probe | None:
     books = _books(ledger)
-    deepest, own = found[0], lookup.roots[0]
-    if deepest is not None and deepest.root is not own:
-        return None  # matched in the public pool: nothing of ours hangs there
-    parent: Node = deepest if deepest is not None else own
+    root = lookup.roots[which]
+    parent: Node = deepest if deepest is not None else root
     bs = ledger.config.block_size
     ends = list(range(parent.end + bs, len(lookup.data) // 4 // bs * bs + 1, bs))
     limit = books.entry_tier(parent)
     tiers = [t.index for t in books.tiers if t.index >= limit and t.probes]
     if not ends or not tiers:
         return None
-    keys = lookup.chains[0].many(ends)
-    return Probe(lookup, found, parent, ends, keys, tiers, Pin([parent, own]) if pin else None)
+    keys = lookup.chains[which].many(ends)
+    return Probe(lookup, found, parent, ends, keys, tiers, Pin([parent, root]) if pin else None, which)
 
 
-def adopt(ledger: Ledger, ctx: CacheContext, probe: Probe, tier: int, n: int) -> Found | None:
-    """Take the ``n`` probed blocks tier ``tier`` holds into the tree (their bytes are
-    checked against the tokens when loaded, invariant 3). Returns the search to reuse, or
-    None when the tree changed and must be searched again."""
-    assert probe.pin is not None and probe.parent is not None
-    parent, again = probe.parent, None
-    if not n:
-        again = probe.found
-    elif parent.is_root or (parent.pool is not None and not parent.doomed):  # type: ignore[union-attr]
-        shared = ledger.tenancy.mode == "shared"
-        chain = ledger.plan_chain(probe.lookup, 0, parent, probe.ends[:n], ctx, shared, tiers=False)
-        linked = ledger.commit_chain(chain, len(chain.blocks)) if chain is not None else []
-        books = _books(ledger)
-        for block in reversed(linked):  # deepest first into the tier's policy
-            books.adopt(block, tier)
-    ledger.life.unpin(probe.pin)  # NOTE: last, so that the root is not dropped as empty before its blocks come
+def adopt(ledger: Ledger, ctx: CacheContext, probe: Probe, probed: Probed) -> Found | None:
+    """Take the probed blocks the tiers hold into the tree (their bytes are checked
+    against the tokens when loaded, invariant 3): ``probe``'s chain's, then its ``then``
+    chain's under them. Returns the search to reuse, or None when the tree changed and
+    must be searched again. Every pin the probes took is let go."""
+    assert probe.parent is not None
+    again: Found | None = probe.found if not probed.blocks else None
+    last: Node | None = probe.parent
+    if probed.n:
+        last = _adopt_chain(ledger, ctx, probe, probe.parent, 0, probed.n, probed.tier)
+    own = probe.then
+    if own is not None and probed.then_n and last is not None:
+        # NOTE: under the deepest public block there is one, else under the own root
+        parent = last if not last.is_root else own.parent
+        assert parent is not None
+        skip = own.after + probed.n
+        _adopt_chain(ledger, ctx, own, parent, skip, probed.then_n, probed.then_tier)
+    step: Probe | None = probe
+    while step is not None:  # NOTE: last, so that a root is not dropped as empty before its blocks come
+        assert step.pin is not None
+        ledger.life.unpin(step.pin)
+        step = step.then
     return again
+
+
+def _adopt_chain(
+    ledger: Ledger, ctx: CacheContext, probe: Probe, parent: Node, skip: int, n: int, tier: int
+) -> Node | None:
+    """Link ``n`` blocks of ``probe``'s chain from its ``skip``-th key under ``parent``,
+    held by ``tier``; the deepest of them, or None when not all could be linked."""
+    if not (parent.is_root or (parent.pool is not None and not parent.doomed)):  # type: ignore[union-attr]
+        return None
+    # NOTE: blocks of the public chain are the public pool's, as when published; in
+    # shared mode a block stays its storing tenant's (``plan_chain``)
+    public = probe.which > 0 or ledger.tenancy.mode == "shared"
+    ends = probe.ends[skip : skip + n]
+    chain = ledger.plan_chain(probe.lookup, probe.which, parent, ends, ctx, public, tiers=False)
+    linked = ledger.commit_chain(chain, len(chain.blocks)) if chain is not None else []
+    books = _books(ledger)
+    for block in reversed(linked):  # deepest first into the tier's policy
+        books.adopt(block, tier)
+    return linked[-1] if len(linked) == n else None
 
 
 # ================================================================ load

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from prefixcache.cache import loadsteps, writesteps
 from prefixcache.cache.ledger import Alive, Ledger
 from prefixcache.cache.peek import Peek, in_tree
-from prefixcache.cache.plans import Chain, Found, LoadPlan, Matched, Probe, Promoted, Promotion, Written
+from prefixcache.cache.plans import Chain, Found, LoadPlan, Matched, Probe, Probed, Promoted, Promotion, Written
 from prefixcache.cache.residency import Books
 from prefixcache.cache.stats import CacheStats, WriterStats, snapshot
 from prefixcache.cache.tierevents import resident as resident_events
@@ -74,7 +74,7 @@ class Owner:
         probe to run (``TieredPath.run_probe``) before ``end_match``."""
         ledger, books = self.ledger, self.books
         with self._lock:
-            lookup = ledger.lookup(tokens, ctx, segments)
+            lookup = ledger.lookup(tokens, ctx, segments, probing=True)
             alive = ledger.alive()
             if books is None or not any(t.probes for t in books.tiers):
                 return self._matched(lookup, ctx, alive, None)
@@ -82,24 +82,22 @@ class Owner:
             probe = loadsteps.plan_probe(ledger, lookup, found)
             return self._matched(lookup, ctx, alive, found) if probe is None else probe
 
-    def end_match(
-        self, tokens: object, ctx: CacheContext, segments: Segments, probe: Probe, tier: int, n: int
-    ) -> Matched:
-        """Adopt what the probe found (``n`` blocks in ``tier``), then match."""
+    def end_match(self, tokens: object, ctx: CacheContext, segments: Segments, probe: Probe, probed: Probed) -> Matched:
+        """Adopt what the probe found, then match."""
         ledger = self.ledger
         with self._lock:
             lookup: Lookup = probe.lookup
             if any(root.stale for root in lookup.roots):  # an epoch bump meanwhile: what was probed is stale
-                loadsteps.adopt(ledger, ctx, probe, -1, 0)
-                lookup, again = ledger.lookup(tokens, ctx, segments), None
+                loadsteps.adopt(ledger, ctx, probe, Probed())
+                lookup, again = ledger.lookup(tokens, ctx, segments, probing=True), None
             else:
-                again = loadsteps.adopt(ledger, ctx, probe, tier, n)
+                again = loadsteps.adopt(ledger, ctx, probe, probed)
             return self._matched(lookup, ctx, ledger.alive(), again)
 
     def _matched(self, lookup: Lookup, ctx: CacheContext, alive: Alive, found: Found | None) -> Matched:
         ledger = self.ledger
         matched = ledger.match(lookup, ctx, alive, found)
-        ledger.contexts.drop_if_empty(lookup.roots[0])
+        ledger.contexts.drop_empty(lookup)
         if self.books is not None and matched.block is not None:
             matched.tier_tokens = self.books.tier_tokens(path_to(matched.block), matched.partial_tokens)
         return matched

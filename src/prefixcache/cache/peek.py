@@ -59,7 +59,7 @@ def peek(
     if probe is None:
         return ahead
     assert io is not None
-    _, n = io.run_probe(probe)
+    n = io.run_probe(probe).blocks
     # NOTE: an epoch bump meanwhile made what was probed stale: a match then searches the
     # tree again under the new roots, and so does a peek
     again = owner.peek_again(tokens, ctx, segments, epochs)
@@ -83,7 +83,7 @@ def in_tree(
     current roots only), and the probe to run when a tier may hold more."""
     contexts, books = ledger.contexts, ledger.books
     roots = len(contexts)
-    lookup = ledger.lookup(tokens, ctx, segments)
+    lookup = ledger.lookup(tokens, ctx, segments, probing=probing)
     made_root = len(contexts) > roots
     alive = ledger.alive()
     found = ledger.find(lookup, alive, count=False)
@@ -93,6 +93,6 @@ def in_tree(
     if probing and books is not None and any(t.probes for t in books.tiers):
         probe = plan_probe(ledger, lookup, found, pin=False)
     if made_root:  # NOTE: only a root this lookup made: one that was there stays, as without a peek
-        contexts.drop_if_empty(lookup.roots[0])
+        contexts.drop_empty(lookup)
     n = deepest.end // ledger.config.block_size if deepest is not None else 0
     return Peek(n, n * ledger.config.block_size + partial, partial), probe

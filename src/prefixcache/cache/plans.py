@@ -21,7 +21,7 @@ from prefixcache.storage.base import Frame
 from prefixcache.storage.transfer import Outcome, Read
 from prefixcache.tenancy import Pool
 
-__all__ = ["Chain", "Found", "LoadPlan", "Matched", "Probe", "Promoted", "Promotion", "Written"]
+__all__ = ["Chain", "Found", "LoadPlan", "Matched", "Probe", "Probed", "Promoted", "Promotion", "Written"]
 
 Found = tuple[Block | None, list[RunSpan]]  # a tree search: the deepest verified block, and its path
 
@@ -65,7 +65,12 @@ class Chain:
 
 @dataclass(eq=False)
 class Probe:
-    """A match's look into the tiers that may hold blocks no local tree knows."""
+    """A match's look into the tiers that may hold blocks no local tree knows: the keys
+    of the lookup's chain ``which`` (0 its own, 1 the public one) after ``parent``.
+
+    ``then``: the request's own chain (from its root, ``after`` blocks in), asked next
+    from where this public one ends: a tenant's prompt that continues a published prefix
+    is stored as its own blocks hanging under the public ones."""
 
     lookup: Lookup
     found: Found
@@ -74,6 +79,24 @@ class Probe:
     keys: list[bytes]
     tiers: list[int]
     pin: Pin | None
+    which: int = 0
+    after: int = 0
+    then: Probe | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Probed:
+    """What a probe found: ``n`` leading keys of its chain in ``tier``, then ``then_n``
+    keys of its ``then`` chain, from where those end, in ``then_tier`` (-1: none)."""
+
+    tier: int = -1
+    n: int = 0
+    then_tier: int = -1
+    then_n: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return self.n + self.then_n
 
 
 @dataclass(eq=False)

@@ -20,7 +20,7 @@ import numpy as np
 
 from prefixcache.cache.kv import KVSource, LoadedKV, as_kv_array
 from prefixcache.cache.owner import Owner
-from prefixcache.cache.plans import Chain, LoadPlan, Probe, Promoted, Written
+from prefixcache.cache.plans import Chain, LoadPlan, Probe, Probed, Promoted, Written
 from prefixcache.cache.residency import Books
 from prefixcache.cache.tree import Block
 from prefixcache.cache.writer import Writer
@@ -46,11 +46,25 @@ class TieredPath:
 
     # ================================================================ probe (match)
 
-    def run_probe(self, probe: Probe) -> tuple[int, int]:
-        """(tier, n) for the first probed tier holding the ``n >= 1`` leading keys."""
+    def run_probe(self, probe: Probe) -> Probed:
+        """What the tiers hold of ``probe``'s chain, then of its ``then`` chain from where
+        the first ends (``Probed``)."""
+        tier, n = self._held(probe, 0)
+        own = probe.then
+        if own is None:
+            return Probed(tier, n)
+        then_tier, then_n = self._held(own, own.after + n)
+        return Probed(tier, n, then_tier, then_n)
+
+    def _held(self, probe: Probe, skip: int) -> tuple[int, int]:
+        """(tier, n) for the first probed tier holding the ``n >= 1`` keys of ``probe``
+        from its ``skip``-th on; (-1, 0) for none."""
+        keys = probe.keys[skip:]
+        if not keys:
+            return -1, 0
         for k in probe.tiers:
             try:
-                found = self.transfer.stores[k].contains_prefix(probe.keys)
+                found = self.transfer.stores[k].contains_prefix(keys)
             except TierError:
                 continue  # counted by the store
             if found:
