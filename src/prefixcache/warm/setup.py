@@ -38,16 +38,6 @@ from prefixcache.warm.progress import Progress, Tally
 __all__ = ["LocalWarm", "WarmSetupError", "check_public", "through_settings", "warm_tenant"]
 
 
-# NOTE: after a restart a match probes the slow tiers along the tenant's own chain only
-# (``cache/loadsteps.plan_probe``); the public root is searched only once the tree holds
-# blocks under it, so a fresh server does not find public blocks on its tiers yet.
-PUBLIC_GAP = (
-    "prefixcache warm: warning: --public stores the prefixes under the public root, but a server started "
-    "afterwards does not yet look them up on its slow tiers (only a live cache finds them); warm each tenant "
-    "with --tenant for hits after a restart"
-)
-
-
 class WarmSetupError(ValueError):
     """Settings or arguments a local warm cannot run with (the message says what to change)."""
 
@@ -119,7 +109,6 @@ class LocalWarm:
             raise WarmSetupError("[server] cache = false: there is no cache to warm")
         if public:
             check_public(settings)
-            print(PUBLIC_GAP, file=sys.stderr)
         name = warm_tenant(settings, tenant)
         settings = through_settings(settings)
         try:
