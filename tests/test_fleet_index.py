@@ -65,12 +65,13 @@ def test_children_removals_media_and_clears() -> None:
     assert index.matched(keys, ["a"])["a"] == () and index.held("a") == 0
 
 
-def test_a_shared_medium_counts_for_every_backend_until_its_holder_leaves() -> None:
+@pytest.mark.parametrize("shared", ["redis", "s3"])
+def test_a_shared_medium_counts_for_every_backend_until_its_holder_leaves(shared: str) -> None:
     index = GlobalIndex(rank=DEFAULT_CREDIT)
-    index.apply("a", stored([b"1", b"2"], None, TOKENS[:8], medium="redis"), MODEL)
+    index.apply("a", stored([b"1", b"2"], None, TOKENS[:8], medium=shared), MODEL)
     index.apply("b", stored([b"9"], None, TOKENS[:4], medium="memory"), MODEL)
     got = index.matched([chain("acme", TOKENS)], ["a", "b", "c"])
-    assert got == {"a": ("redis", "redis"), "b": ("memory", "redis"), "c": ("redis", "redis")}
+    assert got == {"a": (shared, shared), "b": ("memory", shared), "c": (shared, shared)}
     index.drop("a")
     assert index.matched([chain("acme", TOKENS)], ["b", "c"]) == {"b": ("memory",), "c": ()}
 
@@ -193,3 +194,7 @@ def test_an_expectation_stands_in_for_late_events_until_it_expires() -> None:
     assert index.matched([keys], ["a"])["a"] == ("memory",)
     index.expect("b", keys[:1])  # a later decision sweeps the expired ones
     assert index.matched([keys], ["a", "b"]) == {"a": ("memory",), "b": ("expected",)}
+
+
+def test_an_object_store_tier_is_credited_below_redis() -> None:
+    assert 0 < DEFAULT_CREDIT["s3"] < DEFAULT_CREDIT["redis"]

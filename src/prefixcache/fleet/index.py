@@ -59,7 +59,7 @@ class GlobalIndex:
 
     def __init__(
         self,
-        shared_media: Iterable[str] = ("redis",),
+        shared_media: Iterable[str] = ("redis", "s3"),
         rank: Mapping[str, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

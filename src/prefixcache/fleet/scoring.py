@@ -11,8 +11,9 @@ The cost of sending a request of ``P`` whole prompt blocks to backend ``b``::
 
 Everything is in blocks of prefill. ``credit[tier]`` is the share of a block's prefill
 that a hit in that tier saves: 1 for device memory, less for a tier the block must first
-be loaded from (host RAM, disk, Redis), since loading costs time too. A block in a
-*shared* tier (Redis, reachable by every backend) counts for every backend. The
+be loaded from (host RAM, disk, Redis, object storage), since loading costs time too.
+A block in a *shared* tier (Redis or S3, reachable by every backend) counts for every
+backend. The
 prefix must be contiguous from the first block: a block held after a gap saves nothing.
 
 Blocks the router sent a backend moments ago and whose events have not arrived yet
@@ -34,7 +35,7 @@ from types import MappingProxyType
 __all__ = ["DEFAULT_CREDIT", "BackendView", "Routing", "Score", "Scorer"]
 
 DEFAULT_CREDIT: Mapping[str, float] = MappingProxyType(
-    {"device": 1.0, "memory": 0.9, "expected": 0.9, "disk": 0.7, "redis": 0.6}
+    {"device": 1.0, "memory": 0.9, "expected": 0.9, "disk": 0.7, "redis": 0.6, "s3": 0.4}
 )
 
 

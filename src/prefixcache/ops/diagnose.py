@@ -115,9 +115,9 @@ def check_tier_health(w: Window, t: Thresholds) -> list[Finding]:
         hits = w.delta("prefixcache_tier_hits_total", **match)
         dead = sum(errors.get(kind, 0.0) for kind in DEAD_ERRORS)
         listed = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(errors.items()) if v)
-        slow_tier = match.get("kind") in ("redis", "disk") or match.get("level", "L0") not in ("L0", "L1")
+        slow_tier = match.get("kind") in ("redis", "s3", "disk") or match.get("level", "L0") not in ("L0", "L1")
         if dead > 0 and hits == 0:
-            what = "Redis" if match.get("kind") == "redis" else "the medium"
+            what = {"redis": "Redis", "s3": "the object store"}.get(match.get("kind", ""), "the medium")
             out.append(
                 Finding(
                     "critical",
