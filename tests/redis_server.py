@@ -7,14 +7,14 @@ Everything listens on 127.0.0.1 only, every wait is bounded, and ``stop()`` ends
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
+
+from loopback_proxy import LoopbackProxy
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 START_TIMEOUT = 5.0  # seconds a redis-server gets to answer PING
@@ -96,71 +96,11 @@ class RedisServer:
         self.proc = None
 
 
-class StallingProxy:
-    """A loopback TCP proxy to ``target_port`` that forwards until ``stall()``, then swallows bytes.
-
-    A stalled proxy keeps connections open and reads what the client sends but never
-    answers: to the client that is a Redis that stopped responding (a GC pause, a
-    saturated network), the case only a read timeout ends.
-    """
-
-    POLL = 0.05  # seconds: how often the threads look at the stop flag
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self._stalled = threading.Event()
-        self._stopped = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(self.POLL)
-        self.port: int = self._listener.getsockname()[1]
-        self._threads: list[threading.Thread] = []
-        self._sockets: list[socket.socket] = []
-        self._spawn(self._accept)
+class StallingProxy(LoopbackProxy):
+    """A proxy to a Redis that forwards until ``stall()``, then swallows bytes: to the
+    client a Redis that stopped responding (a GC pause, a saturated network), the case
+    only a read timeout ends."""
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
-
-    def stall(self) -> None:
-        self._stalled.set()
-
-    def _spawn(self, target: object, *args: object) -> None:
-        thread = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
-        self._threads.append(thread)
-        thread.start()
-
-    def _accept(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=1.0)
-            for sock in (client, upstream):
-                sock.settimeout(self.POLL)
-                self._sockets.append(sock)
-            self._spawn(self._pump, client, upstream)
-            self._spawn(self._pump, upstream, client)
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        while not self._stopped.is_set():
-            try:
-                data = src.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if not data:
-                return
-            if not self._stalled.is_set():
-                with contextlib.suppress(OSError):
-                    dst.sendall(data)
-
-    def stop(self) -> None:
-        self._stopped.set()
-        for thread in self._threads:
-            thread.join(timeout=2)
-        for sock in [self._listener, *self._sockets]:
-            sock.close()

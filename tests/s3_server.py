@@ -9,17 +9,15 @@ every wait is bounded, and ``stop()`` ends what ``start()`` began.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
+from loopback_proxy import LoopbackProxy
 from redis_server import free_port
 
 HAS_MOTO = importlib.util.find_spec("moto") is not None and importlib.util.find_spec("flask") is not None
@@ -98,72 +96,10 @@ class MotoServer:
         self.proc = None
 
 
-class DelayingProxy:
-    """A loopback TCP proxy to ``target_port`` that holds every chunk of the server's
-    replies for ``delay`` seconds (0: forwards at once), so each response arrives late:
-    an S3 endpoint under load or far away. Requests go through undelayed."""
-
-    POLL = 0.05  # seconds: how often the threads look at the stop flag
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.delay = 0.0
-        self._stopped = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(self.POLL)
-        self.port: int = self._listener.getsockname()[1]
-        self._threads: list[threading.Thread] = []
-        self._sockets: list[socket.socket] = []
-        self._spawn(self._accept)
+class DelayingProxy(LoopbackProxy):
+    """A proxy to an S3 API server whose replies arrive ``delay`` seconds late a chunk:
+    an endpoint under load or far away. Requests go through undelayed."""
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def _spawn(self, target: object, *args: object) -> None:
-        thread = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
-        self._threads.append(thread)
-        thread.start()
-
-    def _accept(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=1.0)
-            except OSError:  # the server is gone: the client sees its connection closed
-                client.close()
-                continue
-            for sock in (client, upstream):
-                sock.settimeout(self.POLL)
-                self._sockets.append(sock)
-            self._spawn(self._pump, client, upstream, False)
-            self._spawn(self._pump, upstream, client, True)
-
-    def _pump(self, src: socket.socket, dst: socket.socket, delayed: bool) -> None:
-        while not self._stopped.is_set():
-            try:
-                data = src.recv(1 << 20)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if not data:
-                with contextlib.suppress(OSError):
-                    dst.shutdown(socket.SHUT_WR)
-                return
-            if delayed and self.delay:
-                self._stopped.wait(self.delay)
-            with contextlib.suppress(OSError):
-                dst.sendall(data)
-
-    def stop(self) -> None:
-        self._stopped.set()
-        for thread in self._threads:
-            thread.join(timeout=2)
-        for sock in [self._listener, *self._sockets]:
-            sock.close()
