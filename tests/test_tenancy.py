@@ -6,9 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from prefixcache import CacheConfig, CacheContext, PrefixCache, PrefixPublished, PublishConfig
 from prefixcache.cache.stats import PoolStats
+from prefixcache.tenancy import Tenancy
 
 
 def seq(base: int, n: int) -> list[int]:
@@ -325,3 +328,29 @@ def test_private_blocks_under_a_promoted_prefix_survive_their_root_being_emptied
     assert cache.stats().collisions == 0
     with cache.match(prompt, b) as m:
         assert m.cached_tokens == 12
+
+
+@given(
+    declared=st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=12), max_size=6),
+    query=st.lists(st.integers(0, 3), min_size=0, max_size=14),
+    block=st.sampled_from([1, 2, 4]),
+)
+def test_declared_depth_is_the_longest_common_whole_block_prefix(
+    declared: list[list[int]], query: list[int], block: int
+) -> None:
+    """How much of a request is declared public: the most whole blocks it shares with any
+    declaration of its context (what a linear scan over the declarations says), kept as
+    block digests so that it costs the request's length only."""
+    from prefixcache.cache.publish import Publisher
+    from prefixcache.cache.tree import common_tokens
+    from prefixcache.hashing import token_bytes
+
+    config = CacheConfig(block_size=block, isolation="namespace")
+    publisher = Publisher(config, Tenancy(config))
+    ctx, other = CacheContext(tenant="a", model="m"), CacheContext(tenant="a", model="other")
+    for tokens in declared:
+        publisher.declare(token_bytes(tokens), ctx)
+    publisher.declare(token_bytes(query), other)  # another model's declaration counts for nothing
+    data = token_bytes(query)
+    want = max((common_tokens(token_bytes(t), data) // block for t in declared), default=0)
+    assert publisher._declared_depth(data, ctx) == want

@@ -10,8 +10,10 @@ copy; this module only decides how deep it goes.
 
 from __future__ import annotations
 
+import xxhash
+
 from prefixcache.cache.contexts import context_name
-from prefixcache.cache.tree import BlockTree, common_tokens
+from prefixcache.cache.tree import BlockTree
 from prefixcache.config import CacheConfig
 from prefixcache.hashing import CacheContext, KeyChain
 from prefixcache.tenancy import Tenancy
@@ -25,7 +27,10 @@ class Publisher:
     def __init__(self, config: CacheConfig, tenancy: Tenancy) -> None:
         self._config = config
         self._tenancy = tenancy
-        self._declared: list[tuple[bytes, tuple[object, ...]]] = []
+        # NOTE: a declared prefix is kept as the digests of its whole-block prefixes, so
+        # that how much of a request is declared costs the request's length, not the
+        # number of declarations (``prefixcache warm --public`` declares a whole corpus)
+        self._declared: set[tuple[tuple[object, ...], bytes]] = set()
 
     @property
     def active(self) -> bool:
@@ -33,7 +38,8 @@ class Publisher:
         return self._tenancy.publish is not None or bool(self._declared)
 
     def declare(self, data: bytes, ctx: CacheContext) -> None:
-        self._declared.append((data, context_name(ctx)))
+        name = context_name(ctx)
+        self._declared.update((name, digest) for digest in self._block_digests(data))
 
     def depth(self, data: bytes, ctx: CacheContext, chain: KeyChain, tree: BlockTree) -> tuple[int, int]:
         """(blocks of this request's prefix that are public, distinct tenants that made the
@@ -56,10 +62,21 @@ class Publisher:
         return depth, tenants
 
     def _declared_depth(self, data: bytes, ctx: CacheContext) -> int:
+        """Whole blocks of ``data`` that a declared prefix of its context begins with."""
         if not self._declared:
             return 0
-        name, bs, best = context_name(ctx), self._config.block_size, 0
-        for declared, declared_name in self._declared:
-            if declared_name == name:
-                best = max(best, common_tokens(declared, data) // bs)
-        return best
+        name, depth = context_name(ctx), 0
+        for digest in self._block_digests(data):  # NOTE: prefix-closed: the first miss ends it
+            if (name, digest) not in self._declared:
+                break
+            depth += 1
+        return depth
+
+    def _block_digests(self, data: bytes) -> list[bytes]:
+        """The digest of ``data``'s first i whole blocks, for each i >= 1."""
+        step = 4 * self._config.block_size  # tokens are little-endian uint32
+        hasher, out = xxhash.xxh3_128(), []
+        for end in range(step, len(data) + 1, step):
+            hasher.update(data[end - step : end])
+            out.append(hasher.digest())
+        return out
