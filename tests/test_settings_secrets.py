@@ -6,6 +6,7 @@ hold a secret carries the mark (``config.SECRET``) that these rules hang on."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -128,10 +129,16 @@ def test_the_startup_log_masks_every_secret(tmp_path: Path) -> None:
         timeout=120,
     )
     logged = run.stderr + run.stdout
-    assert "settings (defaults < file" in logged, logged
+    assert "event=serve_auth mode=api_keys keys=1 tenants=1 admin_key=set" in logged, logged
     assert not [s for s in GOOD_SECRETS if s in logged], logged
-    assert "redis://:***@127.0.0.1:1/0" in logged and "redis://user:***@127.0.0.1:1/0?password=***" in logged
-    assert "'acme'" in logged  # the tenants are no secret
+    assert "url=redis://user:***@127.0.0.1:1/0?password=***" in logged  # the tier's line
+    printed = subprocess.run(
+        [*SERVE, "--config", str(path), "--print-settings"], env=clean, capture_output=True, text=True, timeout=120
+    )
+    assert printed.returncode == 0, printed.stderr
+    assert not [s for s in GOOD_SECRETS if s in printed.stdout + printed.stderr], printed.stdout
+    shown = json.loads(printed.stdout)  # the full settings, as the DEBUG line has them
+    assert shown["fleet"]["redis_url"] == "redis://:***@127.0.0.1:1/0" and shown["auth"]["tenants"] == ["acme"]
 
 
 def test_describe_masks_secrets_and_keeps_the_rest(tmp_path: Path) -> None:

@@ -104,7 +104,8 @@ def run_demo(
     return cache
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line, built without running anything (the docs' check reads it)."""
     parser = argparse.ArgumentParser(prog="prefixcache", description="A prefix (KV) cache for LLM serving.")
     parser.add_argument("--version", action="version", version=f"prefixcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +129,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="listen beyond loopback with no API keys configured (anyone who reaches the port may use it)",
     )
     serve.add_argument("--model", help="'smollm2-135m-instruct' (default) or a local transformers model folder")
+    serve.add_argument(
+        "--print-settings",
+        action="store_true",
+        help="print the effective settings (JSON, secrets masked) and exit, without loading the model",
+    )
     demo = sub.add_parser("demo", help="replay synthetic multi-tenant chat traffic through the cache")
     demo.add_argument("--requests", type=int, default=2000, help="number of requests (default 2000)")
     demo.add_argument("--tenants", type=int, default=5, help="number of tenants (default 5)")
@@ -135,6 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--isolation", choices=ISOLATION_MODES, default="namespace", help="tenant isolation")
     demo.add_argument("--capacity-tokens", type=int, default=200_000, help="cache capacity in tokens")
     demo.add_argument("--seed", type=int, default=0, help="workload seed")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "replay":
         return run_replay(args, parser)

@@ -8,6 +8,9 @@
   generated is never cut: only reading the request is timed.
 - **No secret in a log line.** The access log names the path but never its query string
   (a key pasted into a URL stays out of the log); request headers are never logged.
+- **A stop is a success.** SIGINT or SIGTERM stops the server as uvicorn does (no new
+  requests, the running ones finish, the lifespan's shutdown flushes the cache); then
+  ``Server.run`` returns instead of raising the signal again (``Server``).
 - **Forwarding headers are the app's to judge.** uvicorn's own proxy support (on by
   default, trusting 127.0.0.1) is off: the client's address and scheme stay the peer's,
   and only ``server.trusted_proxies`` makes ``X-Forwarded-*`` believed (sessions.py).
@@ -16,8 +19,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -26,7 +34,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from prefixcache.settings import Settings
 
-__all__ = ["ReadDeadline", "RedactQuery", "uvicorn_config"]
+__all__ = ["ReadDeadline", "RedactQuery", "Server", "uvicorn_config"]
 
 log = logging.getLogger("prefixcache.serve")
 
@@ -79,6 +87,37 @@ class RedactQuery(logging.Filter):
             path, _, _ = args[2].partition("?")
             record.args = (*args[:2], path + "?[redacted]", *args[3:])
         return True
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, stopped by SIGINT or SIGTERM as uvicorn stops it, that then returns.
+
+    NOTE: uvicorn raises a captured signal again once it has shut down, so that a program
+    embedding it dies of the signal as it would have without it. For ``serve`` the stop
+    was asked for and is done: the raised SIGINT became a ``CancelledError`` and a
+    ``KeyboardInterrupt`` traceback (asyncio's runner cancels its task on SIGINT), SIGTERM
+    an exit by signal, and ``make serve`` reported an error. ``stopped_by`` keeps which
+    signal stopped it.
+    """
+
+    stopped_by: int | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _stop(self, sig: int, frame: FrameType | None) -> None:
+        if self.stopped_by is None:
+            self.stopped_by = sig
+        self.handle_exit(sig, frame)  # a second SIGINT forces the exit, as in uvicorn
 
 
 def uvicorn_config(app: Any, settings: Settings, log_level: str = "info", **extra: Any) -> uvicorn.Config:

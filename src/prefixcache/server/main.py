@@ -13,17 +13,20 @@ computed; then the fleet publisher (``[fleet]``) sends the last KV events and st
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from prefixcache.api.transport import uvicorn_config
+from prefixcache.api.transport import Server, uvicorn_config
 from prefixcache.blend.gate import model_fingerprint
 from prefixcache.blend.serve_engine import BlendEngine
 from prefixcache.blend.serve_gate import open_blender
@@ -34,6 +37,7 @@ from prefixcache.engine.model import ModelError
 from prefixcache.fleet.publisher import FleetPublisher, PublisherConfig
 from prefixcache.quality.codec_gate import CodecGateRefused, CodecStart, check_codecs
 from prefixcache.server import app as server_app
+from prefixcache.server import startlog
 from prefixcache.server.app import PublisherFactory
 from prefixcache.settings import LOCAL_TENANT, Settings, describe, load_settings
 
@@ -133,21 +137,13 @@ def open_engine(settings: Settings) -> tuple[Engine, PrefixCache | None]:
     args |= settings.admission.engine_args()
     if not settings.blend.enabled:
         return Engine(loaded, model_id, cache=cache, **args), cache
-    for tier in cache.config.tiers if cache is not None else ():
-        log.info(
-            "event=blend_tier tier=%s capacity_bytes=%d (chunks are blocks: they share the tier with the others)",
-            tier.label,
-            tier.capacity_bytes,
-        )
     config = settings.blend.config()
     blender, gate = open_blender(config, loaded, model_id, cache)
     return BlendEngine(loaded, model_id, config, blender, gate, cache=cache, **args), cache
 
 
-def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import uvicorn
-
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Settings:
+    """The settings the flags, the environment and the file make (a bad one exits 2)."""
     flags: dict[str, dict[str, Any]] = {"server": {}, "model": {}}
     if args.host is not None:
         flags["server"]["host"] = args.host
@@ -163,8 +159,10 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             settings.admission.check_tenants(set(settings.auth.api_keys.values()) or {LOCAL_TENANT})
     except ValueError as exc:
         parser.error(str(exc))
-    log.info("settings (defaults < file < PREFIXCACHE_* env < flags): %s", describe(settings))
-    log.info("admission (each tenant's share, the worker's slices): %s", settings.admission.model_dump())
+    return settings
+
+
+def _warn(settings: Settings) -> None:
     if settings.auth.local_mode:
         log.warning("no [auth] api_keys configured: single-tenant local mode, no authentication (tenant 'local')")
     if settings.cross_tenant_reuse:
@@ -177,12 +175,47 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             "auth.tenant_header with no auth.tenant_secret: any client that reaches this port directly names its "
             "tenant; set tenant_secret (the gateway's proof), or listen where only the gateway reaches"
         )
+
+
+def _interrupted(sig: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # SIGTERM while the model loads: stop as on Ctrl-C
+
+
+def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Serve until SIGINT or SIGTERM, then flush the cache and exit 0 (a stop asked for is
+    a success, also when it comes while the model loads)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    settings = _settings(args, parser)
+    if args.print_settings:
+        print(json.dumps(describe(settings), indent=2, default=str))
+        return 0
+    log.debug("settings (defaults < file < PREFIXCACHE_* env < flags): %s", describe(settings))
+    for line in startlog.settings_lines(settings):
+        log.info("%s", line)
+    _warn(settings)
+    previous = signal.signal(signal.SIGTERM, _interrupted)
+    service: Service | None = None
     try:
-        service = build_service(settings)
-    except (ModelError, FileNotFoundError, CodecGateRefused) as exc:  # the model, a tier's folder or codec
-        parser.error(str(exc))
-    host, port = settings.server.host, settings.server.port
-    url = f"http://{host}:{port}"
+        try:
+            service = build_service(settings)
+        except (ModelError, FileNotFoundError, CodecGateRefused) as exc:  # the model, a tier's folder or codec
+            parser.error(str(exc))
+        for line in startlog.opened_lines(settings, service.engine.loaded, service.cache):
+            log.info("%s", line)
+        _banner(settings)
+        Server(uvicorn_config(service.app, settings)).run()
+    except KeyboardInterrupt:  # before uvicorn took the signals over
+        log.info("event=serve_stopped while starting")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if service is not None:
+            service.close()  # NOTE: the lifespan's shutdown did it on SIGTERM and SIGINT; this is for the rest
+    return 0
+
+
+def _banner(settings: Settings) -> None:
+    """What a newcomer reads on stdout: where to send a first request."""
+    url = startlog.url(settings)
     model = settings.model.served_id
     disk = [t.path for t in settings.cache.tiers if t.path is not None]
     where = f"  (cache dir {Path(disk[0]).resolve()})" if disk and settings.server.cache else ""
@@ -191,8 +224,3 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
     auth = "" if settings.auth.local_mode else "  -H 'Authorization: Bearer YOUR_KEY' \\\n"
     print(f'{auth}  -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n', flush=True)
-    try:
-        uvicorn.Server(uvicorn_config(service.app, settings)).run()
-    finally:
-        service.close()  # NOTE: the lifespan's shutdown did it on SIGTERM and SIGINT; this is for the rest
-    return 0
