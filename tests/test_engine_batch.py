@@ -1,0 +1,145 @@
+"""Batched decoding: every row's logits are its sequence's alone, whatever joins, steps
+and leaves around it, and a row that left keeps its KV readable until released.
+
+A hypothesis state machine drives ``Batch`` on a tiny random Llama (fast, no download)
+against one ``Sequence`` per row stepped alone, with the layout constants made small so
+that a few steps grow, shrink and relay the buffers out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from prefixcache.engine import batch as batch_module
+from prefixcache.engine.batch import Batch, RowKV
+from prefixcache.engine.kv import cut_cache
+from prefixcache.engine.model import LoadedModel, kv_layout
+from prefixcache.engine.runner import Sequence
+
+VOCAB = 96
+
+
+def tiny_model() -> LoadedModel:
+    torch.manual_seed(7)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    model = LlamaForCausalLM(config)
+    model.train(False)
+    return LoadedModel(model, None, kv_layout(config, "float32"), 512, torch.device("cpu"), "tiny")  # type: ignore[arg-type]
+
+
+TINY = tiny_model()
+
+
+@dataclass
+class Left:
+    """A row that left: what its KV must read as until it is released."""
+
+    row: int
+    kv: RowKV
+    expected: torch.Tensor  # [layers, 2, H, T, D], the sequence's KV computed alone
+
+
+class BatchMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch = Batch(TINY)
+        self.alone: dict[int, Sequence] = {}  # row -> its sequence, stepped alone
+        self.left: list[Left] = []
+
+    @rule(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40))
+    def join(self, tokens: list[int]) -> None:
+        seq = Sequence(TINY, chunk_tokens=16)
+        seq.prefill(tokens)
+        row = self.batch.join(seq.cache, len(tokens))
+        assert row not in self.alone  # a row that left may be reused once laid out anew: its reads must hold
+        self.alone[row] = seq
+
+    @precondition(lambda self: self.alone)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        fed = {row: data.draw(st.integers(0, VOCAB - 1)) for row in self.alone}
+        logits = self.batch.step(fed)
+        assert set(logits) == set(self.alone)
+        for row, seq in self.alone.items():
+            expected = seq.step(fed[row])
+            assert torch.isfinite(logits[row]).all()
+            assert torch.allclose(logits[row], expected, atol=2e-5, rtol=1e-4), (
+                row,
+                (logits[row] - expected).abs().max(),
+            )
+
+    @precondition(lambda self: self.alone)
+    @rule(data=st.data())
+    def leave(self, data: st.DataObject) -> None:
+        row = data.draw(st.sampled_from(sorted(self.alone)))
+        seq = self.alone.pop(row)
+        kv = self.batch.leave(row)
+        assert kv.length == seq.length
+        self.left.append(Left(row, kv, cut_cache(seq.cache, seq.length)))
+
+    @precondition(lambda self: self.left)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        left = self.left.pop(data.draw(st.integers(0, len(self.left) - 1)))
+        self._check(left, data.draw(st.integers(0, left.kv.length)))
+        self.batch.release(left.kv)
+
+    @invariant()
+    def rows_left_read_what_they_held(self) -> None:
+        for left in self.left:
+            self._check(left, 0)
+
+    @invariant()
+    def counts(self) -> None:
+        assert self.batch.rows == len(self.alone)
+        for row, seq in self.alone.items():
+            assert self.batch.length(row) == seq.length
+
+    def _check(self, left: Left, begin: int) -> None:
+        read = torch.from_numpy(left.kv.read(begin, left.kv.length))
+        assert torch.allclose(read, left.expected[:, :, :, begin:], atol=1e-6)
+
+
+@pytest.fixture(autouse=True)
+def small_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batch_module, "_GRAIN", 8)
+    monkeypatch.setattr(batch_module, "_HEADROOM", 4)
+
+
+BatchMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestBatch = BatchMachine.TestCase
+
+
+def test_a_step_needs_a_token_for_each_row_in_use() -> None:
+    batch = Batch(TINY)
+    seq = Sequence(TINY)
+    seq.prefill([1, 2, 3])
+    row = batch.join(seq.cache, 3)
+    with pytest.raises(ValueError, match="one token for each row"):
+        batch.step({})
+    with pytest.raises(ValueError, match="one token for each row"):
+        batch.step({row: 1, row + 1: 2})
+    with pytest.raises(ValueError, match="is free"):
+        batch.length(row + 1)
+    kv = batch.leave(row)
+    with pytest.raises(ValueError, match="outside"):
+        kv.read(0, 4)
+    assert batch.step({}) == {}
+    assert np.asarray(kv.read(1, 3)).shape[3] == 2
