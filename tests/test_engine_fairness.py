@@ -36,6 +36,7 @@ from prefixcache.engine import (
     TokenEvent,
 )
 from prefixcache.engine.job import Job
+from prefixcache.engine.loop import StepLoop
 from prefixcache.server.main import build_service
 from prefixcache.settings import AuthSettings, ModelSettings, ServerSettings, Settings
 from prefixcache.settings.admission import AdmissionSettings, TenantAdmission
@@ -105,18 +106,28 @@ class Step:
 @pytest.fixture
 def steps(monkeypatch: pytest.MonkeyPatch) -> list[Step]:
     """Every step the worker runs, recorded: timing claims are made against the steps
-    of the same run (a shared CPU makes one step take ten times another)."""
+    of the same run (a shared CPU makes one step take ten times another). A prefill
+    chunk is a step of its request; a batch step, one of each request it decodes."""
     recorded: list[Step] = []
-    original = Job.step
+    prefill, decode = Job.prefill, StepLoop._decode
 
-    def step(self: Job) -> bool:
+    def timed_prefill(self: Job) -> None:
         began = time.monotonic()
         try:
-            return original(self)
+            prefill(self)
         finally:
             recorded.append(Step(self.handle.id, began, time.monotonic()))
 
-    monkeypatch.setattr(Job, "step", step)
+    def timed_decode(self: StepLoop) -> None:
+        jobs, began = [job.handle.id for job in self._rows], time.monotonic()
+        try:
+            decode(self)
+        finally:
+            ended = time.monotonic()
+            recorded.extend(Step(job, began, ended) for job in jobs)
+
+    monkeypatch.setattr(Job, "prefill", timed_prefill)
+    monkeypatch.setattr(StepLoop, "_decode", timed_decode)
     return recorded
 
 

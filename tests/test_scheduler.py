@@ -97,7 +97,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self) -> None:
         self.clock.now += 1.0
-        job = self.sched.next(timeout=0)
+        job = self.sched.next(ANY)
         assert job is not None and not job.ended and not job.gone
         self._check_turn(job.tenant)
         if not job.stepped:
@@ -172,9 +172,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.config.order is Order.FIFO and self.config.max_active == 1:  # one at a time, in the order they came
             started = sorted((j for j in self.admitted if j.stepped), key=lambda j: self.first[id(j)])
             assert [self.arrival[id(j)] for j in started] == sorted(self.arrival[id(j)] for j in started)
-        assert self.sched.next(timeout=0) is None
+        assert self.sched.next(ANY) is None
         assert self.sched.close() == []
-        assert self.sched.next() is None  # closed and empty: the worker stops
+        assert not self.sched.wait(self.sched.version, 0)  # closed and empty: the worker stops
 
     # ------------------------------------------------------------------ helpers
 
@@ -203,19 +203,45 @@ SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_co
 TestScheduler = SchedulerMachine.TestCase
 
 
+def ANY(job: FakeJob) -> bool:
+    return True
+
+
+def test_next_skips_the_jobs_not_ready_and_keeps_the_turns() -> None:
+    """A job whose prefix is still loading (the engine's I/O thread) gives its turn to the
+    next ready one; the scheduler never waits for it."""
+    sched: Scheduler[FakeJob] = Scheduler(SchedulerConfig(max_queue=8, max_active=4))
+    a, b = FakeJob("a", 10, 3), FakeJob("b", 10, 3)
+    sched.admit(a)
+    sched.admit(b)
+    assert sched.started() == [a, b] and sched.started() == []
+    assert sched.next(lambda job: job is b) is b
+    assert sched.next(lambda job: False) is None
+    assert [sched.next(ANY) for _ in range(3)] == [a, b, a]
+    seen = sched.version
+    sched.poke()  # a change the worker waits for
+    assert sched.version != seen
+    assert sched.wait(seen, 0)  # open: the worker goes on
+    sched.close()
+    assert sched.wait(sched.version, 0)  # closed with jobs in flight: it goes on
+    sched.finish(a)
+    sched.finish(b)
+    assert not sched.wait(sched.version, 0)  # closed and empty: it stops
+
+
 def test_tenants_take_turns_and_a_newcomer_steps_next() -> None:
     sched: Scheduler[FakeJob] = Scheduler(SchedulerConfig(max_queue=8, max_active=4))
     heavy = [FakeJob("heavy", 100, 10) for _ in range(3)]
     for job in heavy:
         sched.admit(job)
     assert sched.load()["heavy"].active == 2  # a tenant alone leaves room for others
-    order = [sched.next(timeout=0) for _ in range(3)]
+    order = [sched.next(ANY) for _ in range(3)]
     assert order == [heavy[0], heavy[1], heavy[0]]  # its own jobs in turn
     light = FakeJob("light", 5, 1)
     sched.admit(light)
-    assert sched.next(timeout=0) is light  # within one step of arriving
+    assert sched.next(ANY) is light  # within one step of arriving
     sched.finish(light)
-    assert [sched.next(timeout=0) for _ in range(2)] == [heavy[1], heavy[0]]
+    assert [sched.next(ANY) for _ in range(2)] == [heavy[1], heavy[0]]
 
 
 def test_a_tenant_that_keeps_coming_back_does_not_starve_the_others() -> None:
@@ -226,7 +252,7 @@ def test_a_tenant_that_keeps_coming_back_does_not_starve_the_others() -> None:
     for _ in itertools.repeat(None, 6):  # light's requests end in one step and come back at once
         sched.admit(FakeJob("light", 5, 1))
         for _ in range(2):
-            job = sched.next(timeout=0)
+            job = sched.next(ANY)
             assert job is not None
             steps[job.tenant] += 1
             if job.tenant == "light":
@@ -252,7 +278,7 @@ def test_limits_refuse_with_the_limit_named_and_a_retry_hint() -> None:
     sched.admit(FakeJob("initech", 5000, 1))  # a request alone always fits
     for _ in range(5):  # a slot frees every 4 s
         clock.now += 4.0
-        job = sched.next(timeout=0)
+        job = sched.next(ANY)
         assert job is not None
         sched.finish(job)
     with pytest.raises(TenantBusy) as busy:

@@ -1,15 +1,18 @@
-"""One request's work as steps the worker runs one at a time, between other requests'.
+"""One request's work, from its slot to its stored KV, as the engine's threads see it.
 
-    step 1:  [cancelled or past deadline? end]  match ─ load ─ first prefill chunk     (PREFILL)
-    step k:  [cancelled or past deadline? end]  next prefill chunk                     (PREFILL)
-    last:    last chunk ─ first token out                                              (DECODE next)
-    then:    [check] up to ``decode_burst`` decode steps, checking before each          (DECODE)
-    end:     end event (done, cancelled or 504) ─ insert prompt + answer with their KV  (DONE)
+    I/O thread:   stage()             match + load what the cache holds          (STAGING)
+    worker:       prefill()           [cancelled or past deadline? end]
+                                      one chunk of the prompt per call;           (PREFILL)
+                                      the last one samples the first token  ──>   (DECODE: the loop gives it a row)
+    worker:       fed() / decoded()   the token it feeds the batch, then the
+                                      logits the batch step gave it              (DECODE)
+    worker:       ended               the end event (done, cancelled, 504) went  (DONE)
+    I/O thread:   store(kv)           insert prompt + answer with their KV
 
-A step's work is bounded by one prefill chunk or one burst of decoding, so a request
-past its deadline, or whose client left, stops within one step, and another request
-never waits behind more than one step of this one. Everything here runs on the
-engine's worker thread.
+A prefill call is bounded by one chunk and a decode by one token, so a request past
+its deadline, or whose client left, stops within one step, and no request waits behind
+more than a chunk of another's prefill. The cache's match, load and insert run on the
+I/O thread, never on the worker's step loop.
 """
 
 from __future__ import annotations
@@ -17,15 +20,15 @@ from __future__ import annotations
 import enum
 import logging
 import random
-from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from prefixcache.cache import PrefixCache
-from prefixcache.engine.kv import SequenceKV
+from prefixcache.cache.kv import KVSource
 from prefixcache.engine.model import LoadedModel
 from prefixcache.engine.modes import ServeMode, Turn
 from prefixcache.engine.requests import (
@@ -42,7 +45,7 @@ from prefixcache.engine.runner import Prefill, Sequence
 from prefixcache.engine.sampling import TextStream, TokenCounts, sample
 from prefixcache.hashing import CacheContext
 
-__all__ = ["Job", "LoadBuffer", "Phase", "Runtime"]
+__all__ = ["Job", "Phase", "Runtime", "Staged"]
 
 log = logging.getLogger(__name__)
 
@@ -50,33 +53,11 @@ log = logging.getLogger(__name__)
 class Phase(enum.Enum):
     """Where a job is: what its next step does."""
 
-    WAITING = "waiting"  # not started
-    PREFILL = "prefill"  # a chunk of its prompt
-    DECODE = "decode"  # a burst of tokens
-    DONE = "done"
-
-
-class LoadBuffer:
-    """A reusable destination for the cache's loads, on the worker thread.
-
-    NOTE: a fresh array of tens of MB is a fresh mmap whose every page faults on the
-    first write; one buffer kept by the worker pays that once. A load sits in it only
-    until the first step of its job ends: that step copies it into the model's cache
-    (``Turn.prefill``'s contract), so the next job's load may overwrite it."""
-
-    def __init__(self, bytes_per_token: int, cap_bytes: int) -> None:
-        self._per_token, self._cap = bytes_per_token, cap_bytes
-        self._array: np.ndarray[Any, Any] | None = None  # grown on demand
-
-    def get(self, tokens: int) -> np.ndarray[Any, Any] | None:
-        """A buffer for ``tokens`` tokens of KV (None: too large, let the load allocate)."""
-        need = tokens * self._per_token
-        if need > self._cap:
-            return None
-        if self._array is None or self._array.nbytes < need:
-            grain = 16 << 20  # grow in steps, so that a slowly longer history does not reallocate each turn
-            self._array = np.empty(min(-(-need // grain) * grain, self._cap), dtype=np.uint8)
-        return self._array
+    WAITING = "waiting"  # queued for a slot
+    STAGING = "staging"  # has a slot; the I/O thread matches and loads its prefix
+    PREFILL = "prefill"  # a chunk of its prompt per step
+    DECODE = "decode"  # a row of the batch, a token per step
+    DONE = "done"  # its end event went out; its store may still run
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,22 +71,46 @@ class Runtime:
     stats: EngineStats
     clock: Callable[[], float]
     rng: random.Random
-    buffer: LoadBuffer
     chunk_tokens: int  # prompt tokens per prefill step
-    decode_burst: int  # tokens per decode step
+
+
+@dataclass(frozen=True, eq=False)
+class Staged:
+    """What the cache held for a job's prompt, loaded into memory the job owns."""
+
+    prefix: np.ndarray[Any, Any] | None = None  # [layers, 2, H, cached, D]
+    cached: int = 0
+    tiers: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Decoding:
+    """A decoding job's sampling state."""
+
+    stream: TextStream
+    generator: torch.Generator
+    history: TokenCounts
+    token: int  # sampled, to be fed to the model at the next step
 
 
 class Job:
-    """One request from its first step to its end (a ``scheduler.Work``)."""
+    """One request from its slot to its stored KV (a ``scheduler.Work``)."""
 
     def __init__(self, runtime: Runtime, handle: Handle) -> None:
         self.handle = handle
         self.phase = Phase.WAITING
+        self.row: int | None = None  # its row in the batch while decoding (the loop's)
+        self.staged: Staged | None = None  # written once by the I/O thread
         self._rt = runtime
-        self._seq: Sequence | None = None
         self._turn: Turn | None = None
+        self._seq: Sequence | None = None
+        self._steps: Prefill | None = None
+        self._decoding: _Decoding | None = None
         self._out: list[int] = []
-        self._steps = self._serve()
+        self._started = 0.0  # when its work began (staging, or its first step)
+        self._prefill_s = 0.0
+        self._stored = False  # whether the end leaves KV worth storing
+        self._final: DoneEvent | ErrorEvent | None = None  # the end event, until sent
 
     @property
     def tenant(self) -> str:
@@ -115,121 +120,197 @@ class Job:
     def tokens(self) -> int:
         return len(self.handle.request.tokens)
 
+    @property
+    def sequence(self) -> Sequence:
+        assert self._seq is not None, "no sequence before the first prefill step"
+        return self._seq
+
+    @property
+    def storable(self) -> bool:
+        """Whether its end left KV that the store should keep."""
+        return self._stored
+
     def expired(self) -> bool:
         """Whether the deadline passed (a waiting job then ends unstarted, with its 504)."""
         return self._rt.clock() > self.handle.deadline
 
-    def step(self) -> bool:
-        """Run one step; True once the job has ended (its last event sent, its KV stored)."""
-        try:
-            self.phase = next(self._steps)
-            return False
-        except StopIteration:
-            pass
-        except RequestTimeout as exc:
-            self._rt.stats.timed_out += 1
-            self.handle.sink(ErrorEvent(exc))
-            self._store()  # what was computed stays useful: a retry hits on it
-        except EngineError as exc:
-            self._rt.stats.failed += 1
-            self.handle.sink(ErrorEvent(exc))
-        except Exception as exc:  # a bug must not kill the worker: fail this request only
-            log.exception("request %d failed", self.handle.id)
-            self._rt.stats.failed += 1
-            error = EngineError(f"internal error: {type(exc).__name__}")
-            error.status, error.type = 500, "server_error"
-            self.handle.sink(ErrorEvent(error))
-        self.phase = Phase.DONE
-        return True
+    def ready(self) -> bool:
+        """Whether a prefill step can run now (staged, not yet decoding or done)."""
+        return self.staged is not None and self.phase in (Phase.STAGING, Phase.PREFILL)
 
-    # ------------------------------------------------------------------ the steps
+    # ------------------------------------------------------------------ I/O thread
 
-    def _serve(self) -> Generator[Phase, None, None]:
-        rt, handle = self._rt, self.handle
-        request, params = handle.request, handle.request.params
-        start = rt.clock()
-        queued = start - (handle.deadline - handle.timeout_s)
-        turn = self._turn = rt.mode.open(request, rt.context(request.tenant))
-        if handle.cancelled:  # gone while queued: no work, but still an end the caller can wait for
-            rt.stats.cancelled += 1
-            rt.stats.cancelled_queued += 1
-            handle.sink(turn.done(DoneEvent("cancelled", "", (), Usage(len(request.tokens), 0, 0, {}, queued, 0.0))))
+    def stage(self) -> None:
+        """Match and load the prompt's cached prefix into memory of its own (a failure is a miss)."""
+        rt, tokens = self._rt, self.handle.request.tokens
+        self._started = rt.clock()
+        staged = Staged()
+        if rt.cache is not None and not self.handle.cancelled and not self.expired():
+            try:
+                with rt.cache.match(tokens, rt.context(self.tenant)) as match:
+                    if match.cached_tokens > 0:
+                        loaded = rt.cache.load(match)  # a fresh array: it outlives the match
+                        # NOTE: the last prompt token is always prefilled, since its logits start decoding
+                        usable = max(0, min(int(loaded.tokens), len(tokens) - 1))
+                        if usable > 0:
+                            tiers = _clip_tiers(dict(loaded.tier_tokens), usable)
+                            staged = Staged(loaded.kv[:, :, :, :usable], usable, tiers)
+            except Exception:  # a lookup that failed costs this request its hit, nothing more
+                log.exception("matching or loading the prefix of request %d failed", self.handle.id)
+        self.staged = staged
+
+    def store(self, kv: KVSource | None, length: int) -> None:
+        """Insert prompt + answer with their KV (``length`` positions of ``kv``), so the
+        next turn hits on the whole history (as much of it as the turn calls exact), then
+        let the turn store its own. The cache reads from ``kv`` only the new blocks."""
+        turn, request, cache = self._turn, self.handle.request, self._rt.cache
+        if turn is None:
             return
-        if start > handle.deadline:
-            raise RequestTimeout("the request timed out while waiting in the queue")
-        seq = self._seq = Sequence(rt.loaded, rt.chunk_tokens)
-        steps, cached, tiers, logits = self._open(seq, turn)
-        finish: str | None = None
-        while logits is None:
-            yield Phase.PREFILL
+        length = turn.storable(length)
+        if cache is not None and kv is not None and length > 0:
+            tokens = (request.tokens + self._out)[:length]
+            try:
+                cache.insert(tokens, self._rt.context(request.tenant), kv=kv)
+            except Exception:  # the answer is already out; a failed store costs a future hit only
+                log.exception("storing the KV of request %d failed", self.handle.id)
+        try:
+            turn.stored(request.tokens)
+        except Exception:  # the same: the answer is out
+            log.exception("the serving mode's store after request %d failed", self.handle.id)
+
+    # ------------------------------------------------------------------ worker: prefill
+
+    def prefill(self) -> None:
+        """One prefill step; after the last, the first token is out and the job is
+        DECODE (or DONE). Ends the job (DONE) on cancellation, timeout or error."""
+        try:
+            self._prefill()
+        except Exception as exc:
+            self.fail(exc)
+
+    def _prefill(self) -> None:
+        rt, handle, request = self._rt, self.handle, self.handle.request
+        if self._steps is None:
+            self._started = self._started or rt.clock()
+            turn = self._turn = rt.mode.open(request, rt.context(request.tenant))
+            if handle.cancelled:  # gone while queued: no work, but still an end the caller can wait for
+                rt.stats.cancelled += 1
+                rt.stats.cancelled_queued += 1
+                usage = Usage(len(request.tokens), 0, 0, {}, self._queued(), 0.0)
+                self._final = turn.done(DoneEvent("cancelled", "", (), usage))
+                return self._done(stored=False)
+            if rt.clock() > handle.deadline:
+                raise RequestTimeout("the request timed out while waiting in the queue")
+            staged = self.staged or Staged()
+            self._seq = Sequence(rt.loaded, rt.chunk_tokens)
+            self._steps = turn.prefill(self._seq, request.tokens, staged.prefix)
+            self.staged = Staged(None, staged.cached, staged.tiers)  # NOTE: the first step consumes the prefix
+            self.phase = Phase.PREFILL
+        elif self._interrupted():
+            return self.end("cancelled")
+        try:
+            next(self._steps)
+            return
+        except StopIteration as stop:
+            logits: torch.Tensor = stop.value
+        self._prefill_s = rt.clock() - self._started
+        params = request.params
+        seed = params.seed if params.seed is not None else rt.rng.getrandbits(63)
+        self._decoding = _Decoding(
+            TextStream(rt.loaded.tokenizer, params.stop),
+            torch.Generator().manual_seed(seed),
+            TokenCounts(request.tokens),  # what the penalties count
+            0,
+        )
+        self.phase = Phase.DECODE
+        self._next(logits)
+
+    # ------------------------------------------------------------------ worker: decode
+
+    def fed(self) -> int | None:
+        """The token to feed at the next batch step; None when the job ended instead
+        (its client left or its deadline passed)."""
+        try:
             if self._interrupted():
-                finish = "cancelled"
-                break
-            logits = _advance(steps)
-        prefill_s = rt.clock() - start
-        stream = TextStream(rt.loaded.tokenizer, params.stop)
-        if logits is not None:
-            seed = params.seed if params.seed is not None else rt.rng.getrandbits(63)
-            finish = yield from self._decode(seq, logits, stream, torch.Generator().manual_seed(seed))
-        out = self._out
-        tail = stream.flush()
+                self.end("cancelled")
+                return None
+        except RequestTimeout as exc:
+            self.fail(exc)
+            return None
+        assert self._decoding is not None
+        return self._decoding.token
+
+    def decoded(self, logits: torch.Tensor) -> None:
+        """The logits the batch step gave for the fed token: sample the next one."""
+        try:
+            self._next(logits)
+        except Exception as exc:
+            self.fail(exc)
+
+    def _next(self, logits: torch.Tensor) -> None:
+        decoding, params, out = self._decoding, self.handle.request.params, self._out
+        assert decoding is not None
+        token = sample(logits, params, decoding.generator, decoding.history)
+        if token in self._rt.loaded.eos_ids:
+            return self.end("stop")
+        out.append(token)
+        self.handle.sink(TokenEvent(token, decoding.stream.push(token)))
+        if decoding.stream.stopped:
+            return self.end("stop")
+        if len(out) >= params.max_tokens:
+            return self.end("length")
+        decoding.token = token
+
+    # ------------------------------------------------------------------ worker: the end
+
+    def end(self, finish: str) -> None:
+        """End: done, or cancelled mid-answer (the event goes out with ``send_end``)."""
+        rt, request, turn = self._rt, self.handle.request, self._turn
+        assert turn is not None
+        stream = self._decoding.stream if self._decoding is not None else None
+        tail = stream.flush() if stream is not None else ""
         if tail:
-            handle.sink(TokenEvent(out[-1] if out else -1, tail))
-        usage = Usage(len(request.tokens), len(out), cached, tiers, queued, prefill_s)
+            self.handle.sink(TokenEvent(self._out[-1] if self._out else -1, tail))
+        staged = self.staged or Staged()
+        usage = Usage(len(request.tokens), len(self._out), staged.cached, staged.tiers, self._queued(), self._prefill_s)
         if finish == "cancelled":
             rt.stats.cancelled += 1
         else:
             rt.stats.completed += 1
-        handle.sink(turn.done(DoneEvent(finish or "length", stream.text, tuple(out), usage)))
-        self._store()
+        text = stream.text if stream is not None else ""
+        self._final = turn.done(DoneEvent(finish, text, tuple(self._out), usage))
+        self._done(stored=True)
 
-    def _open(self, seq: Sequence, turn: Turn) -> tuple[Prefill, int, dict[str, int], torch.Tensor | None]:
-        """Match and load what the cache holds and run the prefill's first step: (its
-        remaining steps, tokens reused, by tier, the logits when that step ended it)."""
-        rt, tokens = self._rt, self.handle.request.tokens
-        if rt.cache is None:
-            steps = turn.prefill(seq, tokens, None)
-            return steps, 0, {}, _advance(steps)
-        with rt.cache.match(tokens, rt.context(self.tenant)) as match:
-            usable, tiers, prefix = 0, {}, None
-            if match.cached_tokens > 0:
-                loaded = rt.cache.load(match, out=rt.buffer.get(match.cached_tokens))
-                # NOTE: the last prompt token is always prefilled, since its logits start decoding.
-                usable = max(0, min(int(loaded.tokens), len(tokens) - 1))
-                if usable > 0:
-                    tiers, prefix = _clip_tiers(dict(loaded.tier_tokens), usable), loaded.kv[:, :, :, :usable]
-            steps = turn.prefill(seq, tokens, prefix)
-            # NOTE: inside the match: the first step copies the load out of the reused
-            # buffer and the pinned blocks (Turn.prefill's contract); later steps need neither
-            return steps, usable, tiers, _advance(steps)
+    def fail(self, exc: Exception) -> None:
+        """End with an error event; a timeout keeps what was computed (a retry hits on it)."""
+        stats = self._rt.stats
+        if isinstance(exc, RequestTimeout):
+            stats.timed_out += 1
+            self._final = ErrorEvent(exc)
+            return self._done(stored=True)
+        if not isinstance(exc, EngineError):  # a bug must not kill the worker: fail this request only
+            log.error("request %d failed", self.handle.id, exc_info=exc)
+            error = EngineError(f"internal error: {type(exc).__name__}")
+            error.status, error.type = 500, "server_error"
+            exc = error
+        stats.failed += 1
+        self._final = ErrorEvent(exc)
+        self._done(stored=False)
 
-    def _decode(
-        self, seq: Sequence, logits: torch.Tensor, stream: TextStream, generator: torch.Generator
-    ) -> Generator[Phase, None, str]:
-        """Sample and feed back tokens, ``decode_burst`` forwards a step; the finish reason.
-        The first token goes out in the step that ended the prefill."""
-        params, eos, out = self.handle.request.params, self._rt.loaded.eos_ids, self._out
-        history = TokenCounts(self.handle.request.tokens)  # what the penalties count
-        budget = 0
-        while True:
-            if self._interrupted():
-                return "cancelled"
-            token = sample(logits, params, generator, history)
-            if token in eos:
-                return "stop"
-            out.append(token)
-            self.handle.sink(TokenEvent(token, stream.push(token)))
-            if stream.stopped:
-                return "stop"
-            if len(out) >= params.max_tokens:
-                return "length"
-            if budget == 0:
-                yield Phase.DECODE
-                budget = self._rt.decode_burst
-                if self._interrupted():
-                    return "cancelled"
-            logits = seq.step(token)
-            budget -= 1
+    def send_end(self) -> None:
+        """Send the end event (the loop does, once the store is queued)."""
+        final, self._final = self._final, None
+        if final is not None:
+            self.handle.sink(final)
+
+    def _done(self, stored: bool) -> None:
+        self.phase = Phase.DONE
+        self._stored = stored and self._seq is not None
+        if self._steps is not None:
+            self._steps.close()
+
+    def _queued(self) -> float:
+        return (self._started or self._rt.clock()) - (self.handle.deadline - self.handle.timeout_s)
 
     def _interrupted(self) -> bool:
         """Whether the caller left; past the deadline, raises ``RequestTimeout``."""
@@ -237,41 +318,10 @@ class Job:
             return True
         if self._rt.clock() > self.handle.deadline:
             seq, prompt = self._seq, len(self.handle.request.tokens)
-            if seq is not None and seq.length < prompt:
+            if seq is not None and self.phase is Phase.PREFILL:
                 raise RequestTimeout(f"the request timed out while prefilling its prompt ({seq.length} of {prompt})")
             raise RequestTimeout(f"the request timed out after {len(self._out)} tokens")
         return False
-
-    def _store(self) -> None:
-        """Insert prompt + answer with their KV, so the next turn hits on the whole history
-        (as much of it as the turn calls exact), then let the turn store its own. The last
-        sampled token was never fed to the model, so it has no KV yet; a prefill cut
-        short stores the prompt tokens it computed. The cache reads from the sequence's
-        KV only the range it stores (the new blocks)."""
-        seq, turn, request, cache = self._seq, self._turn, self.handle.request, self._rt.cache
-        if seq is None or turn is None:
-            return
-        length = turn.storable(seq.length)
-        if cache is not None and length > 0:
-            tokens = (request.tokens + self._out)[:length]
-            try:
-                cache.insert(tokens, self._rt.context(request.tenant), kv=SequenceKV(seq.cache))
-            except Exception:  # the answer is already out; a failed store costs a future hit only
-                log.exception("storing the KV of request tokens failed")
-        try:
-            turn.stored(request.tokens)
-        except Exception:  # the same: the answer is out
-            log.exception("the serving mode's store after a request failed")
-
-
-def _advance(steps: Prefill) -> torch.Tensor | None:
-    """Run one step of ``steps``: its logits when it was the last, else None."""
-    try:
-        next(steps)
-    except StopIteration as stop:
-        logits: torch.Tensor = stop.value
-        return logits
-    return None
 
 
 def _clip_tiers(tiers: dict[str, int], total: int) -> dict[str, int]:

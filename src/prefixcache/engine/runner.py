@@ -89,6 +89,10 @@ class Sequence:
                 yield
         return kept[0] if len(kept) == 1 else torch.cat(kept)
 
+    def drop_kv(self) -> None:
+        """Free the KV (a batch row holds a copy of it now); ``length`` stays."""
+        self.cache = DynamicCache(config=self._loaded.model.config)
+
     def step(self, token: int) -> torch.Tensor:
         """Append one generated token; the logits for the next one."""
         return self._forward([token], 1)[0]

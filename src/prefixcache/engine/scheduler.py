@@ -8,10 +8,12 @@ limits, and round robin over the requests in flight.
                               active:   acme [a1 a2]   globex [g1]
                                  │ next(): acme, globex, acme, ...; a1, a2 in turn within acme
                                  v
-                              worker: job.step() ... finish(job)
+                              worker: started() -> stage; next(ready) -> a prefill step;
+                                      the batch decodes the rest ... finish(job)
 
 The scheduler knows a job only as ``Work`` (a tenant and a prompt length); what one
-step is (a prefill chunk, a burst of decoding) is the job's business (``job.py``).
+step is (a prefill chunk) is the job's business (``job.py``), and the decoding jobs
+step together in the batch (``loop.py``).
 Submitting threads and the worker share it behind one lock, under which no model work
 or I/O ever runs.
 """
@@ -125,6 +127,8 @@ class Scheduler(Generic[J]):
         self._busy_since = 0.0
         self._last_end = 0.0
         self._gap_s = 1.0  # a running estimate of the seconds between two jobs' ends while busy
+        self._started: list[J] = []  # took a slot, not yet handed to the worker
+        self._version = 0  # bumped on every change the worker waits for
 
     # ------------------------------------------------------------------ submitting threads
 
@@ -143,6 +147,7 @@ class Scheduler(Generic[J]):
             tenant.tokens += job.tokens
             self._waiting += 1
             self._fill()
+            self._version += 1
             self._cond.notify_all()
 
     def _check(self, job: J, tenant: _Tenant[J]) -> None:
@@ -174,22 +179,47 @@ class Scheduler(Generic[J]):
 
     # ------------------------------------------------------------------ the worker
 
-    def next(self, timeout: float | None = None) -> J | None:
-        """The job to step next, waiting for one; None once closed with nothing in flight
-        (or on ``timeout``)."""
+    def started(self) -> list[J]:
+        """The jobs that took a slot since the last call, in the order they took it."""
         with self._cond:
-            while not self._turns:
-                if self._closed and not self._waiting:
-                    return None
-                if not self._cond.wait(timeout):
-                    return None
-            name = self._turns.popleft()
-            self._turns.append(name)
-            self._last = name
-            active = self._tenants[name].active
-            job = active[0]
-            active.rotate(-1)
-            return job
+            out, self._started = self._started, []
+            return out
+
+    def next(self, ready: Callable[[J], bool]) -> J | None:
+        """The active job to step next among those ``ready`` says can step: the tenants
+        in turn, each tenant's jobs in turn; None when none can (it does not wait)."""
+        with self._cond:
+            for _ in range(len(self._turns)):
+                name = self._turns[0]
+                self._turns.rotate(-1)
+                active = self._tenants[name].active
+                for _ in range(len(active)):
+                    job = active[0]
+                    active.rotate(-1)
+                    if ready(job):
+                        self._last = name
+                        return job
+            return None
+
+    def poke(self) -> None:
+        """Something changed that the worker waits for (a job became ready)."""
+        with self._cond:
+            self._version += 1
+            self._cond.notify_all()
+
+    @property
+    def version(self) -> int:
+        """Counts the changes the worker waits for: read it before looking for work."""
+        return self._version
+
+    def wait(self, seen: int, timeout: float | None = None) -> bool:
+        """Wait until a change after ``seen`` (``version``), or ``timeout``; False once
+        closed with nothing queued or in flight (the worker's end)."""
+        with self._cond:
+            if self._closed and not self._waiting and not self._active:
+                return False
+            self._cond.wait_for(lambda: self._version != seen, timeout)
+            return not (self._closed and not self._waiting and not self._active)
 
     def finish(self, job: J) -> None:
         """``job`` ended (its last step ran): its slot and its share go to the next."""
@@ -204,6 +234,7 @@ class Scheduler(Generic[J]):
             self._gap_s = 0.8 * self._gap_s + 0.2 * (now - max(self._last_end, self._busy_since))
             self._last_end = now
             self._fill()
+            self._version += 1
             self._cond.notify_all()
 
     def reap(self, gone: Callable[[J], bool]) -> list[J]:
@@ -226,6 +257,7 @@ class Scheduler(Generic[J]):
             for name, tenant in list(self._tenants.items()):
                 ended, tenant.waiting = list(tenant.waiting), deque()
                 out += self._drop(name, tenant, ended)
+            self._version += 1
             self._cond.notify_all()
             return out
 
@@ -263,6 +295,7 @@ class Scheduler(Generic[J]):
             if not tenant.active:
                 self._enter(name)
             tenant.active.append(job)
+            self._started.append(job)
 
     def _pick(self) -> str | None:
         """The tenant whose waiting job takes the next free slot."""

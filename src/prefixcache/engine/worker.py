@@ -1,16 +1,19 @@
-"""The engine: per-tenant queues, and one worker thread that time-slices the requests in flight.
+"""The engine: per-tenant queues, an I/O thread for the prefix cache, and one worker
+thread whose step loop prefills in turn and decodes every running request in one batch.
 
     submit() ──> Scheduler.admit ──> per-tenant queues ──> up to max_active jobs in flight
-                 (TenantBusy, QueueFull)                       │ round robin, one step each:
+                 (TenantBusy, QueueFull)                       │
                                                                v
-    worker thread:  job = next()  ──>  job.step()  ──>  events ─> sink
-                      one prefill chunk (match + load first) or a burst of decoding;
-                      after the end event: insert prompt + answer with KV; finish(job)
+    I/O thread:     match + load the cached prefix  ──> the job is ready
+    worker thread:  a prefill chunk of the next ready job (tenants in turn), then a
+                    batch step that decodes every running job; events ─> sink
+    I/O thread:     after the end: insert prompt + answer with KV
 
 What happens past the exact prefix (how the rest is prefilled, what is stored, what
 the end event says) is the engine's ``ServeMode`` (``modes.py``): exact prefix caching
-by default, the blend mode in ``blend/serve_engine.py``. Who steps next is the
-scheduler's (``scheduler.py``); what a step does is the job's (``job.py``).
+by default, the blend mode in ``blend/serve_engine.py``. Who gets a slot and whose
+chunk runs next is the scheduler's (``scheduler.py``); a job's steps are ``job.py``;
+the loop is ``loop.py``; the batch's KV is ``batch.py``.
 
 A caller gets a ``Handle`` at once and its tokens through a ``sink`` callback, called
 from the worker thread (the server hands them to its event loop). A full queue is a
@@ -31,8 +34,10 @@ from collections.abc import Callable
 from typing import Any
 
 from prefixcache.cache import PrefixCache
+from prefixcache.engine.cacheio import CacheIO
 from prefixcache.engine.chat import chat_tokens
-from prefixcache.engine.job import Job, LoadBuffer, Runtime
+from prefixcache.engine.job import Job, Runtime
+from prefixcache.engine.loop import StepLoop
 from prefixcache.engine.model import LoadedModel
 from prefixcache.engine.modes import EXACT, ServeMode
 from prefixcache.engine.requests import (
@@ -49,17 +54,15 @@ from prefixcache.engine.requests import (
 from prefixcache.engine.scheduler import Admission, Order, Scheduler, SchedulerConfig
 from prefixcache.hashing import CacheContext
 
-LOAD_BUFFER_BYTES = 128 << 20  # loads up to this size reuse one buffer; larger ones get a fresh array
 # NOTE: a smaller chunk shortens what another request waits behind a long prompt (one
 # chunk's forward at most) but slows that prompt's own prefill (more, smaller forwards
 # over a growing cache). Measured on a CPU, this size costs a long prompt little against
 # one forward, while a chunk stays a small part of that prompt's prefill even deep into
 # the context; much smaller chunks cost the long prompt markedly more.
 PREFILL_CHUNK_TOKENS = 256
-# NOTE: a decode step costs a small fraction of a prefill chunk; a burst of them per
-# turn keeps a decoding request moving beside a long prefill without making the others
-# wait much longer than a chunk.
-DECODE_BURST = 8
+# NOTE: batch steps between two prefill chunks while prompts wait: more of them speed
+# the running answers and slow the first token of the waiting ones
+DECODE_BURST = 2
 
 
 class Engine:
@@ -69,7 +72,9 @@ class Engine:
     every prompt is prefilled in full). ``model_id`` names the model in cache keys,
     so ``cache.bump_epoch(model_id)`` invalidates its blocks. ``mode`` serves each
     request past its exact prefix (default: exact prefix caching). ``max_active``
-    requests are in flight at once (each holds its KV), stepped in turn across tenants;
+    requests are in flight at once (each holds its KV): their prefill chunks in turn
+    across tenants, ``decode_burst`` batch steps between two chunks, all decoding requests
+    in one forward per step (``batch_decode``; off: one forward each, for comparisons);
     ``admission`` limits each tenant's share (default: none); ``order`` is which
     waiting request gets a free slot.
     """
@@ -83,7 +88,6 @@ class Engine:
         timeout_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
-        load_buffer_bytes: int = LOAD_BUFFER_BYTES,
         mode: ServeMode = EXACT,
         *,
         max_active: int = 2,
@@ -91,6 +95,7 @@ class Engine:
         order: Order = Order.FAIR,
         prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
         decode_burst: int = DECODE_BURST,
+        batch_decode: bool = True,
     ) -> None:
         if prefill_chunk_tokens < 1 or decode_burst < 1:
             raise ValueError(
@@ -114,9 +119,11 @@ class Engine:
             self.stats,
             clock,
             rng or random.Random(),
-            LoadBuffer(loaded.kv.bytes_per_token, load_buffer_bytes),
             prefill_chunk_tokens,
-            decode_burst,
+        )
+        self._io = CacheIO(self.scheduler.poke)
+        self._loop = StepLoop(
+            loaded, self.scheduler, self._io, lambda: self._count(-1), batched=batch_decode, decode_steps=decode_burst
         )
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -173,6 +180,7 @@ class Engine:
         except EngineError:
             self._count(-1)
             raise
+        self._loop.stage_started()  # NOTE: its match and load overlap the step running now
         return handle
 
     def generate(self, request: Request) -> Handle:
@@ -213,6 +221,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self._io.close(timeout)
 
     def context(self, tenant: str) -> CacheContext:
         """The cache context of ``tenant``'s requests on this engine's model."""
@@ -221,12 +230,4 @@ class Engine:
     # ------------------------------------------------------------------ worker
 
     def _work(self) -> None:
-        while (job := self.scheduler.next()) is not None:
-            # NOTE: a waiting job past its deadline ends now, its 504 on time; one whose
-            # client left ends when its turn comes (nobody waits for it), unprefilled
-            for expired in self.scheduler.reap(Job.expired):
-                expired.step()
-                self._count(-1)
-            if job.step():
-                self.scheduler.finish(job)
-                self._count(-1)
+        self._loop.run()

@@ -1,0 +1,154 @@
+"""The worker's step loop: prefill chunks in turn across tenants, interleaved with steps
+that decode every running request in one forward.
+
+    loop:  new slots ─> I/O thread stages them (match + load)
+           one prefill chunk of the next staged job (tenants in turn)  ──> done? join the batch
+           ``decode_steps`` batch steps: every decoding job's token in one forward, each
+             job samples its next; a job that ended leaves its row
+           an ended job: its store queued on the I/O thread, then its end event out
+
+A long prompt delays the others by one chunk per step, and a decoding request waits at
+most one chunk between two of its tokens. With ``batched`` off, each decoding job gets a
+batch of its own (one forward each): the same loop without batching, for comparisons.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable
+
+from prefixcache.engine.batch import Batch, RowKV
+from prefixcache.engine.cacheio import CacheIO
+from prefixcache.engine.job import Job, Phase
+from prefixcache.engine.kv import SequenceKV
+from prefixcache.engine.model import LoadedModel
+from prefixcache.engine.scheduler import Scheduler
+
+__all__ = ["StepLoop"]
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5  # a bound on a wait for work, so that a deadline is noticed while idle
+
+
+class StepLoop:
+    """Runs on the worker thread until the scheduler closes and its jobs ended."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        scheduler: Scheduler[Job],
+        io: CacheIO,
+        settled: Callable[[], None],
+        *,
+        batched: bool,
+        decode_steps: int,
+    ) -> None:
+        self._loaded = loaded
+        self._scheduler = scheduler
+        self._io = io
+        self._settled = settled  # a job's end and store are done
+        self._batched = batched
+        self._decode_steps = decode_steps
+        self._shared = Batch(loaded)
+        self._rows: dict[Job, Batch] = {}  # the decoding jobs, and their batch
+        self._released: queue.SimpleQueue[tuple[Batch, RowKV]] = queue.SimpleQueue()
+
+    @property
+    def decoding(self) -> int:
+        return len(self._rows)
+
+    def run(self) -> None:
+        scheduler = self._scheduler
+        while True:
+            seen = scheduler.version
+            self.stage_started()
+            # NOTE: a waiting job past its deadline ends now, its 504 on time
+            for expired in scheduler.reap(Job.expired):
+                expired.prefill()
+                self._finish(expired, active=False)
+            while not self._released.empty():
+                batch, kv = self._released.get()
+                batch.release(kv)
+            worked = False
+            job = scheduler.next(Job.ready)
+            if job is not None:
+                worked = True
+                job.prefill()
+                if job.phase is Phase.DECODE:
+                    self._join(job)
+                elif job.phase is Phase.DONE:
+                    self._finish(job)
+            for _ in range(self._decode_steps if job is not None else 1):
+                if not self._rows:
+                    break
+                self._decode()
+                worked = True
+            if not worked and not scheduler.wait(seen, _IDLE_WAIT_S):
+                return
+
+    def stage_started(self) -> None:
+        """Hand the jobs that took a slot to the I/O thread (from any thread)."""
+        for job in self._scheduler.started():
+            job.phase = Phase.STAGING
+            self._io.stage(job)
+
+    def _join(self, job: Job) -> None:
+        batch = self._shared if self._batched else Batch(self._loaded)
+        seq = job.sequence
+        try:
+            job.row = batch.join(seq.cache, seq.length)
+        except Exception as exc:
+            job.fail(exc)
+            return self._finish(job)
+        seq.drop_kv()  # NOTE: the row holds its copy now
+        self._rows[job] = batch
+
+    def _decode(self) -> None:
+        """One step of every batch: each decoding job's token in, its next token sampled."""
+        steps: dict[Batch, dict[int, tuple[Job, int]]] = {}
+        for job, batch in list(self._rows.items()):
+            token = job.fed()
+            if token is None:
+                self._finish(job)
+            else:
+                assert job.row is not None
+                steps.setdefault(batch, {})[job.row] = (job, token)
+        for batch, fed in steps.items():
+            jobs = {row: job for row, (job, _) in fed.items()}
+            try:
+                logits = batch.step({row: token for row, (_, token) in fed.items()})
+            except Exception as exc:  # the batch's state is unknown now: its jobs fail, a new one starts
+                log.error("a decode step failed", exc_info=exc)
+                for job in jobs.values():
+                    job.fail(exc)
+                    self._finish(job)
+                if batch is self._shared:
+                    self._shared = Batch(self._loaded)
+                continue
+            for row, job in jobs.items():
+                job.decoded(logits[row])
+                if job.phase is Phase.DONE:
+                    self._finish(job)
+
+    def _finish(self, job: Job, active: bool = True) -> None:
+        """``job`` ended: queue its store on the I/O thread, then send its end event (so
+        that a request sent after that event finds the KV), then free its slot."""
+        batch = self._rows.pop(job, None)
+        if batch is not None and job.row is not None:
+            kv = batch.leave(job.row)
+
+            def after() -> None:
+                self._released.put((batch, kv))
+                self._settled()
+
+            self._io.store(job, kv if job.storable else None, kv.length, after)
+        elif job.storable:
+            seq = job.sequence
+            self._io.store(job, SequenceKV(seq.cache), seq.length, self._settled)
+        else:
+            self._io.store(job, None, 0, self._settled)
+        job.send_end()
+        if active:
+            self._scheduler.finish(job)
