@@ -157,7 +157,9 @@ class Batch:
         while self._lengths and self._lengths[-1] is None and len(self._lengths) - 1 not in self._draining:
             self._lengths.pop()
         live = [n for n in self._lengths if n is not None]
-        if live and self._end - self._start > 2 * max(live) + _HEADROOM:
+        if not live:
+            self._layout(rows=0, width=0)  # NOTE: the memory of a burst is not kept once it is over
+        elif self._end - self._start > 2 * max(live) + _HEADROOM:
             self._layout(rows=len(self._lengths), width=max(live))  # the window shrinks back
         return out
 
