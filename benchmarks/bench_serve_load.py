@@ -7,8 +7,9 @@ system prompt hit):
 
 - ``baseline``: the engine at ``--baseline-rev`` (``git archive`` of its ``src/`` into a
   temporary folder, first on ``PYTHONPATH``), as ``make serve`` runs it: ``max_active=4``,
-  ``prefill_chunk_tokens=256``, ``decode_burst=8``;
-- ``new``: the working tree's engine, ``max_active=16``, ``batch_decode=True``;
+  its own defaults otherwise (chunks of 256 tokens, bursts of 8 tokens);
+- ``new``: the working tree's engine as ``make serve`` runs it now: ``max_active=16``,
+  ``batch_decode=True``, its own defaults otherwise;
 - ``ablation``: the same with ``batch_decode=False`` (each decoding request its own
   forward): what batching buys apart from more requests in flight. Left out while the
   working tree's ``Engine`` has no ``batch_decode``.
@@ -239,9 +240,8 @@ def open_engine(lm: LoadedModel, config: Config) -> Engine:
     extra: dict[str, Any] = {} if flag is None else {"batch_decode": flag}
     # NOTE: no per-tenant admission limits: `make serve`'s (4 requests a tenant) never bind
     # at the defaults (4 clients a tenant, one request each in flight)
-    return Engine(
-        lm, "bench", cache=cache, max_active=config.max_active, prefill_chunk_tokens=256, decode_burst=8, **extra
-    )
+    # NOTE: chunk size and decode steps per chunk: each engine's own defaults, as `make serve` runs it
+    return Engine(lm, "bench", cache=cache, max_active=config.max_active, **extra)
 
 
 def run_child(config: Config, work: Workload, round_: int) -> RunResult:
