@@ -168,3 +168,36 @@ def test_without_batching_each_request_decodes_alone(lm: LoadedModel, monkeypatc
         eng.close()
     assert all(a.done is not None for a in answers)
     assert rows and max(rows) == 1
+
+
+def test_chats_that_open_alike_at_once_prefill_their_prefix_once(lm: LoadedModel, tmp_path: Path) -> None:
+    """Four chats of one tenant with one long system prompt, sent together to a cold
+    cache: one prefills the prompt, the others wait for its KV (stored when its prefill
+    ends) and hit on it; the answers are those alone."""
+    system = {"role": "system", "content": SYSTEM * 4}
+    questions = ("Which tool digs?", "Do you repair mowers?", "Sell hoses?", "What is a hoe?")
+    results = {}
+    for name, together in (("alone", False), ("together", True)):
+        cache = tiered_cache(lm, tmp_path / name)
+        eng = engine(lm, cache, max_active=8)
+        chats = [
+            Request(eng.tokenize_chat([system, {"role": "user", "content": q}]), "acme", SamplingParams(12, 0.0))
+            for q in questions
+        ]
+        try:
+            results[name] = serve(eng, chats, together)
+        finally:
+            eng.close()
+            cache.close()
+    shared = common_start(eng, system)
+    for alone, beside in zip(results["alone"], results["together"], strict=True):
+        assert alone.done is not None and beside.done is not None
+        assert beside.done.tokens == alone.done.tokens
+    cached = sorted(a.done.usage.cached_tokens for a in results["together"])  # type: ignore[union-attr]
+    assert cached[0] == 0 and all(c >= shared - 16 for c in cached[1:]), (cached, shared)
+
+
+def common_start(eng: Engine, system: dict[str, str]) -> int:
+    one = eng.tokenize_chat([system, {"role": "user", "content": "a"}])
+    two = eng.tokenize_chat([system, {"role": "user", "content": "b"}])
+    return next(i for i, (x, y) in enumerate(zip(one, two, strict=False)) if x != y)

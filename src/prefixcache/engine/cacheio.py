@@ -1,8 +1,10 @@
 """The engine's I/O thread: the prefix cache's match and load before a job prefills, its
-insert after the job ended, never on the worker's step loop.
+inserts after the prefill and after the end, never on the worker's step loop.
 
-    worker ──stage(job)────────> [ FIFO ] ──> job.stage()       then poke the worker
-    worker ──store(job, kv)────> [      ] ──> job.store(kv)     then ``after()``
+    worker ──stage(job)──────────> [ FIFO ] ──> job.lookup()         ready (poke the worker),
+                                                                      or follow a lead (inflight.py)
+    worker ──store_prompt(job)───> [      ] ──> job.store_prompt()   its followers staged again
+    worker ──store(job, kv)──────> [      ] ──> job.store()          then ``after()``
 
 One thread, first in first out: a store queued before a later request's stage runs
 before it, so the next turn of a conversation, sent once the answer went out (after
@@ -17,6 +19,7 @@ import threading
 from collections.abc import Callable
 
 from prefixcache.cache.kv import KVSource
+from prefixcache.engine.inflight import InFlight
 from prefixcache.engine.job import Job
 
 __all__ = ["CacheIO"]
@@ -27,26 +30,37 @@ log = logging.getLogger(__name__)
 class CacheIO:
     """Runs stages and stores in order on one thread; ``poke`` wakes the worker after a stage."""
 
-    def __init__(self, poke: Callable[[], None]) -> None:
+    def __init__(self, poke: Callable[[], None], *, share: bool = True) -> None:
         self._poke = poke
+        self._inflight = InFlight() if share else None
         self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def stage(self, job: Job) -> None:
+        self._put(lambda: self._stage(job))
+
+    def store_prompt(self, job: Job, kv: KVSource, length: int, after: Callable[[], None]) -> None:
+        """Store ``job``'s prompt (``length`` positions of ``kv``) now that it is computed,
+        then call ``after`` (always)."""
+
         def task() -> None:
-            job.stage()
-            self._poke()
+            try:
+                job.store_prompt(kv, length)
+            finally:
+                after()
+                self._led(job)
 
         self._put(task)
 
     def store(self, job: Job, kv: KVSource | None, length: int, after: Callable[[], None]) -> None:
-        """Store ``length`` positions of ``kv`` for ``job``, then call ``after`` (always)."""
+        """Store ``length`` positions of ``kv`` for ``job`` (it ended), then call ``after`` (always)."""
 
         def task() -> None:
             try:
                 job.store(kv, length)
             finally:
                 after()
+                self._led(job)
 
         self._put(task)
 
@@ -56,6 +70,25 @@ class CacheIO:
             self._tasks.put(None)
             self._thread.join(timeout)
             self._thread = None
+
+    # ------------------------------------------------------------------ on the thread
+
+    def _stage(self, job: Job) -> None:
+        staged = job.lookup()
+        if self._inflight is not None:
+            lead = self._inflight.leader(job, staged.cached)
+            if lead is not None and not job.handle.cancelled:
+                return self._inflight.follow(lead, job)  # staged again once the lead's prompt is stored
+            self._inflight.lead(job)
+        job.staged = staged
+        self._poke()
+
+    def _led(self, job: Job) -> None:
+        """``job``'s prompt is stored, or it ended: who waited for it is staged again."""
+        if self._inflight is not None:
+            for follower in self._inflight.done(job):
+                assert isinstance(follower, Job)
+                self._stage(follower)
 
     def _put(self, task: Callable[[], None]) -> None:
         if self._thread is None:

@@ -1,9 +1,10 @@
 """One request's work, from its slot to its stored KV, as the engine's threads see it.
 
-    I/O thread:   stage()             match + load what the cache holds          (STAGING)
+    I/O thread:   lookup()            match + load what the cache holds          (STAGING)
     worker:       prefill()           [cancelled or past deadline? end]
                                       one chunk of the prompt per call;           (PREFILL)
                                       the last one samples the first token  ──>   (DECODE: the loop gives it a row)
+    I/O thread:   store_prompt(kv)    insert the prompt's KV (others may wait for it)
     worker:       fed() / decoded()   the token it feeds the batch, then the
                                       logits the batch step gave it              (DECODE)
     worker:       ended               the end event (done, cancelled, 504) went  (DONE)
@@ -100,8 +101,9 @@ class Job:
         self.handle = handle
         self.phase = Phase.WAITING
         self.row: int | None = None  # its row in the batch while decoding (the loop's)
-        self.staged: Staged | None = None  # written once by the I/O thread
+        self.staged: Staged | None = None  # written by the I/O thread: the job is ready
         self._rt = runtime
+        self._context = runtime.context(handle.request.tenant)
         self._turn: Turn | None = None
         self._seq: Sequence | None = None
         self._steps: Prefill | None = None
@@ -115,6 +117,14 @@ class Job:
     @property
     def tenant(self) -> str:
         return self.handle.request.tenant
+
+    @property
+    def context(self) -> CacheContext:
+        return self._context
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.handle.request.tokens
 
     @property
     def tokens(self) -> int:
@@ -140,24 +150,37 @@ class Job:
 
     # ------------------------------------------------------------------ I/O thread
 
-    def stage(self) -> None:
+    def lookup(self) -> Staged:
         """Match and load the prompt's cached prefix into memory of its own (a failure is a miss)."""
         rt, tokens = self._rt, self.handle.request.tokens
-        self._started = rt.clock()
-        staged = Staged()
-        if rt.cache is not None and not self.handle.cancelled and not self.expired():
+        self._started = self._started or rt.clock()
+        if rt.cache is None or self.handle.cancelled or self.expired():
+            return Staged()
+        try:
+            with rt.cache.match(tokens, self.context) as match:
+                if match.cached_tokens > 0:
+                    loaded = rt.cache.load(match)  # a fresh array: it outlives the match
+                    # NOTE: the last prompt token is always prefilled, since its logits start decoding
+                    usable = max(0, min(int(loaded.tokens), len(tokens) - 1))
+                    if usable > 0:
+                        tiers = _clip_tiers(dict(loaded.tier_tokens), usable)
+                        return Staged(loaded.kv[:, :, :, :usable], usable, tiers)
+        except Exception:  # a lookup that failed costs this request its hit, nothing more
+            log.exception("matching or loading the prefix of request %d failed", self.handle.id)
+        return Staged()
+
+    def store_prompt(self, kv: KVSource, length: int) -> None:
+        """Insert the prompt's KV as soon as it is computed (the answer's comes at the end),
+        so that requests waiting for the same prefix hit on it."""
+        turn, cache = self._turn, self._rt.cache
+        if turn is None or cache is None:
+            return
+        length = turn.storable(min(length, len(self.handle.request.tokens)))
+        if length > 0:
             try:
-                with rt.cache.match(tokens, rt.context(self.tenant)) as match:
-                    if match.cached_tokens > 0:
-                        loaded = rt.cache.load(match)  # a fresh array: it outlives the match
-                        # NOTE: the last prompt token is always prefilled, since its logits start decoding
-                        usable = max(0, min(int(loaded.tokens), len(tokens) - 1))
-                        if usable > 0:
-                            tiers = _clip_tiers(dict(loaded.tier_tokens), usable)
-                            staged = Staged(loaded.kv[:, :, :, :usable], usable, tiers)
-            except Exception:  # a lookup that failed costs this request its hit, nothing more
-                log.exception("matching or loading the prefix of request %d failed", self.handle.id)
-        self.staged = staged
+                cache.insert(self.handle.request.tokens[:length], self.context, kv=kv)
+            except Exception:  # a store that failed costs a hit only
+                log.exception("storing the prompt KV of request %d failed", self.handle.id)
 
     def store(self, kv: KVSource | None, length: int) -> None:
         """Insert prompt + answer with their KV (``length`` positions of ``kv``), so the
@@ -170,7 +193,7 @@ class Job:
         if cache is not None and kv is not None and length > 0:
             tokens = (request.tokens + self._out)[:length]
             try:
-                cache.insert(tokens, self._rt.context(request.tenant), kv=kv)
+                cache.insert(tokens, self.context, kv=kv)
             except Exception:  # the answer is already out; a failed store costs a future hit only
                 log.exception("storing the KV of request %d failed", self.handle.id)
         try:
@@ -192,7 +215,7 @@ class Job:
         rt, handle, request = self._rt, self.handle, self.handle.request
         if self._steps is None:
             self._started = self._started or rt.clock()
-            turn = self._turn = rt.mode.open(request, rt.context(request.tenant))
+            turn = self._turn = rt.mode.open(request, self.context)
             if handle.cancelled:  # gone while queued: no work, but still an end the caller can wait for
                 rt.stats.cancelled += 1
                 rt.stats.cancelled_queued += 1

@@ -2,7 +2,8 @@
 that decode every running request in one forward.
 
     loop:  new slots ─> I/O thread stages them (match + load)
-           one prefill chunk of the next staged job (tenants in turn)  ──> done? join the batch
+           one prefill chunk of the next staged job (tenants in turn)  ──> done? join the batch,
+             its prompt's KV stored (I/O thread) for the requests that wait for that prefix
            ``decode_steps`` batch steps: every decoding job's token in one forward, each
              job samples its next; a job that ended leaves its row
            an ended job: its store queued on the I/O thread, then its end event out
@@ -102,8 +103,10 @@ class StepLoop:
         except Exception as exc:
             job.fail(exc)
             return self._finish(job)
-        seq.drop_kv()  # NOTE: the row holds its copy now
         self._rows[job] = batch
+        # NOTE: the prompt's KV goes to the cache now, not at the end, for those that wait
+        # for it; the sequence's copy is dropped after that (the row holds its own)
+        self._io.store_prompt(job, SequenceKV(seq.cache), seq.length, seq.drop_kv)
 
     def _decode(self) -> None:
         """One step of every batch: each decoding job's token in, its next token sampled."""

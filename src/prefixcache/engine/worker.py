@@ -4,7 +4,8 @@ thread whose step loop prefills in turn and decodes every running request in one
     submit() ──> Scheduler.admit ──> per-tenant queues ──> up to max_active jobs in flight
                  (TenantBusy, QueueFull)                       │
                                                                v
-    I/O thread:     match + load the cached prefix  ──> the job is ready
+    I/O thread:     match + load the cached prefix  ──> the job is ready (or it waits
+                    for a prompt being prefilled that holds more of its own: ``inflight.py``)
     worker thread:  a prefill chunk of the next ready job (tenants in turn), then a
                     batch step that decodes every running job; events ─> sink
     I/O thread:     after the end: insert prompt + answer with KV
@@ -121,7 +122,7 @@ class Engine:
             rng or random.Random(),
             prefill_chunk_tokens,
         )
-        self._io = CacheIO(self.scheduler.poke)
+        self._io = CacheIO(self.scheduler.poke, share=cache is not None)
         self._loop = StepLoop(
             loaded, self.scheduler, self._io, lambda: self._count(-1), batched=batch_decode, decode_steps=decode_burst
         )
