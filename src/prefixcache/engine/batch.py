@@ -33,8 +33,8 @@ from prefixcache.engine.model import LoadedModel
 
 __all__ = ["Batch", "RowKV"]
 
-_GRAIN = 256  # columns are allocated in multiples of this
-_HEADROOM = 512  # columns of room past the longest row after a new layout
+_GRAIN = 64  # columns are allocated in multiples of this
+_HEADROOM = 64  # columns of room past the longest row after a new layout, at least (half its length at most)
 
 
 class _Layer(DynamicLayer):  # type: ignore[no-untyped-call]
@@ -216,7 +216,7 @@ class Batch:
         to grow; the rows in use copied in. Rows draining read the old buffers, so they are free here."""
         cap_rows = max(1, 1 << max(0, rows - 1).bit_length())
         end = -(-width // _GRAIN) * _GRAIN if width else 0
-        cap = end + _HEADROOM
+        cap = end + max(_HEADROOM, end // 2)  # NOTE: room to decode in, growing with the rows' length
         keys = [torch.zeros((cap_rows, self._heads, cap, self._dim), dtype=self._dtype, device=self._device)]
         keys += [torch.zeros_like(keys[0]) for _ in range(self._layers - 1)]
         values = [torch.zeros_like(keys[0]) for _ in range(self._layers)]
