@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-test
 
-.PHONY: test unit serve serve-vllm lint bench setup clean system-deps vllm-test bench-lmcache-venv bench-vllm bench-fairness
+.PHONY: test unit serve serve-vllm lint bench setup clean system-deps vllm-test bench-lmcache-venv bench-vllm bench-fairness bench-serve-load
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -107,6 +107,10 @@ bench: $(STAMP) $(KERNEL)
 # against the engine before, through the real server (about 20 minutes on 2 cores).
 bench-fairness: $(STAMP)
 	$(BIN)/python benchmarks/bench_fairness.py
+
+# 16 concurrent chats on the batched engine against the engine before it (about 20 minutes).
+bench-serve-load: $(STAMP)
+	$(BIN)/python benchmarks/bench_serve_load.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
