@@ -46,10 +46,10 @@ def hit_seconds(cache: PrefixCache, tokens: list[int]) -> float:
 # ============================================================================ nothing slow under the lock
 
 
-def memory_hits_under_demotions(tmp_path: Path, delay: float) -> tuple[float, float, PrefixCache]:
+def memory_hits_under_demotions(tmp_path: Path, delay: float) -> tuple[float, list[float], PrefixCache]:
     """A small host-RAM tier over a disk whose writes take ``delay`` s, write-back: every
     insert demotes. Between inserts, a hot prefix is hit in memory. Returns the median
-    hit time, the slowest scrape of the cache's metrics, and the cache (still open)."""
+    hit time, every scrape's time of the cache's metrics, and the cache (still open)."""
     cache = cache_with(
         mem(12, write="back", policy="lru"),
         disk(tmp_path),
@@ -67,20 +67,23 @@ def memory_hits_under_demotions(tmp_path: Path, delay: float) -> tuple[float, fl
         started = time.perf_counter()
         generate_latest(registry)
         scrapes.append(time.perf_counter() - started)
-    return statistics.median(hits), max(scrapes), cache
+    return statistics.median(hits), scrapes, cache
 
 
 def test_a_slow_disk_saturated_by_demotions_leaves_memory_hits_and_metrics_alone(tmp_path: Path) -> None:
     fast_hit, _, fast = memory_hits_under_demotions(tmp_path / "fast", 0.0)
     assert fast.close(timeout=30)
-    slow_hit, slowest_scrape, slow = memory_hits_under_demotions(tmp_path / "slow", 0.2)
+    slow_hit, scrapes, slow = memory_hits_under_demotions(tmp_path / "slow", 0.2)
     stats = slow.stats()
     assert stats.writer is not None and stats.writer.queued_jobs > 20  # the disk was saturated meanwhile
     assert stats.tiers[1].demotions > 100
     slow.close(timeout=0)  # NOTE: no need to wait for 20 s of writes
     # Generous bounds for a shared machine (benchmarks/bench_slow_tier.py measures the ratio):
     assert slow_hit < 2 * fast_hit + 0.005, (slow_hit, fast_hit)
-    assert slowest_scrape < 0.1, slowest_scrape
+    # A scrape that waited on a disk write would take its 0.2 s nearly every time (the
+    # writer never idles); one descheduled scrape on a loaded machine is not that.
+    slow_scrapes = [s for s in scrapes if s >= 0.1]
+    assert statistics.median(scrapes) < 0.02 and len(slow_scrapes) <= 3, sorted(scrapes)[-5:]
 
 
 def test_a_stalled_redis_never_holds_the_cache_lock(redis_server: RedisServer) -> None:
