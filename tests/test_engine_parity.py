@@ -117,18 +117,24 @@ def test_answers_beside_others_are_the_answers_alone(lm: LoadedModel, tmp_path: 
     assert runs["together"][4].done.finish_reason == "stop" and "," not in runs["together"][4].done.text  # type: ignore[union-attr]
 
 
-def test_the_cache_works_on_the_io_thread_and_decoding_is_batched(
-    lm: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    threads: set[str] = set()
-    rows: list[int] = []
+@pytest.fixture
+def rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every batch step, in order."""
+    seen: list[int] = []
     step = Batch.step
 
     def counted(self: Batch, tokens: dict[int, int]) -> Any:
-        rows.append(len(tokens))
+        seen.append(len(tokens))
         return step(self, tokens)
 
     monkeypatch.setattr(Batch, "step", counted)
+    return seen
+
+
+def test_the_cache_works_on_the_io_thread_and_decoding_is_batched(
+    lm: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: list[int]
+) -> None:
+    threads: set[str] = set()
     eng, cache = warmed(lm, tmp_path, max_active=8)
     for name in ("match", "load", "insert"):
         monkeypatch.setattr(cache, name, noting(getattr(cache, name), threads))
@@ -152,15 +158,7 @@ def noting(method: Callable[..., Any], threads: set[str]) -> Callable[..., Any]:
     return wrapped
 
 
-def test_without_batching_each_request_decodes_alone(lm: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    rows: list[int] = []
-    step = Batch.step
-
-    def counted(self: Batch, tokens: dict[int, int]) -> Any:
-        rows.append(len(tokens))
-        return step(self, tokens)
-
-    monkeypatch.setattr(Batch, "step", counted)
+def test_without_batching_each_request_decodes_alone(lm: LoadedModel, rows: list[int]) -> None:
     eng = engine(lm, max_active=8, batch_decode=False)
     try:
         answers = serve(eng, requests(lm)[:4], together=True)

@@ -42,27 +42,11 @@ class CacheIO:
     def store_prompt(self, job: Job, kv: KVSource, length: int, after: Callable[[], None]) -> None:
         """Store ``job``'s prompt (``length`` positions of ``kv``) now that it is computed,
         then call ``after`` (always)."""
-
-        def task() -> None:
-            try:
-                job.store_prompt(kv, length)
-            finally:
-                after()
-                self._led(job)
-
-        self._put(task)
+        self._put(lambda: self._storing(job, lambda: job.store_prompt(kv, length), after))
 
     def store(self, job: Job, kv: KVSource | None, length: int, after: Callable[[], None]) -> None:
         """Store ``length`` positions of ``kv`` for ``job`` (it ended), then call ``after`` (always)."""
-
-        def task() -> None:
-            try:
-                job.store(kv, length)
-            finally:
-                after()
-                self._led(job)
-
-        self._put(task)
+        self._put(lambda: self._storing(job, lambda: job.store(kv, length), after))
 
     def close(self, timeout: float) -> None:
         """Run what is queued, then stop the thread."""
@@ -82,6 +66,13 @@ class CacheIO:
             self._inflight.lead(job)
         job.staged = staged
         self._poke()
+
+    def _storing(self, job: Job, store: Callable[[], None], after: Callable[[], None]) -> None:
+        try:
+            store()
+        finally:
+            after()
+            self._led(job)
 
     def _led(self, job: Job) -> None:
         """``job``'s prompt is stored, or it ended: who waited for it is staged again."""
