@@ -1,0 +1,48 @@
+"""Smoke test of benchmarks/bench_batch_step.py: its quick run finishes and prints a step
+time for each row count and dtype, and a chunk's cost with and without the rows' tokens.
+
+Marked slow and model: it loads SmolLM2 twice (float32, bfloat16), a few seconds."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_run_prints_every_figure() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_batch_step.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    for dtype in ("float32", "bfloat16"):
+        section = run.stdout.split(f"{dtype}: one decode step of every row")[1].split("\n\n")[0]
+        steps = re.findall(r"(\d+) rows: +([\d.]+) ms a step, +([\d.]+) tok/s, against 1 row ([\d.]+)x", section)
+        assert [int(n) for n, *_ in steps] == [1, 4], section
+        one_row_ms = float(steps[0][1])
+        for n, ms, rate, gain in steps:
+            assert float(ms) > 0 and abs(float(rate) - 1000 * int(n) / float(ms)) < 0.2, section
+            assert abs(float(gain) - int(n) * one_row_ms / float(ms)) < 0.05, section  # one round: no spread
+        assert re.search(r"chunk of +32: +[\d.]+ ms; with 16 tokens more \+ *-?[\d.]+ ms", section), section
+
+
+def test_bad_arguments_are_refused() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_batch_step.py"), "--tokens", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert run.returncode != 0 and "--tokens must be >= 2" in run.stderr, run.stderr
