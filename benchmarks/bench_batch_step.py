@@ -6,7 +6,9 @@ SmolLM2-135M on this machine's CPU; every row holds ``--tokens`` tokens of KV. E
 figure is the median of ``--steps`` steps after warm-up steps; rounds alternate the
 order of the dtypes. Ratios are against the same dtype's one-row step in the same
 round: decode tokens/s at N rows over tokens/s at 1 row (what batching can buy on a
-closed loop that keeps N rows decoding), and a chunk's time with 16 tokens more over
+closed loop that keeps N rows decoding; with the largest difference of the first row's
+logits from its logits decoded alone: batch invariance, exact in float32 within
+rounding, not in bfloat16), and a chunk's time with 16 tokens more over
 the chunk alone (set against a 16-row step: what fusing would save; the 16 tokens here
 attend to the chunk's KV, not to 16 rows' own, so a fused step would add those reads).
 
@@ -37,6 +39,7 @@ FUSED_ROWS = 16
 class Figures:
     dtype: str
     step_ms: dict[int, float]  # rows -> median step time
+    drift: dict[int, float]  # rows -> largest difference of row 0's logits from its logits alone
     chunk_ms: dict[int, float]  # chunk tokens -> median forward time
     fused_ms: dict[int, float]  # chunk tokens + FUSED_ROWS -> median forward time
 
@@ -50,12 +53,14 @@ def median_ms(run: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def step_ms(lm: LoadedModel, sequences: list[Sequence], rows: int, steps: int) -> float:
+def step_ms(lm: LoadedModel, sequences: list[Sequence], rows: int, steps: int) -> tuple[float, torch.Tensor]:
+    """The median time of a step of ``rows`` rows, and row 0's logits after its first step."""
     batch = Batch(lm)
     fed = {batch.join(s.cache, s.length): 5 for s in sequences[:rows]}
-    for _ in range(3):
+    first = batch.step(dict(fed))[min(fed)]
+    for _ in range(2):
         batch.step(dict(fed))
-    return median_ms(lambda: batch.step(dict(fed)), steps)
+    return median_ms(lambda: batch.step(dict(fed)), steps), first
 
 
 def chunk_ms(lm: LoadedModel, ids: torch.Tensor, history: int, tokens: int, repeats: int) -> float:
@@ -80,9 +85,12 @@ def measure(dtype: str, rows: list[int], chunks: list[int], tokens: int, steps: 
         sequence = Sequence(lm)
         sequence.prefill(torch.randint(100, 40_000, (tokens,), generator=generator).tolist())
         sequences.append(sequence)
+    stepped = {n: step_ms(lm, sequences, n, steps) for n in rows}
+    alone = stepped[1][1]
     return Figures(
         dtype,
-        {n: step_ms(lm, sequences, n, steps) for n in rows},
+        {n: ms for n, (ms, _) in stepped.items()},
+        {n: float((logits - alone).abs().max()) for n, (_, logits) in stepped.items()},
         {c: chunk_ms(lm, ids, tokens // 2, c, 3) for c in chunks},
         {c: chunk_ms(lm, ids, tokens // 2, c + FUSED_ROWS, 3) for c in chunks},
     )
@@ -101,7 +109,8 @@ def report(found: list[Figures], rows: list[int], chunks: list[int]) -> None:
             gain = [n * f.step_ms[1] / f.step_ms[n] for f in mine]
             print(
                 f"  {n:2d} rows: {statistics.median(ms):6.1f} ms a step, "
-                f"{1000 * n / statistics.median(ms):6.1f} tok/s, against 1 row {spread(gain)}"
+                f"{1000 * n / statistics.median(ms):6.1f} tok/s, against 1 row {spread(gain)}; "
+                f"row 0's logits differ from alone by {max(f.drift[n] for f in mine):.2g}"
             )
         for c in chunks:
             alone = [f.chunk_ms[c] for f in mine]

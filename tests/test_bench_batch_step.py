@@ -29,6 +29,10 @@ def test_quick_run_prints_every_figure() -> None:
     for dtype in ("float32", "bfloat16"):
         section = run.stdout.split(f"{dtype}: one decode step of every row")[1].split("\n\n")[0]
         steps = re.findall(r"(\d+) rows: +([\d.]+) ms a step, +([\d.]+) tok/s, against 1 row ([\d.]+)x", section)
+        drift = [float(d) for d in re.findall(r"row 0's logits differ from alone by ([\d.e+-]+)", section)]
+        assert len(drift) == 2 and drift[0] == 0.0, section  # one row is the row alone
+        if dtype == "float32":
+            assert drift[1] < 1e-3, section  # batch invariant within float32 rounding
         assert [int(n) for n, *_ in steps] == [1, 4], section
         one_row_ms = float(steps[0][1])
         for n, ms, rate, gain in steps:
