@@ -31,7 +31,7 @@ min-max). Targets (issue #31): new vs baseline, output tokens/s >= 4x, TTFT p50 
 lower, 0 wrong outputs.
 
 Run:  .venv/bin/python benchmarks/bench_serve_load.py [--rounds 2] [--configs new baseline ablation]
-      [--clients 16] [--tenants 4] [--turns 3] [--max-tokens 48] [--quick] [--json PATH]
+      [--clients 16] [--tenants 4] [--turns 3] [--max-tokens 48] [--dtype float32] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ class Workload:
     tenants: int
     turns: int
     max_tokens: int
+    dtype: str = "float32"  # the model's (both engines'), as `[model] dtype` sets it
 
     def args(self) -> list[str]:
         return [f"--{f.name.replace('_', '-')}={getattr(self, f.name)}" for f in dataclasses.fields(self)]
@@ -245,7 +246,7 @@ def open_engine(lm: LoadedModel, config: Config) -> Engine:
 
 
 def run_child(config: Config, work: Workload, round_: int) -> RunResult:
-    lm = load_model(models_dir=MODELS, device="cpu")
+    lm = load_model(models_dir=MODELS, device="cpu", dtype=work.dtype)
     warm = Engine(lm, "bench")  # the first forwards of a process are slow; no cache, nothing stored
     warm.generate(Request([1, 2, 3, 4], "warm-up", SamplingParams(max_tokens=4, temperature=0.0))).result(120)
     warm.close()
@@ -358,7 +359,7 @@ def spread(values: list[float]) -> str:
 def report(results: list[RunResult], names: list[str], work: Workload, rounds: int, rev: str) -> list[Ratio]:
     print(
         f"\n{work.clients} clients, {work.tenants} tenants, {work.turns} turns, {work.max_tokens} tokens an answer, "
-        f"{rounds} round(s); baseline rev {rev}"
+        f"{work.dtype}, {rounds} round(s); baseline rev {rev}"
     )
     print(
         f"{'config':9} {'engine':13} {'active':>6} {'batch':>5} {'round':>5} {'tok/s':>7} {'p50 ms':>7} "
@@ -397,6 +398,7 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="every engine's model")
     parser.add_argument("--baseline-rev", default=BASELINE_REV)
     parser.add_argument("--quick", action="store_true", help="4 clients, 2 tenants, 2 turns, 16 tokens, 1 round")
     parser.add_argument("--json", type=Path, help="write every run's figures and the ratios here")
@@ -405,7 +407,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.clients, args.tenants, args.turns, args.max_tokens = 4, 2, 2, 16
-    work = Workload(args.clients, args.tenants, args.turns, args.max_tokens)
+    work = Workload(args.clients, args.tenants, args.turns, args.max_tokens, args.dtype)
     if args.child:
         print(json.dumps(dataclasses.asdict(run_child(CONFIGS[args.child], work, args.child_round))))
         return
