@@ -7,10 +7,11 @@ figure is the median of ``--steps`` steps after warm-up steps; rounds alternate 
 order of the dtypes. Ratios are against the same dtype's one-row step in the same
 round: decode tokens/s at N rows over tokens/s at 1 row (what batching can buy on a
 closed loop that keeps N rows decoding; with the largest difference of the first row's
-logits from its logits decoded alone: batch invariance, exact in float32 within
-rounding, not in bfloat16), and a chunk's time with 16 tokens more over
-the chunk alone (set against a 16-row step: what fusing would save; the 16 tokens here
-attend to the chunk's KV, not to 16 rows' own, so a fused step would add those reads).
+logits from its logits decoded alone: every row here is as long as the others, so none
+is padded and the difference is the batched products' own; a row padded beside longer
+ones drifts further in bfloat16, see docs/server.md), and a chunk's time with 16 tokens
+more over the chunk alone (set against a 16-row step: what fusing would save; the 16
+tokens here attend to the chunk's KV, not to 16 rows' own, so a fused step would add those reads).
 
 Run:  .venv/bin/python benchmarks/bench_batch_step.py [--rounds 2] [--tokens 600] [--quick]
 """
