@@ -58,7 +58,7 @@ def step_ms(lm: LoadedModel, sequences: list[Sequence], rows: int, steps: int) -
     """The median time of a step of ``rows`` rows, and row 0's logits after its first step."""
     batch = Batch(lm)
     fed = {batch.join(s.cache, s.length): 5 for s in sequences[:rows]}
-    first = batch.step(dict(fed))[min(fed)]
+    first = batch.step(dict(fed))[0][min(fed)]
     for _ in range(2):
         batch.step(dict(fed))
     return median_ms(lambda: batch.step(dict(fed)), steps), first

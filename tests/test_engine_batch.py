@@ -1,5 +1,6 @@
 """Batched decoding: every row's logits are its sequence's alone, whatever joins, steps
-and leaves around it, and a row that left keeps its KV readable until released.
+and leaves around it, and a row that left keeps its KV readable until released; prompts'
+chunks packed into the steps get the logits and KV of their forwards alone.
 
 A hypothesis state machine drives ``Batch`` on a tiny random Llama (fast, no download)
 against one ``Sequence`` per row stepped alone, with the layout constants made small so
@@ -21,7 +22,7 @@ from prefixcache.engine import batch as batch_module
 from prefixcache.engine.batch import Batch, RowKV
 from prefixcache.engine.kv import cut_cache
 from prefixcache.engine.model import LoadedModel, kv_layout
-from prefixcache.engine.runner import Sequence
+from prefixcache.engine.runner import Chunk, Sequence
 
 VOCAB = 96
 
@@ -54,12 +55,36 @@ class Left:
     expected: torch.Tensor  # [layers, 2, H, T, D], the sequence's KV computed alone
 
 
+@dataclass
+class Prompt:
+    """A prompt being prefilled in chunks that ride the steps, and the same alone."""
+
+    tokens: list[int]
+    packed: Sequence
+    alone: Sequence
+
+    @property
+    def left(self) -> int:
+        return len(self.tokens) - self.packed.length
+
+
 class BatchMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.batch = Batch(TINY)
         self.alone: dict[int, Sequence] = {}  # row -> its sequence, stepped alone
         self.left: list[Left] = []
+        self.prompts: list[Prompt] = []
+
+    @rule(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40), cached=st.integers(0, 30))
+    def start(self, tokens: list[int], cached: int) -> None:
+        """A prompt whose first ``cached`` tokens are already KV (a cache hit)."""
+        cached = min(cached, len(tokens) - 1)
+        packed, alone = Sequence(TINY), Sequence(TINY)
+        if cached:
+            packed.prefill(tokens[:cached])
+            alone.prefill(tokens[:cached])
+        self.prompts.append(Prompt(tokens, packed, alone))
 
     @rule(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40))
     def join(self, tokens: list[int]) -> None:
@@ -69,11 +94,17 @@ class BatchMachine(RuleBasedStateMachine):
         assert row not in self.alone  # a row that left may be reused once laid out anew: its reads must hold
         self.alone[row] = seq
 
-    @precondition(lambda self: self.alone)
+    @precondition(lambda self: self.alone or self.prompts)
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
         fed = {row: data.draw(st.integers(0, VOCAB - 1)) for row in self.alone}
-        logits = self.batch.step(fed)
+        riding = [p for p in self.prompts if p.left and data.draw(st.booleans())]
+        chunks = []
+        for prompt in riding:
+            size = data.draw(st.integers(1, prompt.left))
+            tokens = prompt.tokens[prompt.packed.length :][:size]
+            chunks.append(Chunk(prompt.packed, tokens, data.draw(st.integers(1, size))))
+        logits, kept = self.batch.step(fed, chunks)
         assert set(logits) == set(self.alone)
         for row, seq in self.alone.items():
             expected = seq.step(fed[row])
@@ -82,6 +113,28 @@ class BatchMachine(RuleBasedStateMachine):
                 row,
                 (logits[row] - expected).abs().max(),
             )
+        assert len(kept) == len(chunks)
+        for prompt, chunk, out in zip(riding, chunks, kept, strict=True):
+            expected = Chunk(prompt.alone, chunk.tokens, chunk.keep).run()
+            assert out.shape == expected.shape == (chunk.keep, VOCAB)
+            assert torch.allclose(out, expected, atol=2e-5, rtol=1e-4), (out - expected).abs().max()
+            prompt.packed.length += len(chunk.tokens)
+            prompt.alone.length += len(chunk.tokens)
+
+    @precondition(lambda self: any(p.left == 0 for p in self.prompts))
+    @rule()
+    def prefilled(self) -> None:
+        """A prompt whose last chunk ran joins: its KV is the one its chunks wrote."""
+        prompt = next(p for p in self.prompts if p.left == 0)
+        self.prompts.remove(prompt)
+        assert torch.allclose(
+            cut_cache(prompt.packed.cache, prompt.packed.length),
+            cut_cache(prompt.alone.cache, prompt.alone.length),
+            atol=1e-5,
+        )
+        row = self.batch.join(prompt.packed.cache, prompt.packed.length)
+        assert row not in self.alone
+        self.alone[row] = prompt.alone
 
     @precondition(lambda self: self.alone)
     @rule(data=st.data())
@@ -141,5 +194,20 @@ def test_a_step_needs_a_token_for_each_row_in_use() -> None:
     kv = batch.leave(row)
     with pytest.raises(ValueError, match="outside"):
         kv.read(0, 4)
-    assert batch.step({}) == {}
+    assert batch.step({}) == ({}, [])
     assert np.asarray(kv.read(1, 3)).shape[3] == 2
+
+
+@pytest.mark.parametrize("cached", [0, 5])
+def test_a_chunk_packed_alone_is_its_forward_alone_bit_for_bit(cached: int) -> None:
+    """Packed with no rows and no other chunk, a chunk runs the same products with the
+    same masks as alone: logits and KV equal to the last bit, with or without a prefix."""
+    tokens = list(range(3, 30))
+    packed, alone = Sequence(TINY), Sequence(TINY)
+    if cached:
+        packed.prefill(tokens[:cached])
+        alone.prefill(tokens[:cached])
+    rows, kept = Batch(TINY).step({}, [Chunk(packed, tokens[cached:], 3)])
+    assert rows == {}
+    assert torch.equal(kept[0], Chunk(alone, tokens[cached:], 3).run())
+    assert torch.equal(cut_cache(packed.cache, len(tokens)), cut_cache(alone.cache, len(tokens)))

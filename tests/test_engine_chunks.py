@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from engine_support import engine, model, tiered_cache
 from prefixcache.engine import DoneEvent, Engine, LoadedModel, Request, SamplingParams
 from prefixcache.engine.kv import cut_cache, fill_cache, to_numpy
-from prefixcache.engine.runner import Sequence, full_logits
+from prefixcache.engine.runner import Chunk, Sequence, advance, full_logits
 
 pytestmark = pytest.mark.model  # the real model
 
@@ -55,13 +55,20 @@ def test_prefill_steps_are_chunks_and_the_last_gives_the_logits(lm: LoadedModel)
     tokens = prompt(lm, "Hi", repeats=2)
     seq = Sequence(lm, chunk_tokens=32)
     steps = seq.prefill_steps(tokens)
-    lengths = []
-    with pytest.raises(StopIteration) as end:
-        while True:
-            next(steps)
-            lengths.append(seq.length)
-    assert lengths == list(range(32, len(tokens), 32))  # one chunk a step; the last returns
-    assert tuple(end.value.value.shape) == (1, lm.tokenizer.vocab_size)
+    sizes, lengths = [], []
+    step = advance(steps)
+    while isinstance(step, Chunk):
+        assert step.seq is seq and seq.length == sum(sizes)  # a chunk starts where the last ended
+        sizes.append(len(step.tokens))
+        step = advance(steps, step.run())
+        lengths.append(seq.length)
+    assert sizes == [32] * (len(tokens) // 32) + [len(tokens) % 32] * bool(len(tokens) % 32)
+    assert lengths[-1] == len(tokens)
+    assert isinstance(step, torch.Tensor) and tuple(step.shape) == (1, lm.tokenizer.vocab_size)
+    with pytest.raises(RuntimeError, match="no logits"):  # a driver that ran nothing
+        steps = Sequence(lm, chunk_tokens=32).prefill_steps(tokens)
+        advance(steps)
+        advance(steps)
 
 
 def test_a_filled_cache_holds_a_copy_so_the_load_buffer_may_be_reused(lm: LoadedModel) -> None:

@@ -37,6 +37,7 @@ from prefixcache.engine import (
 )
 from prefixcache.engine.job import Job
 from prefixcache.engine.loop import StepLoop
+from prefixcache.engine.runner import Chunk
 from prefixcache.server.main import build_service
 from prefixcache.settings import AuthSettings, ModelSettings, ServerSettings, Settings
 from prefixcache.settings.admission import AdmissionSettings, TenantAdmission
@@ -106,10 +107,11 @@ class Step:
 @pytest.fixture
 def steps(monkeypatch: pytest.MonkeyPatch) -> list[Step]:
     """Every step the worker runs, recorded: timing claims are made against the steps
-    of the same run (a shared CPU makes one step take ten times another). A prefill
-    chunk is a step of its request; a batch step, one of each request it decodes."""
+    of the same run (a shared CPU makes one step take ten times another). A step is one
+    of each request it decodes or runs a prompt chunk of; a chunk run alone (no batching,
+    or a request past its deadline in the queue), one of its request."""
     recorded: list[Step] = []
-    prefill, decode = Job.prefill, StepLoop._decode
+    prefill, step = Job.prefill, StepLoop._step
 
     def timed_prefill(self: Job) -> None:
         began = time.monotonic()
@@ -118,16 +120,17 @@ def steps(monkeypatch: pytest.MonkeyPatch) -> list[Step]:
         finally:
             recorded.append(Step(self.handle.id, began, time.monotonic()))
 
-    def timed_decode(self: StepLoop) -> None:
-        jobs, began = [job.handle.id for job in self._rows], time.monotonic()
+    def timed_step(self: StepLoop, chunks: list[tuple[Job, Chunk]]) -> bool:
+        jobs = [job.handle.id for job in [*self._rows, *(job for job, _ in chunks)]]
+        began = time.monotonic()
         try:
-            decode(self)
+            return step(self, chunks)
         finally:
             ended = time.monotonic()
             recorded.extend(Step(job, began, ended) for job in jobs)
 
     monkeypatch.setattr(Job, "prefill", timed_prefill)
-    monkeypatch.setattr(StepLoop, "_decode", timed_decode)
+    monkeypatch.setattr(StepLoop, "_step", timed_step)
     return recorded
 
 

@@ -6,7 +6,7 @@ streaming; the prefix cache's work runs on the I/O thread, never on the step loo
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from engine_support import engine, model, tiered_cache
 from prefixcache.cache import PrefixCache
 from prefixcache.engine import DoneEvent, Engine, Event, LoadedModel, Request, SamplingParams, TokenEvent
 from prefixcache.engine.batch import Batch
+from prefixcache.engine.runner import Chunk
 
 pytestmark = pytest.mark.model
 
@@ -118,21 +119,21 @@ def test_answers_beside_others_are_the_answers_alone(lm: LoadedModel, tmp_path: 
 
 
 @pytest.fixture
-def rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The rows of every batch step, in order."""
-    seen: list[int] = []
+def rows(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """The rows and the prompt chunks of every batch step, in order."""
+    seen: list[tuple[int, int]] = []
     step = Batch.step
 
-    def counted(self: Batch, tokens: dict[int, int]) -> Any:
-        seen.append(len(tokens))
-        return step(self, tokens)
+    def counted(self: Batch, tokens: dict[int, int], chunks: Sequence[Chunk] = ()) -> Any:
+        seen.append((len(tokens), len(chunks)))
+        return step(self, tokens, chunks)
 
     monkeypatch.setattr(Batch, "step", counted)
     return seen
 
 
 def test_the_cache_works_on_the_io_thread_and_decoding_is_batched(
-    lm: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: list[int]
+    lm: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: list[tuple[int, int]]
 ) -> None:
     threads: set[str] = set()
     eng, cache = warmed(lm, tmp_path, max_active=8)
@@ -147,7 +148,8 @@ def test_the_cache_works_on_the_io_thread_and_decoding_is_batched(
         cache.close()
     assert all(a.done is not None and a.done.finish_reason in ("stop", "length") for a in answers)
     assert threads == {"prefixcache-cache-io"}  # match, load and insert, never on the step loop
-    assert max(rows) >= 3  # several requests decoded in one forward
+    assert max(n for n, _ in rows) >= 3  # several requests decoded in one forward
+    assert any(n and chunks for n, chunks in rows)  # prompts' chunks rode along decoding rows
 
 
 def noting(method: Callable[..., Any], threads: set[str]) -> Callable[..., Any]:
@@ -158,14 +160,15 @@ def noting(method: Callable[..., Any], threads: set[str]) -> Callable[..., Any]:
     return wrapped
 
 
-def test_without_batching_each_request_decodes_alone(lm: LoadedModel, rows: list[int]) -> None:
+def test_without_batching_each_request_decodes_alone(lm: LoadedModel, rows: list[tuple[int, int]]) -> None:
     eng = engine(lm, max_active=8, batch_decode=False)
     try:
         answers = serve(eng, requests(lm)[:4], together=True)
     finally:
         eng.close()
     assert all(a.done is not None for a in answers)
-    assert rows and max(rows) == 1
+    assert rows and max(n for n, _ in rows) == 1
+    assert not any(chunks for _, chunks in rows)  # each chunk ran alone
 
 
 def test_chats_that_open_alike_at_once_prefill_their_prefix_once(lm: LoadedModel, tmp_path: Path) -> None:

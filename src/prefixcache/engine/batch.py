@@ -7,7 +7,8 @@
 
 A step feeds one token per row at its own position (its length) with a mask that lets
 each row see only its own columns, so a row's logits are those of its sequence alone
-(up to float rounding of the larger matrix products). A row joins with the KV of its
+(up to float rounding of the larger matrix products); prompts' chunks may ride along in
+the same forward, each on its own sequence's KV (``packed.py``). A row joins with the KV of its
 prefill (copied in once) and leaves without a copy: its columns stay untouched until
 ``release`` (the store reads them meanwhile), or until the buffer is laid out anew,
 which never writes the old buffer. Rows that are free still run (a zero row that sees
@@ -20,6 +21,7 @@ thread while the worker steps (it reads only columns no step writes).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,8 @@ from transformers.cache_utils import DynamicLayer
 
 from prefixcache.engine.kv import to_numpy
 from prefixcache.engine.model import LoadedModel
+from prefixcache.engine.packed import Packed, use_packed_attention
+from prefixcache.engine.runner import Chunk
 
 __all__ = ["Batch", "RowKV"]
 
@@ -51,12 +55,23 @@ class _Layer(DynamicLayer):  # type: ignore[no-untyped-call]
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        b = self._batch
-        keys, values = b._keys[self._index], b._values[self._index]
-        rows = key_states.shape[0]
-        keys[:rows, :, b._end].copy_(key_states[:, :, 0])
-        values[:rows, :, b._end].copy_(value_states[:, :, 0])
-        return keys[:rows, :, b._start : b._end + 1], values[:rows, :, b._start : b._end + 1]
+        """Each row's token into column ``end``, each chunk's onto its sequence's KV; the
+        packed attention reads them from the plan (what this returns goes unread)."""
+        b, index = self._batch, self._index
+        plan = b._plan
+        assert plan is not None, "a batch's cache runs only in its own step"
+        window = None
+        if plan.rows:
+            keys, values = b._keys[index], b._values[index]
+            keys[: plan.rows, :, b._end].copy_(key_states[0, :, : plan.rows].transpose(0, 1))
+            values[: plan.rows, :, b._end].copy_(value_states[0, :, : plan.rows].transpose(0, 1))
+            window = keys[: plan.rows, :, b._start : b._end + 1], values[: plan.rows, :, b._start : b._end + 1]
+        chunks = [
+            chunk.seq.cache.update(key_states[:, :, begin:end], value_states[:, :, begin:end], index)
+            for chunk, (begin, end) in zip(plan.chunks, plan.spans, strict=True)
+        ]
+        plan.layer = window, chunks
+        return key_states, value_states
 
     def get_seq_length(self) -> int:
         return self._batch._end - self._batch._start
@@ -105,6 +120,9 @@ class Batch:
         self._draining: set[int] = set()  # rows that left, their columns still read
         self._cache = DynamicCache(config=config)
         self._cache.layers = [_Layer(self, i) for i in range(self._layers)]
+        self._plan: Packed | None = None  # the step running
+        self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self._device)
+        use_packed_attention(loaded.model)
         self._layout(rows=0, width=0)
 
     # ------------------------------------------------------------------ rows
@@ -174,40 +192,54 @@ class Batch:
     # ------------------------------------------------------------------ a step
 
     @torch.inference_mode()
-    def step(self, tokens: dict[int, int]) -> dict[int, torch.Tensor]:
-        """Feed ``tokens[row]`` to each row in use (all of them); each row's next-token logits."""
+    def step(
+        self, tokens: dict[int, int], chunks: Sequence[Chunk] = ()
+    ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
+        """Feed ``tokens[row]`` to each row in use (all of them) and run ``chunks`` of
+        prompts in the same forward (``packed.py``): each row's next-token logits, and
+        each chunk's logits ([keep, vocab]). A chunk's sequence gets its KV (its
+        ``length`` is the prefill's to move)."""
         live = {i for i, n in enumerate(self._lengths) if n is not None}
         if set(tokens) != live:
             raise ValueError(f"a step needs one token for each row in use {sorted(live)}, got {sorted(tokens)}")
-        if not live:
-            return {}
-        rows = max(live) + 1
-        if self._end + 1 > self._keys[0].shape[2]:
+        if not live and not chunks:
+            return {}, []
+        rows = max(live) + 1 if live else 0
+        if live and self._end + 1 > self._keys[0].shape[2]:
             self._layout(rows=len(self._lengths), width=max(n for n in self._lengths if n is not None))
         width = self._end + 1 - self._start
-        ids = torch.zeros((rows, 1), dtype=torch.long)
-        positions = torch.zeros((rows, 1), dtype=torch.long)
         mask = torch.zeros((rows, 1, 1, width), dtype=torch.bool)
         mask[:, 0, 0, -1] = True  # a free row sees its own column only
-        for row in range(rows):
-            length = self._lengths[row]
-            if length is not None:
-                ids[row, 0] = tokens[row]
-                positions[row, 0] = length
-                mask[row, 0, 0, width - 1 - length :] = True
-        out = self._loaded.model(
-            input_ids=ids.to(self._device),
-            position_ids=positions.to(self._device),
-            attention_mask=mask.to(self._device),
-            cache=self._cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        self._end += 1
+        ids = [0] * rows
         for row in live:
-            self._lengths[row] = self.length(row) + 1
-        logits = out.logits[:, 0].float().cpu()
-        return {row: logits[row] for row in live}
+            ids[row] = tokens[row]
+            mask[row, 0, 0, width - 1 - self.length(row) :] = True
+        plan = Packed(rows, mask.to(self._device) if rows else None, tuple(chunks))
+        for chunk in chunks:
+            ids += chunk.tokens
+        self._plan = plan
+        try:
+            out = self._loaded.model(
+                input_ids=torch.tensor([ids], dtype=torch.long, device=self._device),
+                position_ids=plan.positions(self._lengths).to(self._device),
+                attention_mask=self._no_mask,  # NOTE: a 4-D mask is taken as it is: the plan holds the real ones
+                cache=self._cache,
+                use_cache=True,
+                logits_to_keep=plan.kept().to(self._device),
+                packed=plan,
+            )
+        finally:
+            self._plan = None
+        logits = out.logits[0].float().cpu()
+        if live:
+            self._end += 1
+            for row in live:
+                self._lengths[row] = self.length(row) + 1
+        kept, begin = [], rows
+        for chunk in chunks:
+            kept.append(logits[begin : begin + chunk.keep])
+            begin += chunk.keep
+        return {row: logits[row] for row in live}, kept
 
     # ------------------------------------------------------------------ layout
 

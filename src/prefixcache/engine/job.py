@@ -1,9 +1,10 @@
 """One request's work, from its slot to its stored KV, as the engine's threads see it.
 
     I/O thread:   lookup()            match + load what the cache holds          (STAGING)
-    worker:       prefill()           [cancelled or past deadline? end]
-                                      one chunk of the prompt per call;           (PREFILL)
-                                      the last one samples the first token  ──>   (DECODE: the loop gives it a row)
+    worker:       chunk()             [cancelled or past deadline? end]
+                                      the chunk of the prompt to run this step;   (PREFILL)
+                  prefilled(logits)   it ran (in one forward with the batch's
+                                      step); the last samples the first token ──> (DECODE: the loop gives it a row)
     I/O thread:   store_prompt(kv)    insert the prompt's KV (others may wait for it)
     worker:       fed() / decoded()   the token it feeds the batch, then the
                                       logits the batch step gave it              (DECODE)
@@ -42,7 +43,7 @@ from prefixcache.engine.requests import (
     TokenEvent,
     Usage,
 )
-from prefixcache.engine.runner import Prefill, Sequence
+from prefixcache.engine.runner import Chunk, Prefill, Sequence, advance
 from prefixcache.engine.sampling import TextStream, TokenCounts, sample
 from prefixcache.hashing import CacheContext
 
@@ -107,6 +108,7 @@ class Job:
         self._turn: Turn | None = None
         self._seq: Sequence | None = None
         self._steps: Prefill | None = None
+        self._pending: Chunk | None = None  # the chunk its prefill yielded, not yet run
         self._decoding: _Decoding | None = None
         self._out: list[int] = []
         self._started = 0.0  # when its work began (staging, or its first step)
@@ -204,49 +206,85 @@ class Job:
     # ------------------------------------------------------------------ worker: prefill
 
     def prefill(self) -> None:
-        """One prefill step; after the last, the first token is out and the job is
-        DECODE (or DONE). Ends the job (DONE) on cancellation, timeout or error."""
+        """One prefill step run alone (``chunk``, its forward, ``prefilled``)."""
+        chunk = self.chunk()
+        if chunk is None:
+            return
         try:
-            self._prefill()
+            logits = chunk.run()
+        except Exception as exc:
+            return self.fail(exc)
+        self.prefilled(logits)
+
+    def chunk(self) -> Chunk | None:
+        """The chunk of the prompt to run at this step (the loop runs it, alone or in one
+        forward with others, and hands its logits to ``prefilled``). None when there is
+        none: the job left PREFILL (it decodes, or it ended: cancelled, past its deadline,
+        failed), or its mode ran a step of its own (it stays PREFILL)."""
+        try:
+            if self._steps is None:
+                if not self._open():
+                    return None
+                assert self._steps is not None
+                return self._took(advance(self._steps))
+            if self._interrupted():
+                self.end("cancelled")
+                return None
+            if self._pending is not None:
+                return self._pending
+            return self._took(advance(self._steps))
+        except Exception as exc:
+            self.fail(exc)
+            return None
+
+    def prefilled(self, logits: torch.Tensor) -> None:
+        """The chunk ``chunk`` gave ran: its logits. The prefill moves on to its next chunk,
+        or, after the last, the first token is out and the job is DECODE (or DONE)."""
+        assert self._steps is not None and self._pending is not None, "no chunk is running"
+        self._pending = None
+        try:
+            self._took(advance(self._steps, logits))
         except Exception as exc:
             self.fail(exc)
 
-    def _prefill(self) -> None:
+    def _open(self) -> bool:
+        """The first step: the mode's turn and the prefill's steps; False when the job ended."""
         rt, handle, request = self._rt, self.handle, self.handle.request
-        if self._steps is None:
-            self._started = self._started or rt.clock()
-            turn = self._turn = rt.mode.open(request, self.context)
-            if handle.cancelled:  # gone while queued: no work, but still an end the caller can wait for
-                rt.stats.cancelled += 1
-                rt.stats.cancelled_queued += 1
-                usage = Usage(len(request.tokens), 0, 0, {}, self._queued(), 0.0)
-                self._final = turn.done(DoneEvent("cancelled", "", (), usage))
-                return self._done(stored=False)
-            if rt.clock() > handle.deadline:
-                raise RequestTimeout("the request timed out while waiting in the queue")
-            staged = self.staged or Staged()
-            self._seq = Sequence(rt.loaded, rt.chunk_tokens)
-            self._steps = turn.prefill(self._seq, request.tokens, staged.prefix)
-            self.staged = Staged(None, staged.cached, staged.tiers)  # NOTE: the first step consumes the prefix
-            self.phase = Phase.PREFILL
-        elif self._interrupted():
-            return self.end("cancelled")
-        try:
-            next(self._steps)
-            return
-        except StopIteration as stop:
-            logits: torch.Tensor = stop.value
+        self._started = self._started or rt.clock()
+        turn = self._turn = rt.mode.open(request, self.context)
+        if handle.cancelled:  # gone while queued: no work, but still an end the caller can wait for
+            rt.stats.cancelled += 1
+            rt.stats.cancelled_queued += 1
+            usage = Usage(len(request.tokens), 0, 0, {}, self._queued(), 0.0)
+            self._final = turn.done(DoneEvent("cancelled", "", (), usage))
+            self._done(stored=False)
+            return False
+        if rt.clock() > handle.deadline:
+            raise RequestTimeout("the request timed out while waiting in the queue")
+        staged = self.staged or Staged()
+        self._seq = Sequence(rt.loaded, rt.chunk_tokens)
+        self._steps = turn.prefill(self._seq, request.tokens, staged.prefix)
+        self.staged = Staged(None, staged.cached, staged.tiers)  # NOTE: the first step consumes the prefix
+        self.phase = Phase.PREFILL
+        return True
+
+    def _took(self, step: Chunk | torch.Tensor | None) -> Chunk | None:
+        """What the prefill's step gave: a chunk to run (kept until it ran), or its end."""
+        if not isinstance(step, torch.Tensor):
+            self._pending = step
+            return step
+        rt, params = self._rt, self.handle.request.params
         self._prefill_s = rt.clock() - self._started
-        params = request.params
         seed = params.seed if params.seed is not None else rt.rng.getrandbits(63)
         self._decoding = _Decoding(
             TextStream(rt.loaded.tokenizer, params.stop),
             torch.Generator().manual_seed(seed),
-            TokenCounts(request.tokens),  # what the penalties count
+            TokenCounts(self.handle.request.tokens),  # what the penalties count
             0,
         )
         self.phase = Phase.DECODE
-        self._next(logits)
+        self._next(step)
+        return None
 
     # ------------------------------------------------------------------ worker: decode
 

@@ -1,16 +1,18 @@
-"""The worker's step loop: prefill chunks in turn across tenants, interleaved with steps
-that decode every running request in one forward.
+"""The worker's step loop: one forward a step that decodes every running request and
+carries the prompts' next chunks, tenants in turn.
 
     loop:  new slots ─> I/O thread stages them (match + load)
-           one prefill chunk of the next staged job (tenants in turn)  ──> done? join the batch,
-             its prompt's KV stored (I/O thread) for the requests that wait for that prefix
-           ``decode_steps`` batch steps: every decoding job's token in one forward, each
-             job samples its next; a job that ended leaves its row
+           a step: every decoding job's token, and the next chunk of ready prompts
+             (tenants in turn, up to ``chunk_tokens`` prompt tokens), in one forward;
+             each decoding job samples its next token, a job that ended leaves its row;
+             a prompt whose last chunk ran joins the batch, its prompt's KV stored
+             (I/O thread) for the requests that wait for that prefix
            an ended job: its store queued on the I/O thread, then its end event out
 
-A long prompt delays the others by one chunk per step, and a decoding request waits at
-most one chunk between two of its tokens. With ``batched`` off, each decoding job gets a
-batch of its own (one forward each): the same loop without batching, for comparisons.
+A long prompt delays the others by at most one chunk a step, and a decoding request
+gets a token every step. With ``batched`` off, each decoding job gets a batch of its own
+(one forward each) and a chunk runs alone, followed by ``decode_steps`` steps: the
+engine without batching, for comparisons.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from prefixcache.engine.cacheio import CacheIO
 from prefixcache.engine.job import Job, Phase
 from prefixcache.engine.kv import SequenceKV
 from prefixcache.engine.model import LoadedModel
+from prefixcache.engine.runner import Chunk
 from prefixcache.engine.scheduler import Scheduler
 
 __all__ = ["StepLoop"]
@@ -44,6 +47,7 @@ class StepLoop:
         settled: Callable[[], None],
         *,
         batched: bool,
+        chunk_tokens: int,
         decode_steps: int,
     ) -> None:
         self._loaded = loaded
@@ -51,7 +55,9 @@ class StepLoop:
         self._io = io
         self._settled = settled  # a job's end and store are done
         self._batched = batched
-        self._decode_steps = decode_steps
+        self._chunk_tokens = chunk_tokens  # prompt tokens a step carries (one chunk at least)
+        self._decode_steps = decode_steps  # without batching: decode steps after a chunk
+        self._held: Job | None = None  # its chunk did not fit in the last step: it goes first
         self._shared = Batch(loaded)
         self._rows: dict[Job, Batch] = {}  # the decoding jobs, and their batch
         self._released: queue.SimpleQueue[tuple[Batch, RowKV]] = queue.SimpleQueue()
@@ -72,22 +78,55 @@ class StepLoop:
             while not self._released.empty():
                 batch, kv = self._released.get()
                 batch.release(kv)
-            worked = False
-            job = scheduler.next(Job.ready)
-            if job is not None:
-                worked = True
-                job.prefill()
-                if job.phase is Phase.DECODE:
-                    self._join(job)
-                elif job.phase is Phase.DONE:
-                    self._finish(job)
-            for _ in range(self._decode_steps if job is not None else 1):
-                if not self._rows:
-                    break
-                self._decode()
-                worked = True
+            worked = self._step(self._chunks()) if self._batched else self._apart()
             if not worked and not scheduler.wait(seen, _IDLE_WAIT_S):
                 return
+
+    def _chunks(self) -> list[tuple[Job, Chunk]]:
+        """The prompt chunks of this step: the ready jobs' in turn, up to ``chunk_tokens``
+        tokens (at least one chunk). One that does not fit goes first at the next step."""
+        out: list[tuple[Job, Chunk]] = []
+        budget, seen = self._chunk_tokens, set()
+        held, self._held = self._held, None
+        while budget > 0:
+            job: Job | None = None
+            if held is not None and held.ready():
+                job, held = held, None
+            else:
+                job = self._scheduler.next(lambda j: j.ready() and j not in seen)
+            if job is None:
+                break
+            seen.add(job)
+            chunk = job.chunk()
+            if chunk is None:  # it decodes or ended now, or its mode ran a step of its own
+                self._settle(job)
+                continue
+            if out and len(chunk.tokens) > budget:
+                self._held = job
+                break
+            out.append((job, chunk))
+            budget -= len(chunk.tokens)
+        return out
+
+    def _apart(self) -> bool:
+        """Without batching: the next ready job's chunk alone, then decode steps."""
+        job = self._scheduler.next(Job.ready)
+        if job is not None:
+            job.prefill()
+            self._settle(job)
+        worked = job is not None
+        for _ in range(self._decode_steps if job is not None else 1):
+            if not self._rows:
+                break
+            worked = self._step([]) or worked
+        return worked
+
+    def _settle(self, job: Job) -> None:
+        """After a prefill step: a job that decodes now joins the batch, one that ended finishes."""
+        if job.phase is Phase.DECODE:
+            self._join(job)
+        elif job.phase is Phase.DONE:
+            self._finish(job)
 
     def stage_started(self) -> None:
         """Hand the jobs that took a slot to the I/O thread (from any thread)."""
@@ -108,8 +147,9 @@ class StepLoop:
         # for it; the sequence's copy is dropped after that (the row holds its own)
         self._io.store_prompt(job, SequenceKV(seq.cache), seq.length, seq.drop_kv)
 
-    def _decode(self) -> None:
-        """One step of every batch: each decoding job's token in, its next token sampled."""
+    def _step(self, chunks: list[tuple[Job, Chunk]]) -> bool:
+        """One forward of every batch: each decoding job's token in, its next token
+        sampled; ``chunks`` ride in the shared batch's. False when there was nothing to run."""
         steps: dict[Batch, dict[int, tuple[Job, int]]] = {}
         for job, batch in list(self._rows.items()):
             token = job.fed()
@@ -118,13 +158,16 @@ class StepLoop:
             else:
                 assert job.row is not None
                 steps.setdefault(batch, {})[job.row] = (job, token)
+        if chunks:
+            steps.setdefault(self._shared, {})
         for batch, fed in steps.items():
             jobs = {row: job for row, (job, _) in fed.items()}
+            mine = chunks if batch is self._shared else []
             try:
-                logits = batch.step({row: token for row, (_, token) in fed.items()})
+                logits, kept = batch.step({row: token for row, (_, token) in fed.items()}, [c for _, c in mine])
             except Exception as exc:  # the batch's state is unknown now: its jobs fail, a new one starts
-                log.error("a decode step failed", exc_info=exc)
-                for job in jobs.values():
+                log.error("a batch step failed", exc_info=exc)
+                for job in [*jobs.values(), *(job for job, _ in mine)]:
                     job.fail(exc)
                     self._finish(job)
                 if batch is self._shared:
@@ -134,6 +177,10 @@ class StepLoop:
                 job.decoded(logits[row])
                 if job.phase is Phase.DONE:
                     self._finish(job)
+            for (job, _), out in zip(mine, kept, strict=True):
+                job.prefilled(out)
+                self._settle(job)
+        return bool(steps)
 
     def _finish(self, job: Job, active: bool = True) -> None:
         """``job`` ended: queue its store on the I/O thread, then send its end event (so

@@ -1,9 +1,10 @@
 """One sequence through the model: prefill the part of the prompt the cache did not
 have, in chunks, then decode token by token. No threads, no queue: the worker drives this.
 
-    prefill_steps(tokens, cached)      a generator: each ``next`` runs one chunk
-      │  cached KV copied in ─ chunk 0 ─ yield ─ chunk 1 ─ yield ─ ... ─ last chunk ─ return logits
-      └─ the caller checks its deadline between chunks, or runs another sequence
+    prefill_steps(tokens, cached)      a generator of the chunks to run, each run by its driver
+      │  cached KV copied in ─ yield chunk 0 <─ send its logits ─ yield chunk 1 <─ ... ─ return logits
+      └─ the driver runs a chunk alone (``Chunk.run``) or in one forward with others
+         (``batch.Batch.step``), checks deadlines between chunks, or runs another sequence
 
 ``prefill`` runs every chunk at once, for callers that need no stop between them.
 """
@@ -11,6 +12,7 @@ have, in chunks, then decode token by token. No threads, no queue: the worker dr
 from __future__ import annotations
 
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,20 +22,46 @@ from transformers import DynamicCache
 from prefixcache.engine.kv import fill_cache
 from prefixcache.engine.model import LoadedModel, dtype_of
 
-__all__ = ["Prefill", "Sequence", "full_logits", "run_prefill"]
+__all__ = ["Chunk", "Prefill", "Sequence", "advance", "full_logits", "run_prefill"]
 
-# The work of one prefill, a chunk per step; its value (StopIteration's) is the logits.
-Prefill = Generator[None, None, torch.Tensor]
+
+@dataclass(frozen=True, eq=False)
+class Chunk:
+    """Prompt tokens to append to ``seq``'s KV in one forward, at positions from
+    ``seq.length`` on; the logits of its last ``keep`` positions go back to the prefill."""
+
+    seq: Sequence
+    tokens: list[int]
+    keep: int
+
+    def run(self) -> torch.Tensor:
+        """Run it alone: the logits of its last ``keep`` positions ([keep, vocab], float32)."""
+        return self.seq._forward(self.tokens, self.keep)
+
+
+# The work of one prefill, a step at a time: each step yields the chunk its driver runs
+# and sends the logits of back (or None: the step did its own work, nothing to run);
+# its value (StopIteration's) is the logits of the prompt's last positions.
+Prefill = Generator[Chunk | None, torch.Tensor | None, torch.Tensor]
+
+
+def advance(steps: Prefill, logits: torch.Tensor | None = None) -> Chunk | torch.Tensor | None:
+    """The next step of ``steps`` (its first: no ``logits``), after the logits of the chunk
+    it yielded last: the next chunk to run (None: a step that ran on its own), or, once
+    done, its logits."""
+    try:
+        return steps.send(logits)
+    except StopIteration as stop:
+        value: torch.Tensor = stop.value
+        return value
 
 
 def run_prefill(steps: Prefill) -> torch.Tensor:
-    """Run every step of ``steps``; its logits."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as stop:
-            logits: torch.Tensor = stop.value
-            return logits
+    """Run every step of ``steps``, each chunk alone; its logits."""
+    step = advance(steps)
+    while not isinstance(step, torch.Tensor):
+        step = advance(steps, step.run() if step is not None else None)
+    return step
 
 
 class Sequence:
@@ -61,7 +89,7 @@ class Sequence:
     def prefill_steps(
         self, tokens: list[int], cached: np.ndarray[Any, Any] | torch.Tensor | None = None, keep: int = 1
     ) -> Prefill:
-        """``prefill`` as steps: each ``next`` runs one chunk of at most ``chunk_tokens``.
+        """``prefill`` as steps: each yields a ``Chunk`` of at most ``chunk_tokens`` to run.
 
         NOTE: ``cached`` is copied into the model's cache before the first step ends (it
         may sit in a buffer the caller reuses, or in a tier's memory pinned only until
@@ -82,11 +110,12 @@ class Sequence:
             chunk = rest[begin : begin + size]
             # the positions of this chunk among the last ``keep``; logits_to_keep=0 would mean all
             wanted = min(len(chunk), keep - (len(rest) - begin - len(chunk)))
-            logits = self._forward(chunk, max(wanted, 1))
+            logits = yield Chunk(self, chunk, max(wanted, 1))
+            if logits is None:
+                raise RuntimeError("a prefill chunk's driver sent no logits back")
+            self.length += len(chunk)
             if wanted > 0:
                 kept.append(logits)
-            if begin + size < len(rest):
-                yield
         return kept[0] if len(kept) == 1 else torch.cat(kept)
 
     def drop_kv(self) -> None:
@@ -95,13 +124,15 @@ class Sequence:
 
     def step(self, token: int) -> torch.Tensor:
         """Append one generated token; the logits for the next one."""
-        return self._forward([token], 1)[0]
+        logits = self._forward([token], 1)[0]
+        self.length += 1
+        return logits
 
     @torch.inference_mode()
     def _forward(self, tokens: list[int], keep: int) -> torch.Tensor:
+        """Append ``tokens`` to the KV (``length`` is the caller's to move)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self._loaded.device)
         out = self._loaded.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep)
-        self.length += len(tokens)
         logits: torch.Tensor = out.logits[0].float().cpu()
         return logits
 

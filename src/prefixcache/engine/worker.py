@@ -6,8 +6,8 @@ thread whose step loop prefills in turn and decodes every running request in one
                                                                v
     I/O thread:     match + load the cached prefix  ──> the job is ready (or it waits
                     for a prompt being prefilled that holds more of its own: ``inflight.py``)
-    worker thread:  a prefill chunk of the next ready job (tenants in turn), then a
-                    batch step that decodes every running job; events ─> sink
+    worker thread:  a step: one forward that decodes every running job and carries the
+                    next prefill chunks of ready jobs (tenants in turn); events ─> sink
     I/O thread:     after the end: insert prompt + answer with KV
 
 What happens past the exact prefix (how the rest is prefilled, what is stored, what
@@ -61,8 +61,9 @@ from prefixcache.hashing import CacheContext
 # one forward, while a chunk stays a small part of that prompt's prefill even deep into
 # the context; much smaller chunks cost the long prompt markedly more.
 PREFILL_CHUNK_TOKENS = 256
-# NOTE: batch steps between two prefill chunks while prompts wait: more of them speed
-# the running answers and slow the first token of the waiting ones
+# NOTE: without batching (``batch_decode=False``), decode steps between two prefill chunks
+# while prompts wait: more of them speed the running answers and slow the first token of
+# the waiting ones. With batching, every step carries both.
 DECODE_BURST = 2
 
 
@@ -73,10 +74,10 @@ class Engine:
     every prompt is prefilled in full). ``model_id`` names the model in cache keys,
     so ``cache.bump_epoch(model_id)`` invalidates its blocks. ``mode`` serves each
     request past its exact prefix (default: exact prefix caching). ``max_active``
-    requests are in flight at once (each holds its KV): their prefill chunks in turn
-    across tenants, ``decode_burst`` batch steps between two chunks, all decoding requests
-    in one forward per step (``batch_decode``; off: one forward each, for comparisons);
-    ``admission`` limits each tenant's share (default: none); ``order`` is which
+    requests are in flight at once (each holds its KV): a step is one forward of all
+    decoding requests and up to ``prefill_chunk_tokens`` prompt tokens of the ready ones,
+    tenants in turn (``batch_decode``; off, for comparisons: a chunk alone, then
+    ``decode_burst`` steps of one forward per decoding request); ``admission`` limits each tenant's share (default: none); ``order`` is which
     waiting request gets a free slot.
     """
 
@@ -124,7 +125,13 @@ class Engine:
         )
         self._io = CacheIO(self.scheduler.poke, share=cache is not None)
         self._loop = StepLoop(
-            loaded, self.scheduler, self._io, lambda: self._count(-1), batched=batch_decode, decode_steps=decode_burst
+            loaded,
+            self.scheduler,
+            self._io,
+            lambda: self._count(-1),
+            batched=batch_decode,
+            chunk_tokens=prefill_chunk_tokens,
+            decode_steps=decode_burst,
         )
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
