@@ -8,7 +8,7 @@ system prompt hit):
 - ``baseline``: the engine at ``--baseline-rev`` (``git archive`` of its ``src/`` into a
   temporary folder, first on ``PYTHONPATH``), as ``make serve`` runs it: ``max_active=4``,
   its own defaults otherwise (chunks of 256 tokens, bursts of 8 tokens);
-- ``new``: the working tree's engine as ``make serve`` runs it now: ``max_active=16``,
+- ``new``: the working tree's engine as ``make serve`` runs it now: ``max_active=32``,
   ``batch_decode=True``, its own defaults otherwise;
 - ``ablation``: the same with ``batch_decode=False`` (each decoding request its own
   forward): what batching buys apart from more requests in flight. Left out while the
@@ -137,9 +137,9 @@ class Config:
 
 
 CONFIGS = {
-    "new": Config("new", "working tree", 16, True),
+    "new": Config("new", "working tree", 32, True),
     "baseline": Config("baseline", "baseline rev", 4, None),
-    "ablation": Config("ablation", "working tree", 16, False),
+    "ablation": Config("ablation", "working tree", 32, False),
 }
 
 

@@ -313,7 +313,7 @@ def test_the_settings_reach_the_engine(limited: LiveServer) -> None:
     assert config.admission.limits("acme").max_concurrent == 1
     assert config.admission.limits("globex").max_concurrent == 2
     assert config.admission.limits("globex").max_queued_tokens == 32768  # the default, not overridden
-    assert (config.max_active, config.order) == (16, Order.FAIR)
+    assert (config.max_active, config.order) == (32, Order.FAIR)
 
 
 def test_a_tenant_over_its_share_gets_429_with_retry_after(limited: LiveServer) -> None:

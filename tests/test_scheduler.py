@@ -304,7 +304,7 @@ def test_admission_settings_from_the_file_and_the_environment(tmp_path: Path) ->
     assert admission.admission().limits("acme") == TenantLimits(8, 32768)  # its own, the default for the rest
     assert admission.admission().limits("globex") == TenantLimits(4, 32768)
     args = admission.engine_args()
-    assert (args["prefill_chunk_tokens"], args["max_active"], args["order"]) == (128, 16, Order.FAIR)
+    assert (args["prefill_chunk_tokens"], args["max_active"], args["order"]) == (128, 32, Order.FAIR)
     env = {
         "PREFIXCACHE_ADMISSION_MAX_CONCURRENT": "2",
         "PREFIXCACHE_ADMISSION_ORDER": "fifo",

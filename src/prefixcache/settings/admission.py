@@ -43,7 +43,10 @@ class AdmissionSettings(BaseModel):
     max_concurrent: int = Field(default=4, ge=1)  # a tenant's requests queued or running; more get 429
     max_queued_tokens: int = Field(default=32768, ge=1)  # their prompt tokens (a request alone always fits)
     tenants: dict[str, TenantAdmission] = Field(default_factory=dict)  # per tenant: its own limits
-    max_active: int = Field(default=16, ge=1)  # requests in flight at once, decoding in one batch; each holds its KV
+    # Requests in flight at once, decoding in one batch; each holds its KV. A tenant holding
+    # h slots takes another only while more than h are free (room for one that arrives), so
+    # 16 slots would hold 13 of 4 tenants' 4 requests each (max_concurrent): 32 hold them all.
+    max_active: int = Field(default=32, ge=1)
     # The prompt tokens of one prefill step: what another request waits behind a long
     # prompt at most, and how often a deadline or a gone client is checked during a prefill.
     prefill_chunk_tokens: int = Field(default=PREFILL_CHUNK_TOKENS, ge=1)
