@@ -65,7 +65,8 @@ class _Layer(DynamicLayer):  # type: ignore[no-untyped-call]
             keys, values = b._keys[index], b._values[index]
             keys[: plan.rows, :, b._end].copy_(key_states[0, :, : plan.rows].transpose(0, 1))
             values[: plan.rows, :, b._end].copy_(value_states[0, :, : plan.rows].transpose(0, 1))
-            window = keys[: plan.rows, :, b._start : b._end + 1], values[: plan.rows, :, b._start : b._end + 1]
+            first = b._end + 1 - plan.window
+            window = keys[: plan.rows, :, first : b._end + 1], values[: plan.rows, :, first : b._end + 1]
         chunks = [
             chunk.seq.cache.update(key_states[:, :, begin:end], value_states[:, :, begin:end], index)
             for chunk, (begin, end) in zip(plan.chunks, plan.spans, strict=True)
@@ -178,7 +179,7 @@ class Batch:
         if not live:
             self._layout(rows=0, width=0)  # NOTE: the memory of a burst is not kept once it is over
         elif self._end - self._start > 2 * max(live) + _HEADROOM:
-            self._layout(rows=len(self._lengths), width=max(live))  # the window shrinks back
+            self._layout(rows=len(self._lengths), width=max(live))  # the buffer shrinks back
         return out
 
     def release(self, kv: RowKV) -> None:
@@ -207,14 +208,16 @@ class Batch:
         rows = max(live) + 1 if live else 0
         if live and self._end + 1 > self._keys[0].shape[2]:
             self._layout(rows=len(self._lengths), width=max(n for n in self._lengths if n is not None))
-        width = self._end + 1 - self._start
+        # NOTE: the window ends at the new column and holds the longest row in use (the
+        # buffer may reach further back, to rows that left)
+        width = 1 + max((self.length(row) for row in live), default=0)
         mask = torch.zeros((rows, 1, 1, width), dtype=torch.bool)
         mask[:, 0, 0, -1] = True  # a free row sees its own column only
         ids = [0] * rows
         for row in live:
             ids[row] = tokens[row]
             mask[row, 0, 0, width - 1 - self.length(row) :] = True
-        plan = Packed(rows, mask.to(self._device) if rows else None, tuple(chunks))
+        plan = Packed(rows, width, mask.to(self._device) if rows else None, tuple(chunks))
         for chunk in chunks:
             ids += chunk.tokens
         self._plan = plan

@@ -45,7 +45,8 @@ class Packed:
     then ``chunks``, each over ``spans[i]`` of the packed tokens."""
 
     rows: int
-    window_mask: torch.Tensor | None  # [rows, 1, 1, W]: which window columns each row sees
+    window: int  # W: the rows' columns the step reads, the last W of the batch's buffer
+    window_mask: torch.Tensor | None  # [rows, 1, 1, W]: which of them each row sees
     chunks: tuple[Chunk, ...]
     spans: tuple[tuple[int, int], ...] = field(init=False)
     chunk_masks: tuple[torch.Tensor | None, ...] = field(init=False)
