@@ -77,8 +77,8 @@ class Engine:
     requests are in flight at once (each holds its KV): a step is one forward of all
     decoding requests and up to ``prefill_chunk_tokens`` prompt tokens of the ready ones,
     tenants in turn (``batch_decode``; off, for comparisons: a chunk alone, then
-    ``decode_burst`` steps of one forward per decoding request); ``admission`` limits each tenant's share (default: none); ``order`` is which
-    waiting request gets a free slot.
+    ``decode_burst`` steps of one forward per decoding request); ``admission`` limits
+    each tenant's share (default: none); ``order`` is which waiting request gets a free slot.
     """
 
     def __init__(
