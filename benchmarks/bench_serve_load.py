@@ -9,7 +9,8 @@ system prompt hit):
   temporary folder, first on ``PYTHONPATH``), as ``make serve`` runs it: ``max_active=4``,
   its own defaults otherwise (chunks of 256 tokens, bursts of 8 tokens);
 - ``new``: the working tree's engine as ``make serve`` runs it now: ``max_active=32``,
-  ``batch_decode=True``, its own defaults otherwise;
+  ``batch_decode=True``, its own defaults otherwise, the main thread's torch on one core
+  (as ``serve`` sets it, ``engine/threads.py``);
 - ``ablation``: the same with ``batch_decode=False`` (each decoding request its own
   forward): what batching buys apart from more requests in flight. Left out while the
   working tree's ``Engine`` has no ``batch_decode``.
@@ -245,7 +246,18 @@ def open_engine(lm: LoadedModel, config: Config) -> Engine:
     return Engine(lm, "bench", cache=cache, max_active=config.max_active, **extra)
 
 
+def serve_threads() -> bool:
+    """What ``prefixcache serve`` does to its main thread before it loads the model, when
+    this engine's server does it (``engine/threads.py``; the engine before did not)."""
+    try:
+        from prefixcache.engine.threads import serial_torch
+    except ImportError:
+        return False
+    return serial_torch()
+
+
 def run_child(config: Config, work: Workload, round_: int) -> RunResult:
+    serve_threads()
     lm = load_model(models_dir=MODELS, device="cpu", dtype=work.dtype)
     warm = Engine(lm, "bench")  # the first forwards of a process are slow; no cache, nothing stored
     warm.generate(Request([1, 2, 3, 4], "warm-up", SamplingParams(max_tokens=4, temperature=0.0))).result(120)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from prefixcache.cache.kv import KVSource
 from prefixcache.engine.inflight import InFlight
 from prefixcache.engine.job import Job
+from prefixcache.engine.threads import serial_torch
 
 __all__ = ["CacheIO"]
 
@@ -88,6 +89,7 @@ class CacheIO:
         self._tasks.put(task)
 
     def _run(self) -> None:
+        serial_torch()  # NOTE: the worker's OpenMP team stays the only one (``threads.py``)
         while (task := self._tasks.get()) is not None:
             try:
                 task()

@@ -34,6 +34,7 @@ from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig
 from prefixcache.engine import Engine, LoadedModel, load_model
 from prefixcache.engine.model import ModelError
+from prefixcache.engine.threads import serial_torch
 from prefixcache.fleet.publisher import FleetPublisher, PublisherConfig
 from prefixcache.quality.codec_gate import CodecGateRefused, CodecStart, check_codecs
 from prefixcache.server import app as server_app
@@ -189,6 +190,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.print_settings:
         print(json.dumps(describe(settings), indent=2, default=str))
         return 0
+    serial_torch()  # NOTE: this thread loads the model; the engine's worker alone runs torch in parallel
     log.debug("settings (defaults < file < PREFIXCACHE_* env < flags): %s", describe(settings))
     for line in startlog.settings_lines(settings):
         log.info("%s", line)

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
 
+from prefixcache.engine.threads import serial_torch
 from prefixcache.warm.inputs import BadLine, WarmInputError, WarmItem, count_lines, read_items
 from prefixcache.warm.progress import Progress, Tally
 
@@ -57,6 +58,7 @@ def run_warm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 "settings apply: --tenant, --public and --config are for a local warm"
             )
         return _run(args, parser, _remote(args))
+    serial_torch()  # NOTE: this thread loads the model; the engine's worker alone runs torch in parallel
     return _run(args, parser, _local(args, parser))
 
 
