@@ -11,6 +11,11 @@ system prompt hit):
 - ``new``: the working tree's engine as ``make serve`` runs it now: ``max_active=32``,
   ``batch_decode=True``, its own defaults otherwise, the main thread's torch on one core
   (as ``serve`` sets it, ``engine/threads.py``);
+- ``baseline-serial``: the baseline with its main thread's torch on one core as the
+  working tree's ``serve`` sets it (``engine/threads.py``): its one thread that runs the
+  model then has the process's only OpenMP team, as the new engine's worker has. Not
+  what the engine before ran like; what its design is worth beside the new one's on
+  the same footing;
 - ``ablation``: the same with ``batch_decode=False`` (each decoding request its own
   forward): what batching buys apart from more requests in flight. Left out while the
   working tree's ``Engine`` has no ``batch_decode``.
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import inspect
 import json
 import math
@@ -135,12 +141,14 @@ class Config:
     engine: str  # which source: the working tree or the baseline revision
     max_active: int
     batch_decode: bool | None  # None: not passed (the baseline's engine has no such argument)
+    serial: bool  # the main thread's torch on one core, as `serve` sets it since engine/threads.py
 
 
 CONFIGS = {
-    "new": Config("new", "working tree", 32, True),
-    "baseline": Config("baseline", "baseline rev", 4, None),
-    "ablation": Config("ablation", "working tree", 32, False),
+    "new": Config("new", "working tree", 32, True, True),
+    "baseline": Config("baseline", "baseline rev", 4, None, False),
+    "baseline-serial": Config("baseline-serial", "baseline rev", 4, None, True),
+    "ablation": Config("ablation", "working tree", 32, False, True),
 }
 
 
@@ -246,18 +254,21 @@ def open_engine(lm: LoadedModel, config: Config) -> Engine:
     return Engine(lm, "bench", cache=cache, max_active=config.max_active, **extra)
 
 
-def serve_threads() -> bool:
-    """What ``prefixcache serve`` does to its main thread before it loads the model, when
-    this engine's server does it (``engine/threads.py``; the engine before did not)."""
-    try:
-        from prefixcache.engine.threads import serial_torch
-    except ImportError:
-        return False
-    return serial_torch()
+def serial_main() -> None:
+    """What ``prefixcache serve`` does to its main thread before it loads the model
+    (``engine/threads.py``, loaded from the working tree: a baseline child has the
+    baseline's ``prefixcache`` on its path)."""
+    spec = importlib.util.spec_from_file_location("_threads", ROOT / "src" / "prefixcache" / "engine" / "threads.py")
+    assert spec is not None and spec.loader is not None
+    threads = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(threads)
+    if not threads.serial_torch():
+        raise SystemExit("torch does not run on GNU OpenMP here: --configs without serial ones")
 
 
 def run_child(config: Config, work: Workload, round_: int) -> RunResult:
-    serve_threads()
+    if config.serial:
+        serial_main()
     lm = load_model(models_dir=MODELS, device="cpu", dtype=work.dtype)
     warm = Engine(lm, "bench")  # the first forwards of a process are slow; no cache, nothing stored
     warm.generate(Request([1, 2, 3, 4], "warm-up", SamplingParams(max_tokens=4, temperature=0.0))).result(120)
@@ -384,7 +395,7 @@ def report(results: list[RunResult], names: list[str], work: Workload, rounds: i
             f"{x.tokens_per_s:7.1f} {x.ttft_p50_s * 1000:7.0f} {x.ttft_p95_s * 1000:7.0f} {x.wall_s:7.1f} "
             f"{f'{x.wrong}/{x.compared}':>9} {x.errors:6}"
         )
-    pairs = (("new", "baseline"), ("ablation", "baseline"), ("new", "ablation"))
+    pairs = (("new", "baseline"), ("new", "baseline-serial"), ("ablation", "baseline"), ("new", "ablation"))
     ratios = [ratio(a, b, results, rounds) for a, b in pairs if a in names and b in names]
     if ratios:
         print(f"\n{'ratios: median (rounds)':24} {'tokens/s':>20} {'TTFT p50':>20} {'TTFT p95':>20}")
