@@ -60,10 +60,6 @@ class Packed:
         self.spans = tuple(spans)
         self.chunk_masks = tuple(_causal(chunk.seq.length, len(chunk.tokens)) for chunk in self.chunks)
 
-    @property
-    def tokens(self) -> int:
-        return self.spans[-1][1] if self.spans else self.rows
-
     def positions(self, lengths: list[int | None]) -> torch.Tensor:
         """[1, tokens]: each row's length (a free row's: 0), then each chunk's positions."""
         out = [length or 0 for length in lengths[: self.rows]]

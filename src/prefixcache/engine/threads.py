@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 from typing import Any
 
 import torch
 
 __all__ = ["serial_torch"]
-
-log = logging.getLogger(__name__)
 
 
 @functools.cache
