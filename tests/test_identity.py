@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from prefixcache.identity import (
     CLIENT_FIELDS,
+    MAX_NAME_CHARS,
     PARAMS_KEY,
     Identity,
     Unverified,
@@ -107,3 +108,64 @@ def test_a_proof_holds_for_its_tenant_under_its_secret_only(pair: list[str]) -> 
     assert not verify_proof(SECRET, tenant, tenant_salt(SECRET, tenant))  # the salt vLLM sees is no proof
     for forged in (None, "", proof[:-1], proof.upper(), tenant):
         assert not verify_proof(SECRET, tenant, forged)
+
+
+# Whatever a client sends vLLM: ``verify`` runs inside vLLM's engine core, where an
+# exception kills the engine for every tenant (issue #39).
+_chars = st.characters() | st.characters(categories=["Cs"])  # lone surrogates too
+_texts = st.text(_chars, max_size=12) | st.integers(0, 12_000).map(lambda n: "é" * n) | st.just("pc1-é")
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | _texts,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from([PARAMS_KEY, "x"]) | _texts, inner),
+    max_leaves=12,
+)
+_claims = st.dictionaries(st.just(PARAMS_KEY), _json | st.just("acme"), min_size=1) | _json
+_salts = _json | st.builds(lambda t: tenant_salt(SECRET, t), st.text(min_size=1, max_size=8)) | st.just(b"pc1-")
+
+
+@settings(max_examples=500, deadline=None)
+@given(_claims, _salts, st.sampled_from([None, SECRET]), st.sampled_from(list(Unverified)))
+def test_verify_never_raises_whatever_the_params_and_salt(
+    params: object, salt: object, secret: bytes | None, unverified: Unverified
+) -> None:
+    got = verify(params, salt, secret, "default", unverified)
+    assert isinstance(got, Identity)
+    if got.verdict is Verdict.VERIFIED:  # only ever the gateway's stamp
+        assert isinstance(params, dict) and salt == tenant_salt(SECRET, params[PARAMS_KEY])
+    if got.tenant is not None:  # a tenant is a name every part downstream can encode
+        got.tenant.encode("utf-8")
+        assert 0 < len(got.tenant) <= MAX_NAME_CHARS
+
+
+@pytest.mark.parametrize(
+    "salt", ["pc1-é", "pc1-\ud800", "\udfff", "é" * 36, "x" * 10_240, b"pc1-", 1, 1.5, True, ["pc1-"], {"a": 1}]
+)
+def test_a_salt_that_is_no_stamp_is_refused_never_an_error(salt: object) -> None:
+    """The first was issue #39's one request that killed vLLM: ``compare_digest`` raises
+    on non-ASCII ``str``."""
+    claim = {PARAMS_KEY: "acme"}
+    assert verify(claim, salt, SECRET, "default") == Identity(Verdict.REFUSED, None)
+    assert verify(claim, salt, SECRET, "default", Unverified.DEFAULT) == Identity(Verdict.REFUSED, "default")
+
+
+@pytest.mark.parametrize("salt", ["\ud800", "a\udfffb", "x" * (MAX_NAME_CHARS + 1)])
+def test_without_a_secret_a_salt_no_key_can_carry_is_refused(salt: str) -> None:
+    """The salt is the tenant then: one with a lone surrogate (no UTF-8 for the cache keys
+    and the lookup socket) or longer than any name is refused, not filed under it."""
+    assert verify(None, salt, None, "default") == Identity(Verdict.REFUSED, None)
+    assert verify(None, salt, None, "default", Unverified.DEFAULT) == Identity(Verdict.REFUSED, "default")
+    assert verify(None, "é" * MAX_NAME_CHARS, None, "default") == Identity(Verdict.SALT, "é" * MAX_NAME_CHARS)
+
+
+@pytest.mark.parametrize("claim", ["a\ud800", "x" * (MAX_NAME_CHARS + 1)])
+def test_a_claim_no_gateway_stamps_is_refused_even_beside_its_own_salt(claim: str) -> None:
+    """A lone surrogate or an over-long name has a salt (``tenant_salt`` encodes with
+    surrogatepass), but no gateway stamps it: it would fail every part downstream."""
+    salt = tenant_salt(SECRET, claim)
+    assert verify({PARAMS_KEY: claim}, salt, SECRET, "default") == Identity(Verdict.REFUSED, None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_json | st.just("acme"), _json | st.just(tenant_proof(SECRET, "acme")))
+def test_verify_proof_never_raises_whatever_the_headers(tenant: object, proof: object) -> None:
+    assert verify_proof(SECRET, tenant, proof) is (tenant == "acme" and proof == tenant_proof(SECRET, "acme"))  # type: ignore[arg-type]

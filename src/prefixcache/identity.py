@@ -37,6 +37,7 @@ from typing import Any
 
 __all__ = [
     "CLIENT_FIELDS",
+    "MAX_NAME_CHARS",
     "PARAMS_KEY",
     "PROOF_HEADER",
     "SECRET_ENV",
@@ -61,6 +62,9 @@ PROOF_HEADER = "x-prefixcache-tenant-proof"  # beside the tenant header, to a pr
 _PROOF_TAG = b"prefixcache/tenant-proof/v1\x00"
 _PROOF_PREFIX = "pcp1-"
 MIN_SECRET_BYTES = 16
+# The longest salt or tenant name believed: a gateway's salt is 36 characters, and a tenant's
+# name comes from its settings; a longer one is no stamp of ours (refused, never hashed).
+MAX_NAME_CHARS = 256
 
 
 def _check_secret(secret: bytes) -> None:
@@ -106,24 +110,45 @@ class Identity:
     tenant: str | None  # None: the request bypasses the cache
 
 
+def _name(value: object) -> str | None:
+    """``value`` when it can name a tenant, else None: a non-empty ``str`` of at most
+    ``MAX_NAME_CHARS`` that UTF-8 encodes (no lone surrogate, which neither the cache keys
+    nor the lookup socket can carry). Never raises: it reads what a client sent."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_CHARS:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return value
+
+
 def _claim(params: object) -> str | None:
-    value = params.get(PARAMS_KEY) if isinstance(params, Mapping) else None
-    return value if isinstance(value, str) and value else None
+    return _name(params.get(PARAMS_KEY)) if isinstance(params, Mapping) else None
 
 
 def verify(
     params: object, salt: object, secret: bytes | None, default: str, unverified: Unverified = Unverified.BYPASS
 ) -> Identity:
-    """The tenant of a request with these ``kv_transfer_params`` and ``cache_salt``."""
-    salt = salt if isinstance(salt, str) and salt else None
+    """The tenant of a request with these ``kv_transfer_params`` and ``cache_salt``.
+
+    NOTE: this runs inside vLLM's engine core, on whatever a client sent (any JSON type,
+    any text, any length), where an exception kills vLLM for every tenant: nothing here
+    may raise. A salt or claim that is not a name (``_name``) is refused, and the salts
+    are compared as bytes (``compare_digest`` raises on a non-ASCII ``str``)."""
+    refused = Identity(Verdict.REFUSED, default if unverified is Unverified.DEFAULT else None)
+    if salt is None or salt == "":
+        named: str | None = None
+    elif (named := _name(salt)) is None:
+        return refused  # a salt was sent, but none that can key a cache
     if secret is None:
-        if salt is not None:
-            return Identity(Verdict.SALT, salt)
-        return Identity(Verdict.DEFAULT, default)
+        return Identity(Verdict.SALT, named) if named is not None else Identity(Verdict.DEFAULT, default)
     claim = _claim(params)
-    if claim is not None and salt is not None and hmac.compare_digest(tenant_salt(secret, claim), salt):
+    if claim is None or named is None:
+        return refused
+    if hmac.compare_digest(tenant_salt(secret, claim).encode("ascii"), named.encode("utf-8")):
         return Identity(Verdict.VERIFIED, claim)
-    return Identity(Verdict.REFUSED, default if unverified is Unverified.DEFAULT else None)
+    return refused
 
 
 def tenant_proof(secret: bytes, tenant: str) -> str:
@@ -141,8 +166,10 @@ def tenant_proof(secret: bytes, tenant: str) -> str:
     return _PROOF_PREFIX + digest
 
 
-def verify_proof(secret: bytes, tenant: str, proof: str | None) -> bool:
-    """Whether ``proof`` is the gateway's ``tenant_proof`` for ``tenant`` under ``secret``."""
-    if not proof or not tenant:
+def verify_proof(secret: bytes, tenant: object, proof: object) -> bool:
+    """Whether ``proof`` is the gateway's ``tenant_proof`` for ``tenant`` under ``secret``
+    (both read from request headers: anything else than a name and a str is no proof)."""
+    name = _name(tenant)
+    if name is None or not isinstance(proof, str) or not proof or len(proof) > MAX_NAME_CHARS:
         return False
-    return hmac.compare_digest(tenant_proof(secret, tenant).encode(), proof.encode("utf-8", "surrogatepass"))
+    return hmac.compare_digest(tenant_proof(secret, name).encode(), proof.encode("utf-8", "surrogatepass"))
