@@ -6,7 +6,9 @@ and saves against a real ``PrefixCache``. The connector inside real vLLM is test
 from __future__ import annotations
 
 import json
+import os
 import socket
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +25,7 @@ from prefixcache.cache.facade import PrefixCache
 from prefixcache.config import CacheConfig, PublishConfig, TierConfig
 from prefixcache.hashing import KeyChain, Segments, get_hash, root_encoding, root_hasher, token_bytes
 from prefixcache.identity import PARAMS_KEY, Unverified, stamp, tenant_salt
-from prefixcache.integrations.vllm.lookup import LookupClient, LookupServer, socket_path
+from prefixcache.integrations.vllm.lookup import LookupClient, LookupServer, private_dir, socket_path
 from prefixcache.integrations.vllm.paged import Layout, PagedKV, PagedSource
 from prefixcache.integrations.vllm.scheduler import SchedulerState, StepPlan
 from prefixcache.integrations.vllm.scope import Bypass, Fingerprints, Media, Scope, scope_of
@@ -115,6 +117,52 @@ def test_lookups_travel_over_the_socket_and_a_dead_worker_is_a_miss(tmp_path: Pa
     server.close()
     assert client.lookup([1, 2], Scope("a")) == 0 and client.failures == 1
     assert LookupClient(str(tmp_path / "none.sock")).lookup([1], Scope("a")) == 0
+
+
+def test_the_lookup_socket_is_0600_in_a_folder_only_its_user_may_enter(tmp_path: Path) -> None:
+    """It answers any scope, so it must not be reachable by another local user (issue #39):
+    whatever the umask, the folder is 0700 and the socket 0600."""
+    path = Path(socket_path("e", str(tmp_path)))
+    assert path.parent.parent == tmp_path and path.parent.name == f"prefixcache-{os.getuid()}"
+    old = os.umask(0)
+    try:
+        server = LookupServer(str(path), lambda tokens, scope: 3)
+    finally:
+        os.umask(old)
+    try:
+        folder = path.parent.stat()
+        assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == os.getuid()
+        assert stat.S_ISSOCK(path.stat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert LookupClient(str(path)).lookup([1], Scope("t")) == 3
+    finally:
+        server.close()
+    again = LookupServer(str(path), lambda tokens, scope: 4)  # the same folder, reused
+    again.close()
+
+
+def test_a_socket_folder_not_ours_or_not_private_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(0o750)
+    with pytest.raises(PermissionError, match=r"open to group or others .*chmod 700"):
+        private_dir(folder)
+    folder.chmod(0o700)
+    with pytest.raises(PermissionError, match=f"belongs to uid {os.getuid()}, not to this user"):
+        private_dir(folder, uid=os.getuid() + 1)  # as another user sees our folder
+    assert private_dir(folder) == folder
+    link = tmp_path / "link"
+    link.symlink_to(folder)
+    with pytest.raises(PermissionError, match="not a directory"):
+        private_dir(link)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(PermissionError, match="not a directory"):
+        private_dir(tmp_path / "file")
+    path = tmp_path / f"prefixcache-{os.getuid()}"
+    path.mkdir(mode=0o777)
+    path.chmod(0o777)
+    with pytest.raises(PermissionError, match="open to group or others"):
+        LookupServer(str(path / "e.sock"), lambda tokens, scope: 0)
+    assert not (path / "e.sock").exists()
 
 
 def test_a_malformed_lookup_closes_that_connection_only(tmp_path: Path) -> None:

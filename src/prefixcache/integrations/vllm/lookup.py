@@ -15,6 +15,11 @@ stays waiting): the worker matches when it loads, and reports the blocks it coul
 load, which vLLM then recomputes. A worker
 that does not answer within the timeout counts as a miss: the scheduler never waits
 on a slow cache longer than that.
+
+The socket answers any scope it is asked about, so only this user may reach it: it
+lives in a private folder, ``<socket_dir>/prefixcache-<uid>/`` (mode 0700, created so,
+or refused at start when it exists but is not this user's own, private directory), and
+is itself mode 0600.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import contextlib
 import logging
 import os
 import socket
+import stat
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -32,7 +38,7 @@ import numpy as np
 
 from prefixcache.integrations.vllm.scope import Scope, decode_scope, encode_scope
 
-__all__ = ["LookupClient", "LookupServer", "socket_path"]
+__all__ = ["LookupClient", "LookupServer", "private_dir", "socket_path"]
 
 log = logging.getLogger("prefixcache.vllm")
 
@@ -46,10 +52,36 @@ Lookup = Callable[[np.ndarray, Scope], int]  # (tokens, scope) -> cached tokens
 
 
 def socket_path(engine_id: str, directory: str | None = None) -> str:
-    """Where the worker of engine ``engine_id`` listens (short: Unix paths are limited)."""
+    """Where the worker of engine ``engine_id`` listens: in this user's private folder
+    under ``directory`` (default ``$XDG_RUNTIME_DIR``, else ``/tmp``); short, since Unix
+    socket paths are limited."""
     base = Path(directory or os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
     safe = "".join(c for c in engine_id if c.isalnum() or c in "-_")[:40] or "engine"
-    return str(base / f"prefixcache-{safe}.sock")
+    return str(base / f"prefixcache-{os.getuid()}" / f"{safe}.sock")
+
+
+def private_dir(folder: Path, uid: int | None = None) -> Path:
+    """``folder``, created mode 0700 when missing; an existing one must be a directory
+    (not a link) owned by ``uid`` (default: this user) that neither group nor others may
+    enter. Anything else is a ``PermissionError`` that says what to do: in a shared
+    ``/tmp`` another user can create the folder first, and must never hold our socket."""
+    owner = os.getuid() if uid is None else uid
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)  # the umask can only take bits away
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"prefixcache: lookup socket folder {folder} is not a directory (a link?): remove it")
+    if st.st_uid != owner:
+        raise PermissionError(
+            f"prefixcache: lookup socket folder {folder} belongs to uid {st.st_uid}, not to this user ({owner}): "
+            "remove it, or set kv_connector_extra_config socket_dir to a folder of your own"
+        )
+    if st.st_mode & 0o077:
+        raise PermissionError(
+            f"prefixcache: lookup socket folder {folder} is open to group or others (mode "
+            f"{stat.S_IMODE(st.st_mode):o}): `chmod 700 {folder}`, or remove it"
+        )
+    return folder
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -69,10 +101,12 @@ class LookupServer:
     def __init__(self, path: str, lookup: Lookup) -> None:
         self.path = path
         self._lookup = lookup
-        if os.path.exists(path):
-            os.unlink(path)
+        private_dir(Path(path).parent)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a socket left by a worker that died, in our own folder
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(path)
+        os.chmod(path, 0o600)  # NOTE: bound with the umask's mode; the folder kept others out meanwhile
         self._sock.listen(8)
         self._closed = False
         self._conns: set[socket.socket] = set()
