@@ -16,6 +16,7 @@ from prefixcache.identity import (
     Identity,
     Unverified,
     Verdict,
+    salt_label,
     stamp,
     tenant_proof,
     tenant_salt,
@@ -169,3 +170,13 @@ def test_a_claim_no_gateway_stamps_is_refused_even_beside_its_own_salt(claim: st
 @given(_json | st.just("acme"), _json | st.just(tenant_proof(SECRET, "acme")))
 def test_verify_proof_never_raises_whatever_the_headers(tenant: object, proof: object) -> None:
     assert verify_proof(SECRET, tenant, proof) is (tenant == "acme" and proof == tenant_proof(SECRET, "acme"))  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(_chars, min_size=1, max_size=300))
+def test_a_salts_metrics_label_is_stable_and_tells_nothing_of_it(salt: str) -> None:
+    """Without a secret the salt opens its tenant's cache: ``/metrics`` shows a hash."""
+    label = salt_label(salt)
+    assert label == salt_label(salt) and re.fullmatch(r"salt-[0-9a-f]{16}", label)
+    assert salt not in label or salt in "salt-0123456789abcdef"
+    assert salt_label("alice") != salt_label("alicf")

@@ -44,6 +44,7 @@ __all__ = [
     "Identity",
     "Unverified",
     "Verdict",
+    "salt_label",
     "stamp",
     "tenant_proof",
     "tenant_salt",
@@ -61,6 +62,7 @@ _SALT_PREFIX = "pc1-"
 PROOF_HEADER = "x-prefixcache-tenant-proof"  # beside the tenant header, to a prefixcache server
 _PROOF_TAG = b"prefixcache/tenant-proof/v1\x00"
 _PROOF_PREFIX = "pcp1-"
+_LABEL_TAG = b"prefixcache/salt-label/v1\x00"
 MIN_SECRET_BYTES = 16
 # The longest salt or tenant name believed: a gateway's salt is 36 characters, and a tenant's
 # name comes from its settings; a longer one is no stamp of ours (refused, never hashed).
@@ -173,3 +175,18 @@ def verify_proof(secret: bytes, tenant: object, proof: object) -> bool:
     if name is None or not isinstance(proof, str) or not proof or len(proof) > MAX_NAME_CHARS:
         return False
     return hmac.compare_digest(tenant_proof(secret, name).encode(), proof.encode("utf-8", "surrogatepass"))
+
+
+def salt_label(salt: str) -> str:
+    """A salt as a metrics label: ``salt-`` and 16 hex digits of its SHA-256, never the salt.
+
+    Without a gateway secret the salt is the tenant, and knowing it is what opens the
+    tenant's cache (vLLM's and ours): it must not appear on ``/metrics``. NOTE: a plain
+    hash, not a keyed one, on purpose. A keyed hash needs a key the connector does not
+    have without a secret (a random one per process would rename every tenant's series
+    at each restart and on each replica); and a plain hash gives away nothing that the
+    salt's own strength does not: a salt one could guess from its hash, one can guess
+    straight against vLLM's port, while a random salt stays unknown. The operator, who
+    knows a tenant's salt, finds its series with this function."""
+    digest = hashlib.sha256(_LABEL_TAG + salt.encode("utf-8", "surrogatepass")).hexdigest()
+    return "salt-" + digest[:16]
