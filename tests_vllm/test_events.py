@@ -13,7 +13,9 @@ from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.integrations.vllm.connector import PrefixCacheConnector, PrefixCacheEvents
 from prefixcache.integrations.vllm.paged import PagedKV
 from prefixcache.integrations.vllm.scope import Scope
+from prefixcache.integrations.vllm.wall import Wall
 from prefixcache.integrations.vllm.worker import ConnectorWorker, SaveSpec
+from prefixcache.integrations.vllm.worker_hooks import WorkerHooks
 
 N = 4
 
@@ -23,7 +25,8 @@ def test_stores_and_removals_become_vllm_events_with_the_tier_kind_as_medium(tmp
     config = CacheConfig(tiers=(TierConfig(kind="memory", capacity_bytes=1 << 20, name="ram"),), writer="inline")
     worker = ConnectorWorker(config, PagedKV(caches, kv_heads=2, head_dim=8, block_size=N), "m@1")
     connector = PrefixCacheConnector.__new__(PrefixCacheConnector)  # the worker half alone, without an engine
-    connector._worker, connector.block_size = worker, N
+    connector.wall, connector.block_size = Wall(), N
+    connector._hooks = WorkerHooks(worker, wall=connector.wall)
     worker.save(SaveSpec("r", Scope("acme"), tuple(range(2 * N)), (0, 3)))
     worker.cache.purge("acme")
     events = connector.get_kv_connector_kv_cache_events()

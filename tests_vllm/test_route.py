@@ -25,7 +25,7 @@ import httpx
 import pytest
 from openai import OpenAI
 from test_connector import BLOCK, MODEL, PROMPTS
-from test_serve import SERVE, free_port
+from test_serve import SERVE, free_port, metric
 
 from prefixcache.identity import PARAMS_KEY, SECRET_ENV
 
@@ -205,3 +205,60 @@ def test_audit_timing_through_the_router_finds_no_leak_and_the_control_sees_the_
     assert result["verdict"] == "no leak", result
     assert all(run["test"]["p_value"] < 0.001 for run in result["control"]["runs"]), result["control"]
     assert not result["cross"]["detected"]
+
+
+# Straight to vLLM's port, as a client that got past the network never should: salts and
+# claims of every JSON type. json.dumps writes "\ud800" as its escape, so a lone surrogate
+# reaches vLLM as one. vLLM may refuse a body (4xx); its engine must live through each.
+LONG = "v" * 10240
+HOSTILE_SALTS: list[object] = ["pc1-\u00e9", "\ud800", "pc1-\udfff\ud800", LONG, None, 1, 1.5, True, [], ["victim"], {}]
+HOSTILE_PARAMS: list[object] = [
+    None,
+    1,
+    True,
+    "victim",
+    [],
+    [{PARAMS_KEY: "victim"}],
+    {PARAMS_KEY: {"x": 1}},
+    {PARAMS_KEY: ["victim"]},
+    {PARAMS_KEY: 7},
+    {PARAMS_KEY: "\ud800"},
+    {PARAMS_KEY: "\u00e9"},
+    {PARAMS_KEY: LONG},
+    {PARAMS_KEY: "victim", "nested": {"a": [1, {"b": None}]}},
+]
+
+
+def hostile_bodies(prompt: str) -> list[tuple[str, bool]]:
+    """Every salt beside a claim of the victim, every claim beside a non-ASCII salt; each
+    with whether vLLM's own front end answers it 500 (below)."""
+    pairs = [(salt, {PARAMS_KEY: "victim"}) for salt in HOSTILE_SALTS] + [("pc1-\u00e9", p) for p in HOSTILE_PARAMS]
+    base = {"model": "smollm2", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    return [
+        (json.dumps(base | {"cache_salt": salt, "kv_transfer_params": params}), "\\ud800" in json.dumps(params))
+        for salt, params in pairs
+    ]
+
+
+def test_nothing_sent_to_vllm_directly_kills_its_engine(topology: dict[str, str]) -> None:
+    """Issue #39: a non-ASCII salt beside a claim raised inside vLLM's engine core
+    (``identity.verify``), which killed vLLM for every tenant. After each hostile body
+    vLLM's ``/health`` is 200 and another tenant's repeat, through the router, still hits.
+
+    NOTE: a lone surrogate inside ``kv_transfer_params`` is answered 500 by vLLM 0.32's
+    own front end, with or without a connector: it cannot msgpack-encode the request for
+    its engine (``UnicodeEncodeError``), so the request never reaches the engine core or
+    the connector, and the engine lives. That 500 is vLLM's; every other body must get
+    less than 500 (vLLM refuses a lone surrogate in ``cache_salt`` itself, 400)."""
+    route, vllm = topology["route"], topology["vllm"]
+    cached(route, VICTIM, PROMPTS["p2"])
+    for body, vllms_own_500 in hostile_bodies(PROMPTS["p4"]):
+        reply = httpx.post(
+            f"{vllm}/v1/completions", content=body, headers={"Content-Type": "application/json"}, timeout=120
+        )
+        assert reply.status_code < 500 or vllms_own_500, (body[-160:], reply.status_code, reply.text[:400])
+        assert httpx.get(f"{vllm}/health", timeout=10).status_code == 200, body[-160:]
+        assert cached(route, VICTIM, PROMPTS["p2"]) > 0, body[-160:]
+    text = httpx.get(f"{vllm}/metrics").text  # each body vLLM took was refused, counted, not failed
+    assert metric(text, "prefixcache_vllm_bypassed_requests_total", reason="unverified_tenant") > 0
+    assert metric(text, "prefixcache_vllm_hook_failures_total") == 0

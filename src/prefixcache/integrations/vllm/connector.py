@@ -16,9 +16,16 @@ a failed request.
 Loads are asynchronous by default (``async_load``): the scheduler tells vLLM the tokens
 load asynchronously, vLLM parks the request (``WAITING_FOR_REMOTE_KVS``) with its blocks
 allocated, the worker reads and places them on I/O threads while the batch's steps go
-on, and reports the request in ``get_finished`` once its load is done (with the blocks
-it could not fill in ``get_block_ids_with_load_errors`` of the same step). A request
-whose blocks sit in a slow tier waits alone.
+on, and reports the request in ``get_transfer_results`` once its load is done (with the
+blocks it could not fill in ``get_block_ids_with_load_errors`` of the same step). A
+request whose blocks sit in a slow tier waits alone.
+
+Every hook vLLM calls runs behind one ``Wall`` (``wall.py``, design invariant 17): an
+exception is a counted bypass, never an exception in vLLM. The hooks' bodies and what
+each answers on failure are vLLM-free (``scheduler.py``, ``worker_hooks.py``); here each
+override only converts between vLLM's types and theirs, inside the same wall. Only
+``register_kv_caches`` may raise: it runs once at start, where a KV layout the connector
+cannot read must stop vLLM with a clear error rather than serve without the cache.
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,17 +42,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 
 from prefixcache.fleet import wire
-from prefixcache.fleet.translate import wire_events
 from prefixcache.integrations.vllm.lookup import LookupClient, LookupServer, socket_path
 from prefixcache.integrations.vllm.metrics import PrefixCachePromMetrics, PrefixCacheStats
 from prefixcache.integrations.vllm.paged import PagedKV
 from prefixcache.integrations.vllm.scheduler import SchedulerState
 from prefixcache.integrations.vllm.scope import Fingerprints, scope_of
 from prefixcache.integrations.vllm.settings import model_key, parse_settings, read_secret
-from prefixcache.integrations.vllm.worker import ConnectorWorker, Loaded, LoadSpec, SaveSpec
+from prefixcache.integrations.vllm.wall import Wall
+from prefixcache.integrations.vllm.worker import ConnectorWorker, LoadSpec, SaveSpec, VoidLoad
+from prefixcache.integrations.vllm.worker_hooks import WorkerHooks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,6 +73,7 @@ log = logging.getLogger("prefixcache.vllm")
 class PrefixCacheMeta(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    voids: list[VoidLoad] = field(default_factory=list)  # promised loads to report failed
 
 
 class PrefixCacheEvents(KVConnectorKVEvents):
@@ -100,12 +109,11 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self.settings = parse_settings(transfer.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         self.socket = socket_path(transfer.engine_id or "engine", self.settings.socket_dir or None)
-        self._worker: ConnectorWorker | None = None
+        self.wall = Wall()
+        self._hooks: WorkerHooks | None = None
         self._server: LookupServer | None = None
         self._client: LookupClient | None = None
-        self._load_errors: set[int] = set()
-        self._loading: dict[str, Future[Loaded]] = {}  # async loads in flight, by request
-        self._loader: ThreadPoolExecutor | None = None
+        self._state: SchedulerState | None = None
         self._events: list[KVCacheEvent] = []
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
@@ -132,7 +140,9 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                     fingerprints=fingerprints,
                 )
 
-            self._state = SchedulerState(self.block_size, self._client.lookup, scoper, async_load=settings.async_load)
+            self._state = SchedulerState(
+                self.block_size, self._client.lookup, scoper, async_load=settings.async_load, wall=self.wall
+            )
 
     # ================================================================ worker side
 
@@ -148,8 +158,12 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         # the model's key: only the worker matches (reading the model's files once, here)
         name = self.settings.model_id or str(model.served_model_name or model.model)
         self.model = model_key(name, model.model, str(model.dtype), model.revision)
-        self._worker = ConnectorWorker(self.settings.cache, paged, self.model)
-        self._server = LookupServer(self.socket, self._worker.lookup)
+        worker = ConnectorWorker(self.settings.cache, paged, self.model)
+        settings = self.settings
+        self._hooks = WorkerHooks(
+            worker, async_load=settings.async_load, load_threads=settings.load_threads, wall=self.wall
+        )
+        self._server = LookupServer(self.socket, worker.lookup)
         atexit.register(self.shutdown)  # vLLM may end a worker without calling shutdown: flush anyway
         log.info(
             "prefixcache: %d layers in the %s layout, model key %s, lookups on %s",
@@ -160,101 +174,114 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        worker = self._worker
-        assert isinstance(meta, PrefixCacheMeta) and worker is not None
-        for spec in meta.loads:
-            if not self.settings.async_load:
-                self._load_errors.update(worker.load(spec))
-                continue
-            if self._loader is None:
-                self._loader = ThreadPoolExecutor(self.settings.load_threads, thread_name_prefix="prefixcache-load")
-            self._loading[spec.req_id] = self._loader.submit(worker.fetch, spec)
+        with self.wall.hold("start_load_kv"):
+            meta = self._get_connector_metadata()
+            if isinstance(meta, PrefixCacheMeta) and self._hooks is not None:
+                self._hooks.start_loads(meta.loads, meta.voids)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """A sync load completes in ``start_load_kv``, an async one before its request is
         scheduled again: nothing to wait for in the forward pass."""
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The requests whose async loads are done (a voided one failed as a whole); their
+        unfilled blocks go to ``get_block_ids_with_load_errors``, asked in the same step."""
+        with self.wall.hold("get_finished"):
+            done, failed = self._hooks.transfers() if self._hooks is not None else (set(), set())
+            return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        return KVConnectorTransferResults()
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """The requests whose async loads are done; their unfilled blocks go to
-        ``get_block_ids_with_load_errors``, which vLLM asks in the same step."""
-        worker = self._worker
-        done = {req_id for req_id, future in self._loading.items() if future.done()}
-        for req_id in done:
-            loaded = self._loading.pop(req_id).result()  # fetch never raises: a failure is a miss
-            if worker is not None:
-                self._load_errors.update(worker.commit(loaded))
+        """vLLM 0.32 asks ``get_transfer_results``; this older form tells the same requests."""
+        done = self.get_transfer_results(finished_req_ids).finished_recving
         return None, done or None
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Saves read every layer at once in ``wait_for_save``, from the registered tensors."""
 
     def wait_for_save(self) -> None:
-        if not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, PrefixCacheMeta) and self._worker is not None
-        for spec in meta.saves:
-            self._worker.save(spec)
+        with self.wall.hold("wait_for_save"):
+            if not self.has_connector_metadata() or self._hooks is None:
+                return
+            meta = self._get_connector_metadata()
+            if isinstance(meta, PrefixCacheMeta):
+                self._hooks.save(meta.saves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        with self.wall.hold("get_block_ids_with_load_errors"):
+            return self._hooks.load_errors() if self._hooks is not None else set()
+        return set()
 
     def get_kv_connector_stats(self) -> PrefixCacheStats | None:
-        tally = self._worker.take_tally() if self._worker is not None else None
-        return PrefixCacheStats(tally.to_dict()) if tally is not None else None
+        """The worker's counts, or (the scheduler's) its bypasses; with either, the hook
+        failures of that side since the last call."""
+        with self.wall.hold("get_kv_connector_stats"):
+            if self._hooks is not None:
+                tally = self._hooks.take_tally()
+            else:
+                tally = self._state.take_tally() if self._state is not None else None
+            return PrefixCacheStats(tally.to_dict()) if tally is not None else None
+        return None
 
     def get_kv_connector_kv_cache_events(self) -> PrefixCacheEvents | None:
         """The cache's tier moves since the last call, as vLLM events: one ``BlockStored``
         / ``BlockRemoved`` per tier kind (``medium``: device, memory, disk or redis), with
         the blocks' token ids and ``[namespace, model]`` per block (``fleet.translate``)."""
-        if self._worker is None:
-            return None
-        cache = self._worker.cache
-        kinds = [tier.kind for tier in cache.config.tiers]
-        events = [_vllm_event(e) for e in wire_events(cache.take_events(), cache.config.block_size, kinds)]
-        return PrefixCacheEvents(events) if events else None
+        with self.wall.hold("get_kv_connector_kv_cache_events"):
+            events = [_vllm_event(e) for e in self._hooks.events()] if self._hooks is not None else []
+            return PrefixCacheEvents(events) if events else None
+        return None
 
     def shutdown(self) -> None:
         """Stop answering lookups and flush queued writes (bounded); a second call does nothing."""
-        server, worker, client = self._server, self._worker, self._client
+        server, hooks, client = self._server, self._hooks, self._client
         self._server = self._client = None
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)
-        if server is not None:
-            server.close()
-        if worker is not None and not worker.closed and not worker.close(self.settings.flush_timeout_s):
-            log.warning("prefixcache: writes still queued after %.0f s were dropped", self.settings.flush_timeout_s)
-        if client is not None:
-            client.close()
+        with self.wall.hold("shutdown"):
+            if server is not None:
+                server.close()
+            if hooks is not None and not hooks.close(self.settings.flush_timeout_s):
+                log.warning("prefixcache: writes still queued after %.0f s were dropped", self.settings.flush_timeout_s)
+            if client is not None:
+                client.close()
 
     # ================================================================ scheduler side
 
     def on_new_request(self, request: Request) -> None:
-        self._state.seen(request)
+        with self.wall.hold("on_new_request"):
+            if self._state is not None:
+                self._state.seen(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        tokens = self._state.matched(request, num_computed_tokens)
-        return tokens, tokens > 0 and self.settings.async_load
+        with self.wall.hold("get_num_new_matched_tokens"):
+            tokens = self._state.matched(request, num_computed_tokens) if self._state is not None else 0
+            return tokens, tokens > 0 and self.settings.async_load
+        return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        ids = blocks.get_block_ids()[0] if num_external_tokens > 0 and self.settings.async_load else ()
-        self._state.allocated(request, num_external_tokens, ids)
+        with self.wall.hold("update_state_after_alloc"):
+            if self._state is not None:
+                self._state.allocated(request, num_external_tokens, blocks)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        plan = self._state.step(scheduler_output)
-        return PrefixCacheMeta(plan.loads, plan.saves)
+        with self.wall.hold("build_connector_meta"):
+            if self._state is not None:
+                plan = self._state.step(scheduler_output)
+                return PrefixCacheMeta(plan.loads, plan.saves, plan.voids)
+        return PrefixCacheMeta()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._state.finished(request)
+        with self.wall.hold("request_finished"):
+            if self._state is not None:
+                self._state.finished(request)
         return False, None  # saves copy out of vLLM's blocks during the step: they may be freed now
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._state.load_failed(getattr(connector_output, "invalid_block_ids", None) or set())
-        events = getattr(connector_output, "kv_cache_events", None)
-        if isinstance(events, PrefixCacheEvents):
-            self._events.extend(events.get_all_events())
+        with self.wall.hold("update_connector_output"):
+            if self._state is not None:
+                self._state.load_failed(getattr(connector_output, "invalid_block_ids", None) or set())
+            events = getattr(connector_output, "kv_cache_events", None)
+            if isinstance(events, PrefixCacheEvents):
+                self._events.extend(events.get_all_events())
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self._events = self._events, []

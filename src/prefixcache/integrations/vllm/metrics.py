@@ -4,6 +4,11 @@ The worker's ``Tally`` travels to vLLM's front end as ``PrefixCacheStats`` (vLLM
 connector stats between its processes); there ``PrefixCachePromMetrics`` records them
 on vLLM's registry, labelled like vLLM's own series plus ``tenant`` (and ``tier`` for
 hits). Tenants beyond the first ``MAX_TENANTS`` share the label ``other``.
+
+Without a gateway secret the tenant is the request's ``cache_salt``, the key to that
+tenant's cache: its label is then ``identity.salt_label`` (a hash), never the salt; the
+default tenant keeps its name. With a secret, tenants are the names the gateway vouched
+for, labelled as they are.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from prefixcache.identity import salt_label
+from prefixcache.integrations.vllm.settings import parse_settings, read_secret
 from prefixcache.integrations.vllm.worker import Tally
 
 __all__ = ["PrefixCachePromMetrics", "PrefixCacheStats"]
@@ -42,6 +49,8 @@ class PrefixCacheStats(KVConnectorStats):
             "prefixcache_loads": len(loads),
             "prefixcache_mean_load_ms": round(1000 * sum(loads) / len(loads), 3) if loads else 0.0,
             "prefixcache_errors": sum(t.errors.values()),
+            "prefixcache_hook_failures": sum(t.hook_failures.values()),
+            "prefixcache_bypassed": sum(t.bypassed.values()),
         }
 
     def is_empty(self) -> bool:
@@ -78,6 +87,16 @@ class PrefixCachePromMetrics(KVConnectorPromMetrics):
             documentation="Loads or saves that raised (the request went on without them)",
             labelnames=[*labelnames, "op"],
         )
+        self.hook_failures = counter(
+            name="prefixcache_vllm_hook_failures",
+            documentation="Connector hooks that raised, by hook and exception type (each answered as a miss)",
+            labelnames=[*labelnames, "hook", "kind"],
+        )
+        self.bypassed = counter(
+            name="prefixcache_vllm_bypassed_requests",
+            documentation="Requests served without the cache, by reason (hook_failed: one of its hooks raised)",
+            labelnames=[*labelnames, "reason"],
+        )
         self.load_seconds = histogram(
             name="prefixcache_vllm_load_seconds",
             documentation="Time to match, load and place one request's cached prefix",
@@ -91,11 +110,17 @@ class PrefixCachePromMetrics(KVConnectorPromMetrics):
             buckets=SECONDS,
         )
         self._tenants: set[str] = set()
+        try:
+            settings = parse_settings(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None))
+            self._salted, self._default = read_secret(settings) is None, settings.default_tenant
+        except ValueError:  # the engine refuses these settings at start, and says why
+            self._salted, self._default = True, ""
 
     def _tenant(self, tenant: str) -> str:
-        if tenant in self._tenants or len(self._tenants) < MAX_TENANTS:
-            self._tenants.add(tenant)
-            return tenant
+        label = salt_label(tenant) if self._salted and tenant != self._default else tenant
+        if label in self._tenants or len(self._tenants) < MAX_TENANTS:
+            self._tenants.add(label)
+            return label
         return "other"
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -109,6 +134,10 @@ class PrefixCachePromMetrics(KVConnectorPromMetrics):
             self.saved_tokens.labels(*labels, self._tenant(tenant)).inc(n)
         for op, n in t.errors.items():
             self.errors.labels(*labels, op).inc(n)
+        for (hook, kind), n in t.hook_failures.items():
+            self.hook_failures.labels(*labels, hook, kind).inc(n)
+        for reason, n in t.bypassed.items():
+            self.bypassed.labels(*labels, reason).inc(n)
         for seconds in t.load_seconds:
             self.load_seconds.labels(*labels).observe(seconds)
         for seconds in t.save_seconds:

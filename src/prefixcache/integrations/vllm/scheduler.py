@@ -18,6 +18,25 @@ Per step it decides, and the worker moves bytes:
 - ``load_failed``: blocks the worker could not load, which vLLM recomputes: they are
   saved again once recomputed, and the request's reported cached tokens are cut to
   what was really loaded (design invariant 6).
+
+Each of these is a hook vLLM's engine core calls, where an exception kills the engine
+for every tenant: each runs behind the wall (``wall.py``, design invariant 17), and a
+request whose hook raised bypasses the cache for the rest of its life (its books here
+may be half-written, so none of them is trusted again). What each answers then:
+
+==========================  =====================================================
+hook (vLLM's name)          on failure
+==========================  =====================================================
+on_new_request              the request bypasses the cache
+get_num_new_matched_tokens  0 tokens (nothing to load); the request bypasses
+update_state_after_alloc    the request bypasses; tokens already promised to vLLM
+                            are a ``VoidLoad``: reported failed, vLLM recomputes
+build_connector_meta        the request whose part raised bypasses (its promised
+                            load voided); if the step itself raised, every request
+                            known bypasses and the promised loads are voided
+update_connector_output     the request whose load it was cutting bypasses
+request_finished            (vLLM's answer is fixed: its blocks may be freed)
+==========================  =====================================================
 """
 
 from __future__ import annotations
@@ -29,14 +48,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixcache.integrations.vllm.scope import Bypass, Scope
-from prefixcache.integrations.vllm.worker import LoadSpec, SaveSpec
+from prefixcache.integrations.vllm.wall import Wall
+from prefixcache.integrations.vllm.worker import LoadSpec, SaveSpec, Tally, VoidLoad
 
-__all__ = ["SchedulerState", "StepPlan"]
+__all__ = ["HOOK_FAILED", "SchedulerState", "StepPlan"]
 
 log = logging.getLogger("prefixcache.vllm")
 
 Lookup = Callable[[Sequence[int], Scope], int]
 Scoper = Callable[[Any], Scope | Bypass]  # a vLLM Request -> its scope, or why it bypasses the cache
+HOOK_FAILED = "hook_failed"  # the bypass reason of a request one of whose hooks raised
 
 
 @dataclass
@@ -59,38 +80,115 @@ class StepPlan:
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    voids: list[VoidLoad] = field(default_factory=list)
+
+
+def _first_group(blocks: Any) -> Sequence[int]:
+    """The block ids of vLLM's ``KVCacheBlocks`` (one KV cache group), or ``blocks`` as given."""
+    ids: Sequence[int] = blocks.get_block_ids()[0] if hasattr(blocks, "get_block_ids") else blocks
+    return ids
 
 
 class SchedulerState:
-    def __init__(self, block_size: int, lookup: Lookup, scoper: Scoper, *, async_load: bool = False) -> None:
+    def __init__(
+        self, block_size: int, lookup: Lookup, scoper: Scoper, *, async_load: bool = False, wall: Wall | None = None
+    ) -> None:
         self.block_size = block_size
         self.async_load = async_load
+        self.wall = wall or Wall()
         self._lookup = lookup
         self._scoper = scoper
         self._asked: dict[str, tuple[int, int]] = {}  # req_id -> (vLLM's own hit, ours beyond it)
         self._pending: dict[str, tuple[int, int]] = {}  # req_id -> (vLLM's own hit, tokens to load)
+        self._voided: set[str] = set()  # of ``_pending``: promised sync loads to report failed, not to make
         self._tracked: dict[str, _Tracked] = {}
         # vLLM's NewRequestData carries no salt, adapter path or media: read by ``seen``
         self._scopes: dict[str, Scope | Bypass] = {}
         self._requests: dict[str, Any] = {}  # req_id -> vLLM's Request, until it finishes
         self._loaded: dict[str, _Load] = {}  # req_id -> its last load, as far as it succeeded
         self._ready: list[LoadSpec] = []  # async loads decided at allocation, for the next step
+        self._voids: list[VoidLoad] = []  # async loads voided at allocation, for the next step
         self.bypassed: Counter[str] = Counter()  # reason -> requests served without the cache
+        self._new_bypassed: Counter[str] = Counter()  # the same, since ``take_tally``
 
-    def scope(self, request: Any) -> Scope | Bypass:
-        known = self._scopes.get(request.request_id)
-        if known is None:
-            known = self._scopes[request.request_id] = self._scoper(request)
-            self._requests[request.request_id] = request
-            if isinstance(known, Bypass):
-                if not self.bypassed[known.reason]:
-                    log.warning("prefixcache: a request bypasses the cache (%s); counted from now on", known.reason)
-                self.bypassed[known.reason] += 1
-        return known
+    # ---------------------------------------------------------------- the hooks, walled
+
+    def seen(self, request: Any) -> None:
+        """vLLM's ``on_new_request``: the request's scope, read once."""
+        with self.wall.hold("on_new_request"):
+            self._scope(request)
+            return
+        self._fail(request, "on_new_request")
 
     def matched(self, request: Any, num_computed_tokens: int) -> int:
+        """vLLM's ``get_num_new_matched_tokens``: the tokens beyond vLLM's own hit."""
+        with self.wall.hold("get_num_new_matched_tokens"):
+            return self._matched(request, num_computed_tokens)
+        self._fail(request, "get_num_new_matched_tokens")
+        return 0
+
+    def allocated(self, request: Any, num_external_tokens: int, blocks: Any = ()) -> None:
+        """vLLM's ``update_state_after_alloc``: vLLM allocated blocks for the tokens
+        ``matched`` offered (``blocks``: vLLM's ``KVCacheBlocks`` or the ids of the first
+        group, all of the request's blocks, needed for an async load, whose request is not
+        scheduled)."""
+        with self.wall.hold("update_state_after_alloc"):
+            self._allocated(request, num_external_tokens, blocks)
+            return
+        self._fail(request, "update_state_after_alloc", promised=num_external_tokens)
+
+    def step(self, output: Any) -> StepPlan:
+        """vLLM's ``build_connector_meta``: this step's loads and saves."""
+        ready, voids, pending = self._ready, self._voids, dict(self._pending)
+        self._ready, self._voids = [], []
+        with self.wall.hold("build_connector_meta"):
+            plan = StepPlan(loads=list(ready), voids=list(voids))
+            self._step(plan, output)
+            return plan
+        return self._abandon(output, StepPlan(loads=ready, voids=voids), pending)
+
+    def load_failed(self, block_ids: Collection[int]) -> None:
+        """From vLLM's ``update_connector_output``: the worker could not fill these vLLM
+        blocks, and vLLM recomputes them. Each request that loaded into one saves its
+        prompt again from that block on, and its reported cached tokens (vLLM's prefill
+        stats, while not yet sent) become what was really loaded."""
+        if not block_ids:
+            return
+        for req_id, load in list(self._loaded.items()):
+            with self.wall.hold("update_connector_output"):
+                self._cut(req_id, load, block_ids)
+                continue
+            self._fail_id(req_id, "update_connector_output")
+
+    def finished(self, request: Any) -> None:
+        """vLLM's ``request_finished``."""
+        with self.wall.hold("request_finished"):
+            req_id = request.request_id
+            self._forget(req_id)
+            self._asked.pop(req_id, None)
+            # NOTE: an async load already in ``_ready`` (or voided in ``_voids``) still goes
+            # out: vLLM keeps the request's blocks until the worker reports it finished.
+
+    def take_tally(self) -> Tally | None:
+        """The bypasses and hook failures since the last call, for vLLM's stats."""
+        tally = Tally(hook_failures=self.wall.take(), bypassed=self._new_bypassed)
+        self._new_bypassed = Counter()
+        return None if tally.is_empty() else tally
+
+    # ---------------------------------------------------------------- decisions
+
+    def _scope(self, request: Any) -> Scope | Bypass:
+        known = self._scopes.get(request.request_id)
+        if known is None:
+            self._requests[request.request_id] = request
+            known = self._scopes[request.request_id] = self._scoper(request)
+            if isinstance(known, Bypass):
+                self._count(known.reason)
+        return known
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> int:
         prompt = request.prompt_token_ids
-        scope = self.scope(request)
+        scope = self._scope(request)
         if not prompt or isinstance(scope, Bypass):
             return 0
         n = self.block_size
@@ -102,51 +200,67 @@ class SchedulerState:
         self._asked[request.request_id] = (num_computed_tokens, extra)
         return extra
 
-    def allocated(self, request: Any, num_external_tokens: int, block_ids: Sequence[int] = ()) -> None:
-        """vLLM allocated blocks for the tokens ``matched`` offered (``block_ids``: all the
-        request's blocks, needed for an async load, whose request is not scheduled)."""
-        local, _ = self._asked.pop(request.request_id, (request.num_computed_tokens, 0))
-        if num_external_tokens <= 0:
-            return
-        scope = self._scopes.get(request.request_id)
-        if not self.async_load or not isinstance(scope, Scope):
-            self._pending[request.request_id] = (local, num_external_tokens)
-            return
-        self._ready.append(
-            self._plan_load(request.request_id, scope, request.prompt_token_ids, block_ids, local, num_external_tokens)
-        )
+    def _allocated(self, request: Any, num_external_tokens: int, blocks: Any) -> None:
+        req_id = request.request_id
+        local, _ = self._asked.get(req_id, (request.num_computed_tokens, 0))
+        if num_external_tokens > 0:
+            scope = self._scopes.get(req_id)
+            if not isinstance(scope, Scope):  # bypassed since it was offered: the promise stands
+                self._void(req_id, local, num_external_tokens)
+            elif not self.async_load:
+                self._pending[req_id] = (local, num_external_tokens)
+            else:
+                prompt = request.prompt_token_ids
+                self._ready.append(
+                    self._plan_load(req_id, scope, prompt, _first_group(blocks), local, num_external_tokens)
+                )
+        self._asked.pop(req_id, None)
 
-    def step(self, output: Any) -> StepPlan:
-        plan = StepPlan(loads=self._ready)
-        self._ready = []
+    def _step(self, plan: StepPlan, output: Any) -> None:
         for new in output.scheduled_new_reqs:
-            if not new.prompt_token_ids:
+            pending = self._pending.get(new.req_id)
+            with self.wall.hold("build_connector_meta"):
+                self._new(plan, new, output.num_scheduled_tokens.get(new.req_id, 0))
                 continue
-            scope = self._scopes.get(new.req_id)
-            if not isinstance(scope, Scope):  # bypasses the cache (or was never seen): nothing to load or save
-                continue
-            tracked = _Tracked(scope, tuple(new.prompt_token_ids), list(new.block_ids[0]), 0)
-            self._tracked[new.req_id] = tracked
-            self._load(plan, new.req_id, tracked)
-            self._save(
-                plan, new.req_id, tracked, new.num_computed_tokens + output.num_scheduled_tokens.get(new.req_id, 0)
-            )
+            self._fail_scheduled(plan, new.req_id, pending, getattr(new, "block_ids", None))
         cached = output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            known = self._tracked.get(req_id)
-            if known is None:
+            pending = self._pending.get(req_id)
+            with self.wall.hold("build_connector_meta"):
+                self._cached(plan, req_id, cached, i, output.num_scheduled_tokens.get(req_id, 0))
                 continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                known.block_ids = list(new_ids[0]) if new_ids else []
-                known.saved = 0  # its blocks were freed: nothing of them is vouched for
-                self._load(plan, req_id, known)  # preempted, then matched again on its return
-            elif new_ids:
-                known.block_ids.extend(new_ids[0])
-            self._save(plan, req_id, known, cached.num_computed_tokens[i] + output.num_scheduled_tokens.get(req_id, 0))
+            self._fail_scheduled(plan, req_id, pending, cached.new_block_ids[i])
         for req_id in output.finished_req_ids:
             self._forget(req_id)
-        return plan
+
+    def _new(self, plan: StepPlan, new: Any, scheduled: int) -> None:
+        scope = self._scopes.get(new.req_id)
+        if not isinstance(scope, Scope) or new.req_id in self._voided:
+            self._void_due(plan, new.req_id, new.block_ids[0])  # a promised load no plan is made for
+            return
+        if not new.prompt_token_ids:
+            return
+        tracked = _Tracked(scope, tuple(new.prompt_token_ids), list(new.block_ids[0]), 0)
+        self._tracked[new.req_id] = tracked
+        self._load(plan, new.req_id, tracked)
+        self._save(plan, new.req_id, tracked, new.num_computed_tokens + scheduled)
+
+    def _cached(self, plan: StepPlan, req_id: str, cached: Any, i: int, scheduled: int) -> None:
+        new_ids = cached.new_block_ids[i]
+        resumed = req_id in cached.resumed_req_ids
+        known = self._tracked.get(req_id)
+        if resumed and (known is None or req_id in self._voided):
+            self._void_due(plan, req_id, new_ids[0] if new_ids else ())  # a promised load no plan is made for
+            return
+        if known is None:
+            return
+        if resumed:
+            known.block_ids = list(new_ids[0]) if new_ids else []
+            known.saved = 0  # its blocks were freed: nothing of them is vouched for
+            self._load(plan, req_id, known)  # preempted, then matched again on its return
+        elif new_ids:
+            known.block_ids.extend(new_ids[0])
+        self._save(plan, req_id, known, cached.num_computed_tokens[i] + scheduled)
 
     def _load(self, plan: StepPlan, req_id: str, tracked: _Tracked) -> None:
         pending = self._pending.pop(req_id, None)
@@ -178,41 +292,101 @@ class SchedulerState:
             )
             tracked.saved = end
 
-    def load_failed(self, block_ids: Collection[int]) -> None:
-        """The worker could not fill these vLLM blocks; vLLM recomputes them. Each
-        request that loaded into one saves its prompt again from that block on, and its
-        reported cached tokens (vLLM's prefill stats, while not yet sent) become what
-        was really loaded."""
-        if not block_ids:
-            return
+    def _cut(self, req_id: str, load: _Load, block_ids: Collection[int]) -> None:
         n = self.block_size
-        for req_id, load in list(self._loaded.items()):
-            bad = next((i for i, b in enumerate(load.block_ids) if b in block_ids), None)
-            if bad is None:
-                continue
-            tracked = self._tracked.get(req_id)  # an async load's request is not scheduled yet: saved from 0
-            if tracked is not None:
-                tracked.saved = min(tracked.saved, (load.first + bad) * n)
-            self._loaded[req_id] = _Load(load.first, load.block_ids[:bad])
-            stats = getattr(self._requests.get(req_id), "prefill_stats", None)
-            if stats is not None:
-                lost = (len(load.block_ids) - bad) * n
-                stats.set(
-                    num_prompt_tokens=stats.num_prompt_tokens,
-                    num_local_cached_tokens=stats.num_local_cached_tokens,
-                    num_external_cached_tokens=max(0, stats.num_external_cached_tokens - lost),
-                )
+        bad = next((i for i, b in enumerate(load.block_ids) if b in block_ids), None)
+        if bad is None:
+            return
+        tracked = self._tracked.get(req_id)  # an async load's request is not scheduled yet: saved from 0
+        if tracked is not None:
+            tracked.saved = min(tracked.saved, (load.first + bad) * n)
+        self._loaded[req_id] = _Load(load.first, load.block_ids[:bad])
+        stats = getattr(self._requests.get(req_id), "prefill_stats", None)
+        if stats is not None:
+            lost = (len(load.block_ids) - bad) * n
+            stats.set(
+                num_prompt_tokens=stats.num_prompt_tokens,
+                num_local_cached_tokens=stats.num_local_cached_tokens,
+                num_external_cached_tokens=max(0, stats.num_external_cached_tokens - lost),
+            )
 
-    def seen(self, request: Any) -> None:
-        self.scope(request)
+    # ---------------------------------------------------------------- failure answers
 
-    def finished(self, request: Any) -> None:
-        self._forget(request.request_id)
-        self._pending.pop(request.request_id, None)
-        self._asked.pop(request.request_id, None)
-        # NOTE: an async load already in ``_ready`` still goes out: vLLM keeps the
-        # request's blocks until the worker reports the load finished.
+    def _fail(self, request: Any, hook: str, promised: int = 0) -> None:
+        """A hook raised for ``request``: it bypasses the cache for the rest of its life,
+        and ``promised`` tokens vLLM counts on loading become a ``VoidLoad``."""
+        with self.wall.hold(f"{hook}/fallback"):
+            req_id = request.request_id
+            asked = self._asked.pop(req_id, None)
+            self._bypass(req_id)
+            if promised > 0:
+                self._void(req_id, asked[0] if asked else int(request.num_computed_tokens), promised)
+
+    def _fail_id(self, req_id: str, hook: str) -> None:
+        with self.wall.hold(f"{hook}/fallback"):
+            self._bypass(req_id)
+            self._loaded.pop(req_id, None)  # not cut again: its books are not trusted
+
+    def _fail_scheduled(self, plan: StepPlan, req_id: str, pending: tuple[int, int] | None, groups: Any) -> None:
+        """A scheduled request's part of the step raised: it bypasses the cache, and a sync
+        load promised for it that did not make it into the plan is voided."""
+        with self.wall.hold("build_connector_meta/fallback"):
+            self._bypass(req_id)
+            if pending is not None and not any(s.req_id == req_id for s in plan.loads):
+                self._pending[req_id] = pending
+                self._void_due(plan, req_id, groups[0])  # vLLM's block ids, by KV cache group
+
+    def _abandon(self, output: Any, plan: StepPlan, pending: dict[str, tuple[int, int]]) -> StepPlan:
+        """The step itself raised: its books may be half-written, so none of them is
+        trusted again. Every request known bypasses the cache from now on; the sync loads
+        promised to the requests this step schedules are voided, and the async loads
+        decided at allocation go out (their specs were whole before the step began)."""
+        with self.wall.hold("build_connector_meta/fallback"):
+            for req_id in list(self._scopes):
+                self._bypass(req_id)
+            self._pending.update(pending)
+            self._voided.update(pending)
+            for new in output.scheduled_new_reqs:
+                with self.wall.hold("build_connector_meta/fallback"):
+                    self._void_due(plan, new.req_id, new.block_ids[0])
+            cached = output.scheduled_cached_reqs
+            for i, req_id in enumerate(cached.req_ids):
+                with self.wall.hold("build_connector_meta/fallback"):
+                    if req_id in pending and req_id in cached.resumed_req_ids:
+                        self._void_due(plan, req_id, cached.new_block_ids[i][0])
+        return plan
+
+    def _void(self, req_id: str, local: int, external: int) -> None:
+        """A load promised to vLLM that will not be made: async, it fails as a whole at
+        the next step; sync, its blocks are reported failed when vLLM schedules it."""
+        if self.async_load:
+            self._voids.append(VoidLoad(req_id, whole=True))
+        else:
+            self._pending[req_id] = (local, external)
+            self._voided.add(req_id)
+
+    def _void_due(self, plan: StepPlan, req_id: str, block_ids: Sequence[int]) -> None:
+        pending = self._pending.pop(req_id, None)
+        self._voided.discard(req_id)
+        if pending is not None:
+            local, external = pending
+            n = self.block_size
+            plan.voids.append(VoidLoad(req_id, tuple(block_ids[local // n : (local + external) // n])))
+
+    def _bypass(self, req_id: str) -> None:
+        """``req_id`` is served without the cache from now on: nothing of it is tracked."""
+        if not isinstance(self._scopes.get(req_id), Bypass):
+            self._count(HOOK_FAILED)
+        self._scopes[req_id] = Bypass(HOOK_FAILED)
+        self._tracked.pop(req_id, None)
+
+    def _count(self, reason: str) -> None:
+        if not self.bypassed[reason]:
+            log.warning("prefixcache: a request bypasses the cache (%s); counted from now on", reason)
+        self.bypassed[reason] += 1
+        self._new_bypassed[reason] += 1
 
     def _forget(self, req_id: str) -> None:
-        for book in (self._tracked, self._scopes, self._requests, self._loaded):
+        for book in (self._tracked, self._scopes, self._requests, self._loaded, self._pending):
             book.pop(req_id, None)
+        self._voided.discard(req_id)

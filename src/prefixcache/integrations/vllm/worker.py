@@ -33,7 +33,7 @@ from prefixcache.hashing import CacheContext
 from prefixcache.integrations.vllm.paged import PagedKV, PagedSource
 from prefixcache.integrations.vllm.scope import Scope
 
-__all__ = ["ConnectorWorker", "LoadSpec", "SaveSpec", "Tally"]
+__all__ = ["ConnectorWorker", "LoadSpec", "SaveSpec", "Tally", "VoidLoad"]
 
 log = logging.getLogger("prefixcache.vllm")
 
@@ -49,6 +49,18 @@ class LoadSpec:
     tokens: tuple[int, ...]
     first_block: int
     block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class VoidLoad:
+    """A load the scheduler promised vLLM but cannot plan (a hook failed between the
+    promise and the plan): the worker reports it failed and vLLM recomputes. A sync load
+    names the vLLM blocks it was to fill (reported as load errors); an async one fails
+    as a whole (``failed_recving``: vLLM recomputes the request from its start)."""
+
+    req_id: str
+    block_ids: tuple[int, ...] = ()
+    whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,8 @@ class Tally:
     load_seconds: list[float] = field(default_factory=list)
     save_seconds: list[float] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)  # "load" / "save" -> calls that raised
+    hook_failures: Counter[tuple[str, str]] = field(default_factory=Counter)  # (hook, exception) -> calls (wall.py)
+    bypassed: Counter[str] = field(default_factory=Counter)  # reason -> requests served without the cache
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -105,6 +119,8 @@ class Tally:
             "load_seconds": list(self.load_seconds),
             "save_seconds": list(self.save_seconds),
             "errors": dict(self.errors),
+            "hook_failures": [[hook, kind, n] for (hook, kind), n in self.hook_failures.items()],
+            "bypassed": dict(self.bypassed),
         }
 
     @classmethod
@@ -116,6 +132,8 @@ class Tally:
             load_seconds=list(data.get("load_seconds", ())),
             save_seconds=list(data.get("save_seconds", ())),
             errors=Counter(data.get("errors", {})),
+            hook_failures=Counter({(hook, kind): n for hook, kind, n in data.get("hook_failures", ())}),
+            bypassed=Counter(data.get("bypassed", {})),
         )
 
     def merge(self, other: Tally) -> Tally:
@@ -126,6 +144,8 @@ class Tally:
             self.load_seconds + other.load_seconds,
             self.save_seconds + other.save_seconds,
             self.errors + other.errors,
+            self.hook_failures + other.hook_failures,
+            self.bypassed + other.bypassed,
         )
 
     def is_empty(self) -> bool:
@@ -136,6 +156,8 @@ class Tally:
             or self.load_seconds
             or self.save_seconds
             or self.errors
+            or self.hook_failures
+            or self.bypassed
         )
 
 
