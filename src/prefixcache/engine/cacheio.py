@@ -1,71 +1,140 @@
-"""The engine's I/O thread: the prefix cache's match and load before a job prefills, its
+"""The engine's I/O workers: the prefix cache's match and load before a job prefills, its
 inserts after the prefill and after the end, never on the worker's step loop.
 
-    worker ──stage(job)──────────> [ FIFO ] ──> job.lookup()         ready (poke the worker),
-                                                                      or follow a lead (inflight.py)
-    worker ──store_prompt(job)───> [      ] ──> job.store_prompt()   its followers staged again
-    worker ──store(job, kv)──────> [      ] ──> job.store()          then ``after()``
+    worker ──stage(job)────────> ┌ IOQueue ┐ ──> job.lookup()        ready (poke the worker),
+                                 │ per job │                          or follow a lead (inflight.py)
+    worker ──store_prompt(job)─> │ per     │ ──> job.store_prompt()  its followers staged again
+                                 │ tenant  │
+    worker ──store(job, kv)────> └─────────┘ ──> job.store()         then ``after()``
+                                      │
+                           ``workers`` threads, at most ``per_tenant`` of them on one tenant
 
-One thread, first in first out: a store queued before a later request's stage runs
-before it, so the next turn of a conversation, sent once the answer went out (after
-its store was queued), finds that answer's KV.
+Several workers, so that one tenant's slow shared tier (a far bucket, a loaded Redis:
+slow answers that never open the breaker) costs that tenant's requests, never another
+tenant's memory hit (invariants 9 and 16); ordered per conversation (``ioqueue.py``): a
+turn's store runs before the same conversation's next match, which the next turn, sent
+once the answer went out (after its store was queued), relies on to hit on it.
+
+One lock (``self._cond``) owns the queue, the in-flight leads and followers and the jobs
+being staged; no cache call runs under it. A job not staged yet whose client left or
+whose deadline passed (queued, looking, or following a lead) is handed back to the step
+loop by ``overdue``, which ends it at once: its slot frees on time.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 
 from prefixcache.cache.kv import KVSource
 from prefixcache.engine.inflight import InFlight
+from prefixcache.engine.ioqueue import IOQueue, Kind, Task
 from prefixcache.engine.job import Job
 from prefixcache.engine.threads import serial_torch
 
-__all__ = ["CacheIO"]
+__all__ = ["IO_PER_TENANT", "IO_WORKERS", "CacheIO"]
 
 log = logging.getLogger(__name__)
 
+# NOTE: a worker waiting on a tier costs a thread and no CPU, so there are several; a
+# tenant holds at most IO_PER_TENANT of them, so that the stalled tiers of three tenants
+# still leave two workers to every other tenant, and a tenant's memory hits (milliseconds)
+# are served two at a time, which keeps up with its prefills
+IO_WORKERS = 8
+IO_PER_TENANT = 2
+
 
 class CacheIO:
-    """Runs stages and stores in order on one thread; ``poke`` wakes the worker after a stage."""
+    """Runs stages and stores on ``workers`` threads; ``poke`` wakes the worker after a stage."""
 
-    def __init__(self, poke: Callable[[], None], *, share: bool = True) -> None:
+    def __init__(
+        self,
+        poke: Callable[[], None],
+        *,
+        share: bool = True,
+        workers: int = IO_WORKERS,
+        per_tenant: int = IO_PER_TENANT,
+    ) -> None:
         self._poke = poke
+        self._cond = threading.Condition()
+        self._queue: IOQueue[Callable[[], None]] = IOQueue(workers, per_tenant)
         self._inflight = InFlight() if share else None
-        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._staging: dict[Job, None] = {}  # handed to stage, not staged yet (insertion order)
+        self._threads: list[threading.Thread] = []
+        self._generation = 0  # of the threads running now: those of a closed one drain and end
+        self._closed = -1  # the last closed generation
+
+    @property
+    def workers(self) -> int:
+        return self._queue.workers
+
+    @property
+    def per_tenant(self) -> int:
+        return self._queue.per_tenant
 
     def stage(self, job: Job) -> None:
-        self._put(lambda: self._stage(job))
+        """Match and load ``job``'s cached prefix; it is ready (``job.staged``) after."""
+        with self._cond:
+            self._staging[job] = None
+            self._queue_job(job, Kind.STAGE, lambda: self._stage(job))
 
     def store_prompt(self, job: Job, kv: KVSource, length: int, after: Callable[[], None]) -> None:
         """Store ``job``'s prompt (``length`` positions of ``kv``) now that it is computed,
         then call ``after`` (always)."""
-        self._put(lambda: self._storing(job, lambda: job.store_prompt(kv, length), after))
+        with self._cond:
+            self._queue_job(job, Kind.STORE, lambda: self._storing(job, lambda: job.store_prompt(kv, length), after))
 
     def store(self, job: Job, kv: KVSource | None, length: int, after: Callable[[], None]) -> None:
         """Store ``length`` positions of ``kv`` for ``job`` (it ended), then call ``after`` (always)."""
-        self._put(lambda: self._storing(job, lambda: job.store(kv, length), after))
+        with self._cond:
+            self._queue_job(job, Kind.STORE, lambda: self._storing(job, lambda: job.store(kv, length), after))
+
+    def overdue(self, gone: Callable[[Job], bool]) -> list[Job]:
+        """The jobs not staged yet for which ``gone`` holds (client left, deadline passed),
+        in the order they came: never staged now (a lookup running for one is dropped, a
+        follower leaves its lead). The caller ends them."""
+        with self._cond:
+            out = [job for job in self._staging if gone(job)]
+            for job in out:
+                del self._staging[job]
+                if self._inflight is not None:
+                    self._inflight.unfollow(job)
+            return out
+
+    @property
+    def following(self) -> int:
+        """Jobs waiting for another's prompt to be stored (``inflight.py``)."""
+        with self._cond:
+            return self._inflight.followers if self._inflight is not None else 0
 
     def close(self, timeout: float) -> None:
-        """Run what is queued, then stop the thread."""
-        if self._thread is not None:
-            self._tasks.put(None)
-            self._thread.join(timeout)
-            self._thread = None
+        """Run what is queued, then stop the threads."""
+        with self._cond:
+            self._closed, self._generation = self._generation, self._generation + 1
+            threads, self._threads = self._threads, []  # NOTE: a later task starts new ones
+            self._cond.notify_all()
+        for thread in threads:
+            thread.join(timeout)
 
-    # ------------------------------------------------------------------ on the thread
+    # ------------------------------------------------------------------ on a worker
 
     def _stage(self, job: Job) -> None:
+        with self._cond:
+            if job not in self._staging:
+                return  # ended while queued (``overdue``)
         staged = job.lookup()
-        if self._inflight is not None:
-            lead = self._inflight.leader(job, staged.cached)
-            if lead is not None and not job.handle.cancelled:
-                return self._inflight.follow(lead, job)  # staged again once the lead's prompt is stored
-            self._inflight.lead(job)
-        job.staged = staged
+        with self._cond:
+            if job not in self._staging:
+                return  # ended while it looked: its end went out, what it loaded is dropped
+            if self._inflight is not None:
+                lead = self._inflight.leader(job, staged.cached)
+                if lead is not None and not job.handle.cancelled:
+                    return self._inflight.follow(lead, job)  # staged again once the lead's prompt is stored
+                self._inflight.lead(job)
+            del self._staging[job]
+            job.staged = staged
         self._poke()
 
     def _storing(self, job: Job, store: Callable[[], None], after: Callable[[], None]) -> None:
@@ -77,21 +146,61 @@ class CacheIO:
 
     def _led(self, job: Job) -> None:
         """``job``'s prompt is stored, or it ended: who waited for it is staged again."""
-        if self._inflight is not None:
+        if self._inflight is None:
+            return
+        with self._cond:
             for follower in self._inflight.done(job):
                 assert isinstance(follower, Job)
-                self._stage(follower)
+                if follower in self._staging:
+                    self._queue_job(follower, Kind.STAGE, functools.partial(self._stage, follower))
 
-    def _put(self, task: Callable[[], None]) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="prefixcache-cache-io", daemon=True)
-            self._thread.start()
-        self._tasks.put(task)
+    def _queue_job(self, job: Job, kind: Kind, task: Callable[[], None]) -> None:
+        self._put(task, owner=job, tenant=job.tenant, scope=job.context, prompt=job.prompt, kind=kind)
 
-    def _run(self) -> None:
+    def _put(
+        self,
+        task: Callable[[], None],
+        *,
+        owner: Hashable = None,
+        tenant: str = "",
+        scope: Hashable = None,
+        prompt: Sequence[int] = (),
+        kind: Kind = Kind.STORE,
+    ) -> None:
+        """Queue ``task`` (the caller may hold the lock: it is reentrant)."""
+        with self._cond:
+            if not self._threads:
+                generation = self._generation
+                self._threads = [
+                    threading.Thread(
+                        target=self._run, args=(generation,), name=f"prefixcache-cache-io-{i}", daemon=True
+                    )
+                    for i in range(self._queue.workers)
+                ]
+                for thread in self._threads:
+                    thread.start()
+            self._queue.put(task, owner=owner, tenant=tenant, scope=scope, prompt=prompt, kind=kind)
+            self._cond.notify()
+
+    def _run(self, generation: int) -> None:
         serial_torch()  # NOTE: the worker's OpenMP team stays the only one (``threads.py``)
-        while (task := self._tasks.get()) is not None:
+        while (task := self._take(generation)) is not None:
             try:
-                task()
+                task.item()
             except Exception:  # a bug in one task must not stop the others
                 log.exception("a prefix cache task failed")
+            finally:
+                with self._cond:
+                    self._queue.done(task)
+                    self._cond.notify_all()
+
+    def _take(self, generation: int) -> Task[Callable[[], None]] | None:
+        """The next task this worker runs; None once its generation closed and nothing is left."""
+        with self._cond:
+            while True:
+                task = self._queue.take()
+                if task is not None:
+                    return task
+                if generation <= self._closed and self._queue.idle:
+                    return None
+                self._cond.wait()

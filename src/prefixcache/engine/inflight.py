@@ -6,8 +6,9 @@ shares a longer prefix with one of them waits for it instead of computing it twi
     A's prompt stored (right after its prefill) or A ended  ──> B is staged again: a hit on p
 
 Four chats of one tenant that open with the same system prompt at once prefill it once,
-not four times. Only the engine's I/O thread uses this (no lock): staging, the stores
-that end a lead, and the restaging of followers all run there.
+not four times. A follower whose deadline passes or whose client leaves is taken out
+(``unfollow``) and ends at once. Not thread-safe: the engine's I/O workers use it only
+under ``CacheIO``'s lock, its one owner (``cacheio.py``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,15 @@ class InFlight:
     def follow(self, lead: Prompt, job: Prompt) -> None:
         self._leads[lead].append(job)
 
+    def unfollow(self, job: Prompt) -> bool:
+        """Take ``job`` out of its lead's followers (it ends before the lead's prompt is
+        stored); False when it follows none."""
+        for followers in self._leads.values():
+            if job in followers:
+                followers.remove(job)
+                return True
+        return False
+
     def done(self, job: Prompt) -> list[Prompt]:
         """``job``'s prompt is in the cache, or it ended: its followers, to stage again."""
         return self._leads.pop(job, [])
@@ -79,3 +89,7 @@ class InFlight:
     @property
     def leads(self) -> int:
         return len(self._leads)
+
+    @property
+    def followers(self) -> int:
+        return sum(len(f) for f in self._leads.values())

@@ -1,13 +1,14 @@
 """The worker's step loop: one forward a step that decodes every running request and
 carries the prompts' next chunks, tenants in turn.
 
-    loop:  new slots ─> I/O thread stages them (match + load)
+    loop:  new slots ─> I/O workers stage them (match + load); one whose client left
+             or whose deadline passed before it was staged ends at once (``overdue``)
            a step: every decoding job's token, and the next chunk of ready prompts
              (tenants in turn, up to ``chunk_tokens`` prompt tokens), in one forward;
              each decoding job samples its next token, a job that ended leaves its row;
              a prompt whose last chunk ran joins the batch, its prompt's KV stored
-             (I/O thread) for the requests that wait for that prefix
-           an ended job: its store queued on the I/O thread, then its end event out
+             (I/O workers) for the requests that wait for that prefix
+           an ended job: its store queued on the I/O workers, then its end event out
 
 A long prompt delays the others by at most one chunk a step, and a decoding request
 gets a token every step. With ``batched`` off, each decoding job gets a batch of its own
@@ -34,6 +35,11 @@ __all__ = ["StepLoop"]
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # a bound on a wait for work, so that a deadline is noticed while idle
+
+
+def _gone(job: Job) -> bool:
+    """Whether ``job`` ends before its first step: its client left or its deadline passed."""
+    return job.handle.cancelled or job.expired()
 
 
 class StepLoop:
@@ -75,6 +81,11 @@ class StepLoop:
             for expired in scheduler.reap(Job.expired):
                 expired.prefill()
                 self._finish(expired, active=False)
+            # NOTE: and so does one with a slot not staged yet (its lookup queued or running,
+            # or following a prompt in flight): its 504 or its cancel on time, its slot freed
+            for gone in self._io.overdue(_gone):
+                gone.prefill()
+                self._finish(gone)
             while not self._released.empty():
                 batch, kv = self._released.get()
                 batch.release(kv)
@@ -129,7 +140,7 @@ class StepLoop:
             self._finish(job)
 
     def stage_started(self) -> None:
-        """Hand the jobs that took a slot to the I/O thread (from any thread)."""
+        """Hand the jobs that took a slot to the I/O workers (from any thread)."""
         for job in self._scheduler.started():
             job.phase = Phase.STAGING
             self._io.stage(job)
@@ -183,7 +194,7 @@ class StepLoop:
         return bool(steps)
 
     def _finish(self, job: Job, active: bool = True) -> None:
-        """``job`` ended: queue its store on the I/O thread, then send its end event (so
+        """``job`` ended: queue its store on the I/O workers, then send its end event (so
         that a request sent after that event finds the KV), then free its slot."""
         batch = self._rows.pop(job, None)
         if batch is not None and job.row is not None:

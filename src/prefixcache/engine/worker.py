@@ -1,14 +1,14 @@
-"""The engine: per-tenant queues, an I/O thread for the prefix cache, and one worker
+"""The engine: per-tenant queues, I/O workers for the prefix cache, and one worker
 thread whose step loop prefills in turn and decodes every running request in one batch.
 
     submit() ──> Scheduler.admit ──> per-tenant queues ──> up to max_active jobs in flight
                  (TenantBusy, QueueFull)                       │
                                                                v
-    I/O thread:     match + load the cached prefix  ──> the job is ready (or it waits
+    I/O workers:    match + load the cached prefix  ──> the job is ready (or it waits
                     for a prompt being prefilled that holds more of its own: ``inflight.py``)
     worker thread:  a step: one forward that decodes every running job and carries the
                     next prefill chunks of ready jobs (tenants in turn); events ─> sink
-    I/O thread:     after the end: insert prompt + answer with KV
+    I/O workers:    after the end: insert prompt + answer with KV
 
 What happens past the exact prefix (how the rest is prefilled, what is stored, what
 the end event says) is the engine's ``ServeMode`` (``modes.py``): exact prefix caching
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prefixcache.cache import PrefixCache
-from prefixcache.engine.cacheio import CacheIO
+from prefixcache.engine.cacheio import IO_PER_TENANT, IO_WORKERS, CacheIO
 from prefixcache.engine.chat import chat_tokens
 from prefixcache.engine.job import Job, Runtime
 from prefixcache.engine.loop import StepLoop
@@ -98,6 +98,8 @@ class Engine:
         prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
         decode_burst: int = DECODE_BURST,
         batch_decode: bool = True,
+        io_workers: int = IO_WORKERS,
+        io_per_tenant: int = IO_PER_TENANT,
     ) -> None:
         if prefill_chunk_tokens < 1 or decode_burst < 1:
             raise ValueError(
@@ -123,7 +125,7 @@ class Engine:
             rng or random.Random(),
             prefill_chunk_tokens,
         )
-        self._io = CacheIO(self.scheduler.poke, share=cache is not None)
+        self._io = CacheIO(self.scheduler.poke, share=cache is not None, workers=io_workers, per_tenant=io_per_tenant)
         self._loop = StepLoop(
             loaded,
             self.scheduler,
