@@ -28,15 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import xxhash
 
 from prefixcache.hashing import CacheContext, Segment
 from prefixcache.identity import Unverified, verify
+from prefixcache.weights import files_fingerprint
 
-__all__ = ["Bypass", "Fingerprints", "Media", "Scope", "decode_scope", "encode_scope", "files_fingerprint", "scope_of"]
-
-_CHUNK = 16 << 20
-WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+__all__ = ["Bypass", "Fingerprints", "Media", "Scope", "decode_scope", "encode_scope", "scope_of"]
 
 
 class Media(msgspec.Struct, frozen=True, array_like=True):
@@ -85,22 +82,6 @@ class Bypass:
     """Why a request is served without the cache (counted, logged once per reason)."""
 
     reason: str
-
-
-def files_fingerprint(folder: Path, globs: tuple[str, ...] = WEIGHT_GLOBS, extra: tuple[str, ...] = ()) -> str:
-    """A hash of the contents of ``folder``'s weight files and ``extra`` files (by name
-    and bytes, in name order): any change of a byte changes it, whatever the sizes."""
-    digest = xxhash.xxh3_128()
-    names = sorted({p.name for g in globs for p in folder.glob(g) if p.is_file()} | {e for e in extra})
-    for name in names:
-        path = folder / name
-        if not path.is_file():
-            continue
-        digest.update(b"%d:%b" % (len(name.encode()), name.encode()))
-        with path.open("rb") as f:
-            while chunk := f.read(_CHUNK):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 class Fingerprints:

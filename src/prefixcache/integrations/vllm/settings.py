@@ -14,19 +14,16 @@ ones. Example::
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from prefixcache.config import CacheConfig, local_tiers, valid_names
 from prefixcache.identity import MIN_SECRET_BYTES, SECRET_ENV, Unverified
-from prefixcache.integrations.vllm.scope import files_fingerprint
+from prefixcache.weights import model_key  # the connector's key: one fingerprint everywhere
 
 __all__ = ["VLLM_CACHE", "ConnectorSettings", "model_key", "parse_settings", "read_secret"]
 
@@ -104,25 +101,3 @@ def read_secret(settings: ConnectorSettings) -> bytes | None:
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"${settings.tenant_secret_env} must be at least {MIN_SECRET_BYTES} bytes long")
     return secret
-
-
-def model_key(name: str, model_dir: str | None, dtype: str, revision: str | None = None) -> str:
-    """The model's identity in cache keys: its name, the KV dtype, and a hash of the
-    contents of its ``config.json`` and weight files when they are in a local folder,
-    so that changed weights under the same name (even of the same size) start a new key
-    space: the old blocks are never matched again and leave by eviction. A model that
-    is not a local folder is keyed by its name and revision (a hub commit names its
-    contents), with a warning when no revision pins it."""
-    digest = xxhash.xxh3_128(json.dumps([name, dtype]).encode())
-    folder = Path(model_dir) if model_dir else None
-    if folder is not None and folder.is_dir():
-        digest.update(files_fingerprint(folder, extra=("config.json",)).encode())
-    else:
-        digest.update(json.dumps([model_dir, revision]).encode())
-        if not revision:
-            log.warning(
-                "prefixcache: model %s is not a local folder and no revision pins it: its weights' "
-                "contents are not in the cache keys",
-                model_dir,
-            )
-    return f"{name}@{digest.hexdigest()[:16]}"
