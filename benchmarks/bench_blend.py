@@ -29,18 +29,11 @@ from typing import Any
 import torch
 
 from prefixcache.blend import BlendResult, CacheBlend, Epic, EpicBlend, RecomputePlan, blend_prefill
-from prefixcache.blend.evalset import load_eval_set
-from prefixcache.blend.gate import (
-    GateFigures,
-    ItemScore,
-    Prepared,
-    PreparedItem,
-    full_prefill,
-    plan_name,
-    prepare,
-    score_result,
-)
+from prefixcache.blend.gate import BlendItem, BlendSet, plan_name, prepare
 from prefixcache.engine import LoadedModel, load_model
+from prefixcache.quality.evalset import load_eval_set
+from prefixcache.quality.reference import full_prefill, score_result
+from prefixcache.quality.verdict import GateFigures, ItemScore
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = ROOT / ".prefixcache" / "models"
@@ -88,11 +81,11 @@ def name(plan: RecomputePlan) -> str:
     return plan_name(plan)
 
 
-def margins(prepared: Prepared) -> list[float]:
+def margins(prepared: BlendSet) -> list[float]:
     """Per prompt, the full prefill's top-1 minus top-2 next-token probability: how far
     a blend may move the distribution before top-1 agreement can flip."""
     out = []
-    for item in prepared.items:
+    for item in prepared.prepared.items:
         top = item.reference.exp().topk(2).values
         out.append(float(top[0] - top[1]))
     return out
@@ -104,7 +97,7 @@ def timed(run: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
-def timed_rounds(lm: LoadedModel, item: PreparedItem, repeats: int) -> tuple[float, list[float], list[BlendResult]]:
+def timed_rounds(lm: LoadedModel, item: BlendItem, repeats: int) -> tuple[float, list[float], list[BlendResult]]:
     """Best-of-``repeats`` seconds of the full prefill and of every plan on ``item``.
     NOTE: each round runs the full prefill and then every plan back to back, so a burst
     of load from other processes hits baseline and blends alike instead of skewing
@@ -113,14 +106,14 @@ def timed_rounds(lm: LoadedModel, item: PreparedItem, repeats: int) -> tuple[flo
     best = [float("inf")] * len(PLANS)
     results: list[Any] = [None] * len(PLANS)
     for _ in range(repeats):
-        full = min(full, timed(lambda: full_prefill(lm, item.tokens))[0])
+        full = min(full, timed(lambda: full_prefill(lm, item.item.tokens))[0])
         for i, plan in enumerate(PLANS):
             seconds, results[i] = timed(lambda plan=plan: blend_prefill(lm, item.segments, plan))
             best[i] = min(best[i], seconds)
     return full, best, results
 
 
-def reordered_rag(threads: int, items: int) -> tuple[LoadedModel, Prepared]:
+def reordered_rag(threads: int, items: int) -> tuple[LoadedModel, BlendSet]:
     """The model on ``threads`` CPU threads, and the evaluation set's reordered-RAG
     prompts (the first ``items``; 0: all) prepared: chunks prefilled, full references."""
     torch.set_num_threads(threads)
@@ -138,14 +131,14 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=0, help="use the first N reordered-RAG prompts (0: all)")
     args = parser.parse_args()
     lm, prepared = reordered_rag(args.threads, args.items)
-    lengths = [len(item.tokens) for item in prepared.items]
+    lengths = [len(item.tokens) for item in prepared.prepared.items]
     print(
         f"model {Path(lm.source).name}, {lm.kv.layers} layers; {len(lengths)} reordered-RAG prompts of {lengths} tokens"
     )
 
     gaps = margins(prepared)
     print(f"full prefill's top-1 - top-2 next-token probability per prompt: {' '.join(f'{g:.3f}' for g in gaps)}")
-    full_prefill(lm, prepared.items[0].tokens)  # warm-up, untimed
+    full_prefill(lm, prepared.prepared.items[0].tokens)  # warm-up, untimed
     full_s = 0.0
     blend_s = dict.fromkeys(range(len(PLANS)), 0.0)
     scores: dict[int, list[ItemScore]] = {i: [] for i in range(len(PLANS))}
@@ -154,11 +147,11 @@ def main() -> None:
         full_s += full_item
         for i in range(len(PLANS)):
             blend_s[i] += seconds[i]
-            scores[i].append(score_result(lm, item, results[i], prepared.steps))
-        print(f"  {item.id}: full prefill {full_item * 1000:.0f} ms", file=sys.stderr, flush=True)
+            scores[i].append(score_result(lm, item.item, results[i], prepared.prepared.steps))
+        print(f"  {item.item.id}: full prefill {full_item * 1000:.0f} ms", file=sys.stderr, flush=True)
 
     points = [
-        Point(GateFigures.of(name(plan), scores[i], prepared.layers), 1.0 - blend_s[i] / full_s)
+        Point(GateFigures.of(name(plan), scores[i], prepared.prepared.layers), 1.0 - blend_s[i] / full_s)
         for i, plan in enumerate(PLANS)
     ]
     print(f"\nfull prefill {full_s * 1000:.0f} ms over all prompts (best of {args.repeats} each)")

@@ -73,9 +73,11 @@ def settings_for(tmp: Path, disk: bool) -> Any:
 
 def pass_gate(settings: Any) -> None:
     """Write the gate's verdict on the configured plan as passed (see the module's NOTE)."""
-    from prefixcache.blend.evalset import load_eval_set
-    from prefixcache.blend.gate import GateFigures, GateStore, NoiseFloor, gate_key, model_fingerprint
+    from prefixcache.blend.gate import gate_key
     from prefixcache.engine import load_model
+    from prefixcache.quality.evalset import load_eval_set
+    from prefixcache.quality.reference import model_fingerprint
+    from prefixcache.quality.verdict import GateFigures, GateStore, NoiseFloor
 
     config = settings.blend.config()
     m = settings.model

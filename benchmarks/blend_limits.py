@@ -33,18 +33,20 @@ from transformers import DynamicCache
 import prefixcache.blend.prefill as prefill
 from bench_blend import reordered_rag  # the benchmark's prompts, prepared alike
 from prefixcache.blend import BlendResult, CacheBlend, blend_prefill
-from prefixcache.blend.gate import GateFigures, ItemScore, PreparedItem, full_prefill, score_result
+from prefixcache.blend.gate import BlendItem
 from prefixcache.blend.plan import Layout, lay_out
 from prefixcache.blend.rope import rotary_of
 from prefixcache.engine import LoadedModel
+from prefixcache.quality.reference import full_prefill, score_result
+from prefixcache.quality.verdict import GateFigures, ItemScore
 
 _deviating = prefill._deviating  # the real choice, kept to compare with
 
 
-def true_error(lm: LoadedModel, item: PreparedItem) -> torch.Tensor:
+def true_error(lm: LoadedModel, item: BlendItem) -> torch.Tensor:
     """Per position, the squared distance of the blend's starting KV (re-rotated cache;
     zeros where fresh) from the full prefill's, summed over layers, heads and dims."""
-    _, seq = full_prefill(lm, item.tokens)
+    _, seq = full_prefill(lm, item.item.tokens)
     layout = lay_out(item.segments)
     dtype = next(lm.model.parameters()).dtype
     keys, values = prefill._blended_base(item.segments, layout, lm, rotary_of(lm.model), dtype)
@@ -75,15 +77,15 @@ def oracle_choice(error: torch.Tensor) -> Callable[..., torch.Tensor]:
     return choose
 
 
-def low_precision(lm: LoadedModel, item: PreparedItem, dtype: torch.dtype, low: LoadedModel) -> BlendResult:
+def low_precision(lm: LoadedModel, item: BlendItem, dtype: torch.dtype, low: LoadedModel) -> BlendResult:
     """A full prefill in ``dtype`` (no reuse), as a result to score in float32."""
-    logits, seq = full_prefill(low, item.tokens)
+    logits, seq = full_prefill(low, item.item.tokens)
     cache = DynamicCache(config=lm.model.config)
     for index, layer in enumerate(seq.cache.layers):
         assert layer.keys is not None and layer.values is not None
         cache.update(layer.keys.float(), layer.values.float(), index)
     layers = lm.kv.layers
-    return BlendResult(logits.float(), cache, 0, 0, len(item.tokens), len(item.tokens) * layers)
+    return BlendResult(logits.float(), cache, 0, 0, len(item.item.tokens), len(item.item.tokens) * layers)
 
 
 def row(label: str, scores: list[ItemScore], layers: int) -> str:
@@ -99,25 +101,25 @@ def main() -> None:
     parser.add_argument("--rates", default="30,50,70", help="CacheBlend's r values (percent, comma-separated)")
     args = parser.parse_args()
     lm, prepared = reordered_rag(args.threads, args.items)
-    layers, steps = prepared.layers, prepared.steps
+    layers, steps = prepared.prepared.layers, prepared.prepared.steps
     errors = [true_error(lm, item) for item in prepared.items]
     print(f"{len(prepared.items)} reordered-RAG prompts; greedy answers of up to {steps} tokens")
     print(f"{'choice':<34}{'work':>10}{'top-1':>8}{'EM':>8}{'mean KL':>10}  per prompt (. same answer, x not)")
     for r in (float(x) for x in args.rates.split(",")):
         plan = CacheBlend(r)
-        real = [score_result(lm, item, blend_prefill(lm, item.segments, plan), steps) for item in prepared.items]
+        real = [score_result(lm, item.item, blend_prefill(lm, item.segments, plan), steps) for item in prepared.items]
         print(row(f"deviation at layer 1, r={r:g}", real, layers))
         oracle = []
         try:
             for item, error in zip(prepared.items, errors, strict=True):
                 prefill._deviating = oracle_choice(error)
-                oracle.append(score_result(lm, item, blend_prefill(lm, item.segments, plan), steps))
+                oracle.append(score_result(lm, item.item, blend_prefill(lm, item.segments, plan), steps))
         finally:
             prefill._deviating = _deviating
         print(row(f"oracle: true KV error, r={r:g}", oracle, layers))
     for dtype in (torch.bfloat16, torch.float16):
         low = dataclasses.replace(lm, model=copy.deepcopy(lm.model).to(dtype))
-        scores = [score_result(lm, item, low_precision(lm, item, dtype, low), steps) for item in prepared.items]
+        scores = [score_result(lm, item.item, low_precision(lm, item, dtype, low), steps) for item in prepared.items]
         print(row(f"full prefill in {str(dtype).removeprefix('torch.')}", scores, layers))
 
 

@@ -23,25 +23,20 @@ from prometheus_client import CollectorRegistry
 
 from engine_support import model
 from prefixcache.blend import CacheBlend, Epic, EpicBlend, Reused
-from prefixcache.blend.evalset import KINDS, EvalSetError, Piece, assemble, load_eval_set, parse_eval_set
-from prefixcache.blend.gate import (
+from prefixcache.blend.gate import BlendSet, choose_plan, evaluate, plan_name, prepare, run_gate, set_key
+from prefixcache.blend.gate_cli import DEFAULT_PLANS, parse_plan
+from prefixcache.blend.metrics import BLEND_METRICS, BlendMetrics
+from prefixcache.engine import LoadedModel
+from prefixcache.quality.evalset import KINDS, EvalSetError, Piece, assemble, load_eval_set, parse_eval_set
+from prefixcache.quality.verdict import (
     GateFigures,
     GateReport,
     GateStore,
     GateThresholds,
     NoiseFloor,
-    Prepared,
     cheapest_passing,
-    choose_plan,
-    evaluate,
     judge,
-    plan_name,
-    prepare,
-    run_gate,
 )
-from prefixcache.blend.gate_cli import DEFAULT_PLANS, parse_plan
-from prefixcache.blend.metrics import BLEND_METRICS, BlendMetrics
-from prefixcache.engine import LoadedModel
 
 EVAL = Path(__file__).parent / "data" / "blend" / "eval.json"
 # query-01: reordering without recompute changes its answer; system-04: a shifted system prompt.
@@ -226,9 +221,9 @@ def test_an_old_store_without_the_floor_is_never_judged(tmp_path: Path, caplog: 
     path = tmp_path / "gate.json"
     old = {k: v for k, v in asdict(figures("x")).items() if k != "floor"}  # format 1: figures by key
     path.write_text(json.dumps({"k": old}))
-    with caplog.at_level(logging.WARNING, logger="prefixcache.blend"):
+    with caplog.at_level(logging.WARNING, logger="prefixcache.quality"):
         assert GateStore(path).get("k") is None  # not passed: a server measures it again or stays off
-    assert "event=blend_gate_store_old" in caplog.text and "entries=1" in caplog.text
+    assert "event=gate_store_old" in caplog.text and "entries=1" in caplog.text
     GateStore(path).put("j", figures("y"))  # rewritten as format 2, the old entry dropped
     assert set(json.loads(path.read_text())["figures"]) == {"j"}
     path.write_text(json.dumps({"version": 3, "figures": {}}))
@@ -272,7 +267,7 @@ def lm() -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def prepared(lm: LoadedModel) -> Prepared:
+def prepared(lm: LoadedModel) -> BlendSet:
     return prepare(lm, load_eval_set(EVAL).subset(list(MODEL_ITEMS)))
 
 
@@ -282,8 +277,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> GateStore:
 
 
 @pytest.mark.model
-def test_the_noise_floor_is_measured_with_the_reference(lm: LoadedModel, prepared: Prepared) -> None:
-    floor = prepared.floor
+def test_the_noise_floor_is_measured_with_the_reference(lm: LoadedModel, prepared: BlendSet) -> None:
+    floor = prepared.prepared.floor
     assert floor.dtype == "bfloat16" and floor.items == len(MODEL_ITEMS)
     assert 0.0 < floor.mean_kl <= floor.max_kl < 0.05  # bfloat16 is close to float32, and not equal
     assert floor.top1 == 1.0
@@ -292,27 +287,27 @@ def test_the_noise_floor_is_measured_with_the_reference(lm: LoadedModel, prepare
 
 @pytest.mark.model
 def test_recomputing_everything_passes_and_recomputing_nothing_fails(
-    lm: LoadedModel, prepared: Prepared, store: GateStore
+    lm: LoadedModel, prepared: BlendSet, store: GateStore
 ) -> None:
     assert all(any(isinstance(s, Reused) for s in item.segments) for item in prepared.items)
     everything = run_gate(lm, prepared, CacheBlend(100.0), store=store)
     assert everything.passed, everything.summary()
     assert everything.figures.top1 == everything.figures.greedy_em == 1.0
     assert everything.figures.reused == 0 and everything.figures.recomputed > 0
-    assert everything.figures.floor == prepared.floor
-    assert store.get(GateStore.key(prepared, CacheBlend(100.0))) == everything.figures
+    assert everything.figures.floor == prepared.prepared.floor
+    assert store.get(set_key(prepared.prepared, CacheBlend(100.0))) == everything.figures
 
     nothing, scores = evaluate(lm, prepared, Epic(0))
-    store.put(GateStore.key(prepared, Epic(0)), nothing)
+    store.put(set_key(prepared.prepared, Epic(0)), nothing)
     changed = {s.id for s in scores if not s.greedy_match}
     assert "query-01" in changed  # the no-recompute plan changes this item's continuation
-    report = judge(prepared.model, nothing, GateThresholds())
+    report = judge(prepared.prepared.model, nothing, GateThresholds())
     assert not report.passed and nothing.recomputed == 0 and nothing.work < everything.figures.work
 
 
 @pytest.mark.model
 def test_choose_plan_picks_the_cheapest_passing_plan_or_none(
-    lm: LoadedModel, prepared: Prepared, store: GateStore
+    lm: LoadedModel, prepared: BlendSet, store: GateStore
 ) -> None:
     # figures come from the store filled above when it ran first, else they are computed
     plans = [CacheBlend(100.0), Epic(0)]

@@ -20,7 +20,6 @@ from prefixcache.blend import (
     Reused,
     blend_prefill,
     check_llama,
-    greedy_continue,
     prefill_chunk,
     rerotate,
     rotary_of,
@@ -29,6 +28,7 @@ from prefixcache.engine import LoadedModel
 from prefixcache.engine.chat import chat_frame
 from prefixcache.engine.kv import cut_cache
 from prefixcache.engine.runner import Sequence
+from prefixcache.quality.reference import greedy_continue
 
 pytestmark = pytest.mark.model
 

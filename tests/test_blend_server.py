@@ -19,13 +19,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_support import MODEL_ID, MODELS_DIR, LiveServer, model, tiered_cache
-from prefixcache.blend.evalset import load_eval_set
-from prefixcache.blend.gate import GateFigures, GateStore, GateThresholds, NoiseFloor, gate_key, model_fingerprint
+from prefixcache.blend.gate import gate_key
 from prefixcache.blend.serve_engine import BlendEngine
 from prefixcache.blend.serve_gate import open_blender, read_gate
 from prefixcache.blend.serve_types import BlendConfig
 from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.engine import LoadedModel
+from prefixcache.quality.evalset import load_eval_set
+from prefixcache.quality.reference import model_fingerprint
+from prefixcache.quality.verdict import GateFigures, GateStore, GateThresholds, NoiseFloor
 from prefixcache.server.app import create_app
 from prefixcache.server.main import build_service
 from prefixcache.settings import AuthSettings, BlendSettings, ModelSettings, Settings, describe, load_settings

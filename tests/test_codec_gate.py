@@ -18,9 +18,6 @@ import pytest
 import torch
 
 from engine_support import MODELS_DIR, model
-from prefixcache.blend.evalset import load_eval_set
-from prefixcache.blend.gate import Prepared, model_fingerprint, prepare
-from prefixcache.blend.verdict import GateFigures, GateStore, NoiseFloor
 from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.engine import LoadedModel
 from prefixcache.quality.codec_gate import (
@@ -31,6 +28,9 @@ from prefixcache.quality.codec_gate import (
     read_codec_figures,
 )
 from prefixcache.quality.codecs import BLOCK_TOKENS, cached_tokens, evaluate_codec, through_codec
+from prefixcache.quality.evalset import load_eval_set
+from prefixcache.quality.reference import Prepared, model_fingerprint, prepare
+from prefixcache.quality.verdict import GateFigures, GateStore, NoiseFloor
 from prefixcache.server.main import build_service
 from prefixcache.settings import ModelSettings, ServerSettings, Settings, load_settings
 

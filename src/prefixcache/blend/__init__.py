@@ -2,7 +2,7 @@
 with selective recompute (EPIC's first-k rule, CacheBlend's deviation rule, or both)."""
 
 from prefixcache.blend.plan import CacheBlend, Epic, EpicBlend, Fresh, RecomputePlan, Reused, Segment
-from prefixcache.blend.prefill import BlendResult, blend_prefill, check_llama, greedy_continue, prefill_chunk
+from prefixcache.blend.prefill import BlendResult, blend_prefill, check_llama, prefill_chunk
 from prefixcache.blend.rope import RotaryFrequencies, rerotate, rotary_of
 
 __all__ = [
@@ -17,7 +17,6 @@ __all__ = [
     "Segment",
     "blend_prefill",
     "check_llama",
-    "greedy_continue",
     "prefill_chunk",
     "rerotate",
     "rotary_of",

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from prefixcache.blend.evalset import load_eval_set
-from prefixcache.blend.gate import GateStore, GateThresholds, cheapest_passing, prepare, run_gate
+from prefixcache.blend.gate import prepare, run_gate
 from prefixcache.blend.plan import CacheBlend, Epic, EpicBlend, RecomputePlan
 from prefixcache.engine.model import load_model
+from prefixcache.quality.evalset import load_eval_set
+from prefixcache.quality.verdict import GateStore, GateThresholds, cheapest_passing
 
 DEFAULT_PLANS = (
     "epic(k=0)",
@@ -79,8 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     loaded = load_model(models_dir=Path(args.models_dir), device=args.device, **extra)
     eval_set = load_eval_set(args.eval_set)
     start = time.perf_counter()
-    prepared = prepare(loaded, eval_set)
-    f = prepared.floor
+    blend = prepare(loaded, eval_set)
+    prepared, f = blend.prepared, blend.prepared.floor
     seconds = time.perf_counter() - start
     print(f"model {prepared.model}; evaluation set {eval_set.digest}, {f.items} items (prepared in {seconds:.0f} s)")
     print(
@@ -92,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     reports = []
     for plan in plans:
         start = time.perf_counter()
-        report = run_gate(loaded, prepared, plan, thresholds, store)
+        report = run_gate(loaded, blend, plan, thresholds, store)
         reports.append(report)
         g = report.figures
         print(

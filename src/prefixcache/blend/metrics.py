@@ -25,8 +25,8 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from prefixcache.blend.gate import GateReport
 from prefixcache.blend.serve_types import BlendUsage
+from prefixcache.quality.verdict import GateReport
 
 BLEND_METRICS = {
     "prefixcache_blend_requests_total": "counter",

@@ -204,22 +204,3 @@ def prefill_chunk(loaded: LoadedModel, tokens: Sequence[int], start: int = 0) ->
     cache = DynamicCache(config=loaded.model.config)
     loaded.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
     return cut_cache(cache, len(tokens))
-
-
-@torch.inference_mode()
-def greedy_continue(loaded: LoadedModel, cache: DynamicCache, logits: torch.Tensor, steps: int) -> list[int]:
-    """Up to ``steps`` greedy tokens after a prefill that left ``cache`` and next-token
-    ``logits``, ending with the first end-of-sequence token if one comes: the answer a
-    server would send, which stops there (the cache grows by the tokens fed back)."""
-    out: list[int] = []
-    eos = loaded.eos_ids
-    for step in range(steps):
-        token = int(logits.argmax())
-        out.append(token)
-        if token in eos:
-            break
-        if step + 1 < steps:
-            ids = torch.tensor([[token]], dtype=torch.long, device=loaded.device)
-            result = loaded.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-            logits = result.logits[0, -1].float()
-    return out

@@ -1,7 +1,7 @@
 """Turning the blend mode on for a server's model: only past its quality gate.
 
     [blend] plan, thresholds, eval_set, gate_file
-      ──> key (model fingerprint, eval set digest, steps, plan) ──> GateStore figures
+      ──> key (the weights' content fingerprint, eval set digest, steps, plan) ──> GateStore figures
             none: measured now if gate_on_start, else the mode stays off
       ──> judge(figures, thresholds) ──> passed: a Blender (chunks in the cache, fallback)
                                          failed: None (exact prefix caching only)
@@ -18,21 +18,14 @@ from dataclasses import dataclass
 from prefixcache.blend.ann import AnnConfig, ChunkIndex
 from prefixcache.blend.chunks import Chunks
 from prefixcache.blend.embed import Embedder
-from prefixcache.blend.evalset import EvalSetError, load_eval_set
-from prefixcache.blend.gate import (
-    GateReport,
-    GateStore,
-    evaluate,
-    gate_key,
-    judge,
-    model_fingerprint,
-    plan_name,
-    prepare,
-)
+from prefixcache.blend.gate import evaluate, gate_key, plan_name, prepare
 from prefixcache.blend.serve import Blender
 from prefixcache.blend.serve_types import BlendConfig
 from prefixcache.cache import PrefixCache
 from prefixcache.engine.model import LoadedModel
+from prefixcache.quality.evalset import EvalSetError, load_eval_set
+from prefixcache.quality.reference import model_fingerprint
+from prefixcache.quality.verdict import GateReport, GateStore, judge
 
 __all__ = ["GateStatus", "open_blender", "read_gate"]
 

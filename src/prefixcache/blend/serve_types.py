@@ -15,9 +15,10 @@ import enum
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixcache.blend.gate import GREEDY_STEPS, GateThresholds
 from prefixcache.blend.plan import RecomputePlan
 from prefixcache.engine.requests import DoneEvent
+from prefixcache.quality.reference import GREEDY_STEPS
+from prefixcache.quality.verdict import GateThresholds
 
 __all__ = ["BlendConfig", "BlendUsage", "BlendedDone", "Outcome"]
 

@@ -31,7 +31,7 @@ def add_gate_codec_parser(sub: Any) -> None:
     gate.add_argument(
         "--out", default=DEFAULT_OUT, help=f"the gate file, [server] codec_gate_file (default {DEFAULT_OUT})"
     )
-    gate.add_argument("--eval-set", default="tests/data/blend/eval.json", help="the evaluation set (the blend gate's)")
+    gate.add_argument("--eval-set", default="tests/data/blend/eval.json", help="the gates' evaluation set")
     gate.add_argument("--models-dir", default=".prefixcache/models", help="where converted models live")
     gate.add_argument("--device", default="cpu")
     gate.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
@@ -42,11 +42,12 @@ def run_gate_codec(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     # NOTE: torch, transformers and the codecs load here, not when `prefixcache` starts
     import torch
 
-    from prefixcache.blend.evalset import load_eval_set
-    from prefixcache.blend.gate import GateStore, GateThresholds, judge, prepare
     from prefixcache.engine.model import load_model
     from prefixcache.quality.codec_gate import codec_key
     from prefixcache.quality.codecs import BLOCK_TOKENS, CACHED_SHARE, evaluate_codec
+    from prefixcache.quality.evalset import load_eval_set
+    from prefixcache.quality.reference import prepare
+    from prefixcache.quality.verdict import GateStore, GateThresholds, judge
     from prefixcache.storage import codec as frames
 
     known: tuple[str, ...] = tuple(frames.CODECS)

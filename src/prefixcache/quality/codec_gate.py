@@ -1,6 +1,7 @@
 """The codec gate's verdicts, and the server's start check on its tiers' codecs.
 
-    gate-codec ──> GateStore (codec_gate_file): figures + floor by (model fingerprint, codec)
+    gate-codec ──> GateStore (codec_gate_file): figures + floor by (model fingerprint, codec),
+                   the fingerprint of the weights by content (reference.model_fingerprint)
     serve: model loaded ──> every tier whose codec is not "raw"
         ──> codec_key(fingerprint, codec) ──> figures? ──> judge (today's thresholds)
               passed:            one INFO line, go on
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from prefixcache.blend.verdict import GateFigures, GateReport, GateStore, GateThresholds, judge
+from prefixcache.quality.verdict import GateFigures, GateReport, GateStore, GateThresholds, judge
 
 __all__ = [
     "GATE_COMMAND",
@@ -49,7 +50,8 @@ class CodecGateRefused(ValueError):
 
 
 def codec_key(model: str, codec: str) -> str:
-    """The store's key of a codec's figures for a model fingerprint (``model_fingerprint``).
+    """The store's key of a codec's figures for a model (``reference.model_fingerprint``:
+    the weights by content, so a fine-tune of the same size is never its base).
 
     NOTE: unlike ``gate_key`` it names neither the evaluation set nor the continuation
     length: a server checks its tiers without the set at hand. Both are kept in the

@@ -1,7 +1,7 @@
 """The codec gate's measurement: what serving a cached prefix from a codec's frames does
 to the next token and the answer, against a float32 full prefill of the same prompt.
 
-    per item (the blend gate's evaluation set, prepared by ``blend.gate.prepare``):
+    per item (the gates' evaluation set, prepared by ``reference.prepare``):
       reference   full float32 prefill: next-token log-probs, greedy-32 (``prepare``)
       floor       full bfloat16 prefill, scored the same way (``prepare``: NoiseFloor)
       codec run   prefill the first ``cached_tokens`` (about 90 %, whole 16-token blocks)
@@ -23,19 +23,17 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.blend.gate import Prepared, PreparedItem, in_dtype, score_result
-from prefixcache.blend.prefill import BlendResult
-from prefixcache.blend.verdict import GateFigures, ItemScore
 from prefixcache.engine.kv import cut_cache, to_numpy
 from prefixcache.engine.model import LoadedModel
 from prefixcache.engine.runner import Sequence as EngineSequence
+from prefixcache.quality.reference import REFERENCE_DTYPE, Prefilled, Prepared, PreparedItem, in_dtype, score_result
+from prefixcache.quality.verdict import GateFigures, ItemScore
 from prefixcache.storage import codec as frames
 
 __all__ = ["BLOCK_TOKENS", "CACHED_SHARE", "CodecRun", "cached_tokens", "evaluate_codec", "run_codec", "through_codec"]
 
 BLOCK_TOKENS = 16  # the cache's default block: each goes through its own frame
 CACHED_SHARE = 0.9  # of a prompt's tokens, served from the cache (rounded down to blocks)
-REFERENCE_DTYPE = "float32"
 
 log = logging.getLogger("prefixcache.quality")
 
@@ -106,7 +104,7 @@ def run_codec(
     seq = EngineSequence(reference)
     logits = seq.prefill(tokens, cached=loaded)[0]  # NOTE: the engine's load of a cached prefix
     fresh = len(tokens) - cached
-    result = BlendResult(logits, seq.cache, cached, 0, fresh, fresh * reference.kv.layers)
+    result = Prefilled(logits, seq.cache, cached, 0, fresh, fresh * reference.kv.layers)
     error = float(np.linalg.norm((loaded - computed).ravel()) / max(float(np.linalg.norm(computed.ravel())), 1e-30))
     return CodecRun(score_result(reference, item, result, steps), cached, error)
 

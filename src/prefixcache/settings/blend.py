@@ -11,9 +11,9 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_settings import NoDecode
 
-from prefixcache.blend.gate import GateThresholds
 from prefixcache.blend.plan import CacheBlend, Epic, EpicBlend, RecomputePlan
 from prefixcache.blend.serve_types import BlendConfig
+from prefixcache.quality.verdict import GateThresholds
 
 __all__ = ["BlendSettings"]
 

@@ -1,12 +1,13 @@
-"""The gate's verdict, apart from its measurement (``gate.py``): the figures a plan
-scores over the evaluation set, the noise floor they are judged against, the bars
-(``GateThresholds``), ``judge``, and ``GateStore``, the JSON file that keeps figures
-by (model fingerprint, evaluation set, continuation length, plan).
+"""A gate's verdict, apart from its measurement (``reference.py`` and each gate's own):
+the figures a way of serving scores over the evaluation set, the noise floor they are
+judged against, the bars (``GateThresholds``), ``judge``, and ``GateStore``, the JSON
+file that keeps figures by key (the blend gate's ``blend.gate.gate_key``, the codec
+gate's ``codec_gate.codec_key``; both begin with the model's content fingerprint).
 
-The bar is the model's own noise: a plan passes when its next-token KL from the float32
-full prefill, mean and max over the set, is no larger than a bfloat16 full prefill's on
-the same set, and its top-1 agreement is at least 0.98 (``judge``). Figures never
-depend on thresholds, so every read is judged again against the thresholds of the day.
+The bar is the model's own noise: a way of serving passes when its next-token KL from
+the float32 full prefill, mean and max over the set, is no larger than a bfloat16 full
+prefill's on the same set, and its top-1 agreement is at least 0.98 (``judge``). Figures
+never depend on thresholds, so every read is judged again against the thresholds of the day.
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
-
-from prefixcache.blend.plan import Epic, EpicBlend, RecomputePlan
+from typing import Any
 
 __all__ = [
     "FLOOR_DTYPE",
@@ -33,26 +32,13 @@ __all__ = [
     "NoiseFloor",
     "cheapest_passing",
     "figures_from_json",
-    "gate_key",
     "judge",
-    "plan_name",
 ]
 
 FLOOR_DTYPE = "bfloat16"
 RECORD = "record"  # an entry's note beside its figures (GateStore.put)
 
-log = logging.getLogger("prefixcache.blend")
-
-
-class Keyed(Protocol):
-    """What a store key is made of (``gate.Prepared`` has it)."""
-
-    @property
-    def model(self) -> str: ...
-    @property
-    def eval_digest(self) -> str: ...
-    @property
-    def steps(self) -> int: ...
+log = logging.getLogger("prefixcache.quality")
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,27 +216,9 @@ def _floor_limit(figures: GateFigures, measure: str, factor: float) -> tuple[flo
     return limit, value <= limit
 
 
-def plan_name(plan: RecomputePlan) -> str:
-    """The plan as the gate store keys it: a distinct name for each kind and setting."""
-    if isinstance(plan, Epic):
-        return f"epic(k={plan.k})"
-    if isinstance(plan, EpicBlend):
-        return f"epicblend(k={plan.k},r={plan.r:g},layer={plan.check_layer})"
-    return f"cacheblend(r={plan.r:g},layer={plan.check_layer})"
-
-
-def gate_key(model: str, eval_digest: str, steps: int, plan: RecomputePlan) -> str:
-    """The store's key of a plan's figures: what they depend on, and nothing else (a
-    server reads its gate with it without preparing the set). ``eos`` names the greedy
-    answers' rule (they end at the end of turn): figures measured under another rule are
-    never read as these."""
-    return f"{model}|eval={eval_digest}|steps={steps},eos|{plan_name(plan)}"
-
-
 class GateStore:
-    """Gate figures in a small JSON file, keyed by (model fingerprint, evaluation set,
-    continuation length, plan), each with the noise floor it is judged against. Written
-    whole to a temporary file and renamed.
+    """Gate figures in a small JSON file, by key, each with the noise floor it is judged
+    against. Written whole to a temporary file and renamed.
 
         {"version": 2, "figures": {"<key>": {"plan": ..., "top1": ..., ...,
                                              "floor": {"dtype": "bfloat16", ...}}}}
@@ -259,8 +227,8 @@ class GateStore:
     empty store, with a warning: its figures are never judged, so a server measures them
     again (``gate_on_start``) or keeps the mode off. Writing drops them.
 
-    A key is any string: the blend gate's are ``gate_key``'s, the codec gate's
-    (``quality/``) its own. An entry may carry a ``record`` beside its figures (what the
+    A key is any string: the blend gate's are ``blend.gate.gate_key``'s, the codec
+    gate's ``codec_gate.codec_key``'s. An entry may carry a ``record`` beside its figures (what the
     figures were measured on, the verdict of the day they were): for the people reading
     the file; a read judges the figures again and never trusts it."""
 
@@ -268,10 +236,6 @@ class GateStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-
-    @staticmethod
-    def key(prepared: Keyed, plan: RecomputePlan) -> str:
-        return gate_key(prepared.model, prepared.eval_digest, prepared.steps, plan)
 
     def get(self, key: str) -> GateFigures | None:
         entry = self._read().get(key)
@@ -285,7 +249,9 @@ class GateStore:
 
     def put(self, key: str, figures: GateFigures, record: dict[str, Any] | None = None) -> None:
         if figures.floor is None:
-            raise ValueError(f"figures of {figures.plan} have no noise floor: measure them with prepare and evaluate")
+            raise ValueError(
+                f"figures of {figures.plan} have no noise floor: measure them against a prepared set's floor"
+            )
         entries = self._read()
         entries[key] = asdict(figures) | ({RECORD: record} if record is not None else {})
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -302,7 +268,7 @@ class GateStore:
             raise ValueError(f"{self.path} is not a gate store (a JSON object with version and figures)")
         if "version" not in doc:
             log.warning(
-                "event=blend_gate_store_old path=%s entries=%d: format 1, figures without the %s noise floor;"
+                "event=gate_store_old path=%s entries=%d: format 1, figures without the %s noise floor;"
                 " ignored (never judged), measure them again",
                 self.path,
                 len(doc),

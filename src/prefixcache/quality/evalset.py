@@ -1,5 +1,6 @@
-"""The blend quality gate's evaluation set: prompts whose reusable parts were cached
-alone, and how each prompt is assembled from them.
+"""The quality gates' evaluation set: prompts whose reusable parts were cached alone,
+and how each prompt is assembled from them. The blend gate reuses those parts at new
+positions; the codec gate serves each prompt's cached prefix through a codec's frames.
 
 The file is JSON (``tests/data/blend/eval.json``)::
 
