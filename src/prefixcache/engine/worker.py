@@ -71,14 +71,17 @@ class Engine:
     """Serves ``Request``s on one model, several at a time in turn, with an optional prefix cache.
 
     ``cache`` is a ``PrefixCache`` whose ``kv_layout`` matches the model (or None:
-    every prompt is prefilled in full). ``model_id`` names the model in cache keys,
-    so ``cache.bump_epoch(model_id)`` invalidates its blocks. ``mode`` serves each
+    every prompt is prefilled in full). ``model_id`` is the name clients use; cache keys
+    carry ``cache_model``, that name with the weights' fingerprint (``LoadedModel.key``),
+    so ``cache.bump_epoch(engine.cache_model)`` invalidates its blocks. ``mode`` serves each
     request past its exact prefix (default: exact prefix caching). ``max_active``
     requests are in flight at once (each holds its KV): a step is one forward of all
     decoding requests and up to ``prefill_chunk_tokens`` prompt tokens of the ready ones,
     tenants in turn (``batch_decode``; off, for comparisons: a chunk alone, then
     ``decode_burst`` steps of one forward per decoding request); ``admission`` limits
     each tenant's share (default: none); ``order`` is which waiting request gets a free slot.
+    The cache's match, load and stores run on ``io_workers`` threads, at most
+    ``io_per_tenant`` of them on one tenant's (``cacheio.py``).
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class Engine:
             )
         self.loaded = loaded
         self.model_id = model_id
+        self.cache_model = loaded.key(model_id)  # NOTE: by content: other weights under this name never hit
         self.cache = cache
         self.mode = mode
         self.timeout_s = timeout_s
@@ -235,7 +239,7 @@ class Engine:
 
     def context(self, tenant: str) -> CacheContext:
         """The cache context of ``tenant``'s requests on this engine's model."""
-        return CacheContext(tenant=tenant, model=self.model_id, tokenizer=self.model_id)
+        return CacheContext(tenant=tenant, model=self.cache_model, tokenizer=self.model_id)
 
     # ------------------------------------------------------------------ worker
 

@@ -266,8 +266,8 @@ def _operator_routes(app: FastAPI, server: Server) -> None:
             raise APIError(404, f"The model `{body.model}` is not served here.", code="model_not_found", param="model")
         blender = server.blend_engine.blender if server.blend_engine is not None else None
         if blender is not None:
-            blender.bump_epoch(body.model)
-        return {"model": body.model, "epoch": server.need_cache().bump_epoch(body.model)}
+            blender.bump_epoch(engine.cache_model)
+        return {"model": body.model, "epoch": server.need_cache().bump_epoch(engine.cache_model)}
 
     @app.post("/admin/purge", dependencies=[Depends(auth.admin)])
     def purge(body: PurgeRequest) -> dict[str, Any]:

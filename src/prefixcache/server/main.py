@@ -27,7 +27,6 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from prefixcache.api.transport import Server, uvicorn_config
-from prefixcache.blend.gate import model_fingerprint
 from prefixcache.blend.serve_engine import BlendEngine
 from prefixcache.blend.serve_gate import open_blender
 from prefixcache.cache import PrefixCache
@@ -37,6 +36,7 @@ from prefixcache.engine.model import ModelError
 from prefixcache.engine.threads import serial_torch
 from prefixcache.fleet.publisher import FleetPublisher, PublisherConfig
 from prefixcache.quality.codec_gate import CodecGateRefused, CodecStart, check_codecs
+from prefixcache.quality.reference import model_fingerprint
 from prefixcache.server import app as server_app
 from prefixcache.server import startlog
 from prefixcache.server.app import PublisherFactory
@@ -62,8 +62,10 @@ def create_app(
     shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The app as ``serve`` runs it: ``app.create_app`` with the KV-event publisher of
-    ``[fleet]`` (``fleet_publisher``)."""
-    publisher = fleet_publisher(settings, engine.model_id)
+    ``[fleet]`` (``fleet_publisher``). NOTE: the events and ``/fleet/info`` name the model
+    as the cache keys it (``engine.cache_model``: the weights by content), so a router
+    credits a backend only with blocks of the weights it serves."""
+    publisher = fleet_publisher(settings, engine.cache_model)
     return server_app.create_app(engine, settings, cache, registry, shutdown, publisher=publisher)
 
 
@@ -125,7 +127,8 @@ def build_service(settings: Settings) -> Service:
 def open_engine(settings: Settings) -> tuple[Engine, PrefixCache | None]:
     """The model, its cache (behind the codec gate's start check) and the engine over them,
     as ``serve`` runs them; ``prefixcache warm`` opens the same, so what it stores is what
-    a server started on these settings looks up."""
+    a server started on these settings looks up. Clients name the model by
+    ``served_id``; the engine keys the cache on ``served_id@fingerprint`` (``LoadedModel.key``)."""
     loaded = load_model(settings.model.name, settings.model.models_dir, settings.model.device, settings.model.dtype)
     cache = None
     if settings.server.cache:

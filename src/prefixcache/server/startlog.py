@@ -9,7 +9,7 @@ API keys only as a count, the admin key and the tenant secret only as set or uns
     event=serve_auth mode=open listen=loopback tenant=local
     event=serve_tier tier=memory kind=memory capacity=2GiB write=through codec=raw
     event=serve_tier tier=disk kind=disk capacity=20GiB write=through codec=raw path=.prefixcache/disk
-    event=serve_model name=smollm2-135m-instruct dtype=float32 device=cpu
+    event=serve_model name=smollm2-135m-instruct dtype=float32 device=cpu weights=9c1e5d0a2b7f4e33
     event=serve_restart blocks=31 tokens=496 kept=disk:31
     event=serve_ready url=http://127.0.0.1:8000/v1
 """
@@ -93,7 +93,7 @@ def opened_lines(settings: Settings, loaded: LoadedModel, cache: PrefixCache | N
     dtype = str(loaded.model.dtype).removeprefix("torch.")
     served = settings.model.served_id
     name = settings.model.name if settings.model.name == served else f"{settings.model.name} id={served}"
-    lines = [f"event=serve_model name={name} dtype={dtype} device={loaded.device}"]
+    lines = [f"event=serve_model name={name} dtype={dtype} device={loaded.device} weights={loaded.fingerprint}"]
     if cache is not None:
         stats = cache.stats()
         kept = ",".join(f"{t.name}:{t.blocks}" for t in stats.tiers if t.kind in _DURABLE) or "none"
