@@ -234,9 +234,11 @@ def test_whatever_fails_every_promised_load_is_answered_once(faults: list[str], 
     plans.append(state.step(output()))
     answered = [s.req_id for p in plans for s in p.loads] + [v.req_id for p in plans for v in p.voids]
     assert sorted(answered) == sorted(req_id for req_id, n in promised.items() if n > 0)
+    # NOTE: vLLM's blocks are read only for a promised async load: with nothing promised
+    # ("blocks" beside a miss) there is nothing to fail, and nothing counted
     failing = {"scope", "lookup", "prompt", "step"} | ({"blocks"} if async_load else set())
     for i, fault in enumerate(faults):
-        if fault in failing:
+        if fault in failing and not (fault == "blocks" and promised[str(i)] == 0):
             assert not any(s.req_id == str(i) for p in plans for s in p.saves), (i, fault)
             assert state.bypassed[HOOK_FAILED] > 0
 
