@@ -225,9 +225,9 @@ def test_a_server_gets_neither_the_clients_fields_nor_a_salt(
         raw, headers = backend.seen[-1]
         assert backend.body == chat_body() and b"victim" not in raw
         assert not any(k.startswith("x-prefixcache-") for k in headers)
-        # tenant_header is set: the router sits behind a gateway it trusts to set it, and
-        # passes on the tenant it authenticated so (the server trusts the same header)
-        assert headers["x-tenant"] == "victim"
+        # tenant_header is set and no secret backs a client's: the router (the gateway) names
+        # the tenant of the key it authenticated, never the client's own header (issue #39)
+        assert headers["x-tenant"] == "acme"
         assert headers["authorization"] == "Bearer sk-acme"  # the server authenticates it again
         assert send(live.url, chat_body()).status_code == 200
         assert backend.seen[-1][0] == json.dumps(chat_body()).encode()  # nothing to strip: the client's bytes
@@ -286,3 +286,17 @@ def test_route_with_vllm_backends_needs_a_valid_secret(
     out = capsys.readouterr()
     assert caught.value.code == 2 and says in out.err
     assert "tooshort-secret" not in out.err + out.out
+
+
+def test_route_refuses_an_open_address_with_no_api_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``route --host 0.0.0.0`` is checked as ``serve --host`` is: the router's own address,
+    not the servers' ``server.host`` in the settings file it reads (issue #39)."""
+    monkeypatch.delenv("PREFIXCACHE_CONFIG", raising=False)
+    config = tmp_path / "route.toml"
+    config.write_text('[server]\nhost = "127.0.0.1"\n')
+    argv = ["route", "--config", str(config), "--backend", "http://h:8000", "--redis", "redis://h:6379/0"]
+    with pytest.raises(SystemExit) as caught:
+        main([*argv, "--host", "0.0.0.0"])
+    assert caught.value.code == 2 and "allow_open_access" in capsys.readouterr().err

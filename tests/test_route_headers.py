@@ -75,9 +75,9 @@ def tokenize(path: str, body: dict[str, object]) -> list[int]:
 
 
 def start(
-    backend: Echo, redis_url: str | None, backend_key: str = "", proxies: tuple[str, ...] = ()
+    backend: Echo, redis_url: str | None, backend_key: str = "", proxies: tuple[str, ...] = (), secret: str = SECRET
 ) -> tuple[Router, LiveServer]:
-    auth = AuthSettings(api_keys=KEYS, tenant_header=HEADER, tenant_secret=SECRET, backend_key=backend_key)
+    auth = AuthSettings(api_keys=KEYS, tenant_header=HEADER, tenant_secret=secret, backend_key=backend_key)
     settings = Settings(auth=auth, server=ServerSettings(trusted_proxies=proxies))
     if redis_url is not None:
         config = RouteConfig((backend.live.url,), redis_url)
@@ -210,6 +210,32 @@ def test_the_clients_tenant_header_is_believed_only_with_a_proof(echo: Echo, red
         assert echo.headers[b"x-org"] == b"initech" and echo.headers[PROOF_HEADER.encode()] == proof
     finally:
         live.stop()
+
+
+def test_without_a_secret_the_router_takes_the_tenant_from_the_key_never_the_clients_header(
+    echo: Echo, redis_server: RedisServer
+) -> None:
+    """The servers' settings name a tenant header and no secret (a documented server mode:
+    only the gateway reaches them). The router is that gateway: the key of globex with
+    ``X-Org: acme`` reaches the backend as globex, and the router names it so (issue #39)."""
+    _router, live = start(echo, redis_server.url, secret="")
+    try:
+        for forged in (b"acme", b"", b"globex, acme"):
+            sent = send(live.url, [(b"Authorization", b"Bearer sk-globex"), (b"X-Org", forged)])
+            assert sent.status_code == 200
+            assert echo.headers[b"x-org"] == b"globex" and PROOF_HEADER.encode() not in echo.headers
+        assert send(live.url, [(b"X-Org", b"acme")]).status_code == 401  # no key: no tenant at all
+    finally:
+        live.stop()
+
+
+def test_route_warns_of_a_tenant_header_no_secret_backs() -> None:
+    from prefixcache.fleet.cli import route_warnings
+
+    trusting = Settings(auth=AuthSettings(api_keys=KEYS, tenant_header=HEADER))
+    assert any("tenant_secret" in line and HEADER in line for line in route_warnings(trusting))
+    proven = Settings(auth=AuthSettings(api_keys=KEYS, tenant_header=HEADER, tenant_secret=SECRET))
+    assert route_warnings(proven) == []
 
 
 def test_without_the_clients_choice_the_backend_is_asked_for_no_compression() -> None:

@@ -31,6 +31,17 @@ class Auth:
     def __init__(self, settings: AuthSettings, sessions: Sessions) -> None:
         self.settings, self.sessions = settings, sessions
 
+    @classmethod
+    def at_gateway(cls, settings: AuthSettings, sessions: Sessions) -> Auth:
+        """The guards of the gateway itself (``prefixcache route``), which owns the tenant:
+        it reads the servers' settings, whose ``tenant_header`` names what the gateway sends
+        them. A client's own header is believed only beside a proof (a gateway in front of
+        this one, holding ``tenant_secret``); without a secret nothing vouches for it, and
+        the tenant comes from the client's key alone."""
+        if settings.tenant_header and not settings.tenant_secret:
+            settings = settings.model_copy(update={"tenant_header": ""})
+        return cls(settings, sessions)
+
     def _key(self, request: Request) -> str | None:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")

@@ -80,7 +80,7 @@ class Router:
         if config.vllm and secret is None:
             raise ValueError(NO_SECRET)
         self.stamper = Stamper.of(settings, secret)
-        self.auth = Auth(settings.auth, Sessions(settings.auth.dashboard_session_s))
+        self.auth = Auth.at_gateway(settings.auth, Sessions(settings.auth.dashboard_session_s))
         self.proxies = TrustedProxies(settings.server.trusted_proxies)  # whose X-Forwarded-* the router believes
         self.shared_mode = settings.cache.isolation == "shared"
         self.index = GlobalIndex(rank=config.scorer.credit)
