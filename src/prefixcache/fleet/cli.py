@@ -6,7 +6,7 @@ import argparse
 import logging
 from typing import Any
 
-__all__ = ["add_route_parser", "run_route"]
+__all__ = ["add_route_parser", "route_warnings", "run_route"]
 
 
 def add_route_parser(sub: Any) -> None:
@@ -36,6 +36,11 @@ def add_route_parser(sub: Any) -> None:
     route.add_argument("--config", help="the servers' TOML settings file (default: $PREFIXCACHE_CONFIG)")
     route.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     route.add_argument("--port", type=int, default=8100, help="port to listen on (default 8100)")
+    route.add_argument(
+        "--allow-open-access",
+        action="store_true",
+        help="listen beyond loopback with no API keys configured (anyone who reaches the port may use it)",
+    )
     route.add_argument(
         "--routing",
         default=Routing.COST.value,
@@ -67,7 +72,12 @@ def run_route(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.backend and not args.redis:
         parser.error("--backend needs --redis URL (where prefixcache servers publish their events)")
     try:
-        settings = load_settings(args.config)
+        listen: dict[str, Any] = {"host": args.host, "port": args.port}
+        if args.allow_open_access:
+            listen["allow_open_access"] = True
+        # NOTE: the router listens at --host/--port, so the settings' check of an open
+        # address (no API keys off loopback) reads them, not the servers' own server.host
+        settings = load_settings(args.config, overrides={"server": listen})
         scorer = Scorer() if args.load_weight is None else Scorer(load_weight=args.load_weight)
         block_size = settings.cache.block_size if args.block_size is None else args.block_size
         model = args.model_id or settings.model.served_id
@@ -77,6 +87,8 @@ def run_route(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(exc))
     if vllm and secret is None:
         parser.error(NO_SECRET)
+    for line in route_warnings(settings):
+        logging.getLogger("prefixcache.route").warning("%s", line)
     urls = [*(b.rstrip("/") for b in args.backend), *(v.url for v in vllm)]
     if len(set(urls)) != len(urls):
         parser.error("each backend URL may be given once")
@@ -89,3 +101,17 @@ def run_route(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     served = uvicorn_config(app, settings, host=args.host, port=args.port)
     uvicorn.Server(served).run()
     return 0
+
+
+def route_warnings(settings: Any) -> list[str]:
+    """What ``route`` warns of at start, as ``serve`` does of its own settings."""
+    out = []
+    if settings.auth.local_mode:
+        out.append("no [auth] api_keys configured: single-tenant local mode, no authentication (tenant 'local')")
+    if settings.auth.tenant_header and not settings.auth.tenant_secret:
+        out.append(
+            f"auth.tenant_header ({settings.auth.tenant_header}) with no auth.tenant_secret: the router names each "
+            "request's tenant to its backends by that header and believes no client's own (the tenant comes from "
+            "the API key); the backends believe whoever reaches them, so only the router may: set tenant_secret"
+        )
+    return out
