@@ -117,10 +117,21 @@ class Contexts:
         root, hasher = entry
         return KeyChain(hasher, lookup.data, lookup.segments, root.ctx_enc, self._oneshot)
 
-    def bump(self, model: str, adapter: str | None) -> tuple[int, list[Root]]:
-        """A new epoch for ``model`` (or one adapter of it): returns it and the roots it
-        made stale, now out of the table."""
-        epoch = self._epochs.get((model, adapter), 0) + 1
+    def known(self) -> dict[tuple[str, str | None], int]:
+        """Every epoch above 0, by (model, adapter): what the durable tiers must keep."""
+        return dict(self._epochs)
+
+    def epoch(self, model: str, adapter: str | None) -> int:
+        return self._epochs.get((model, adapter), 0)
+
+    def bump(self, model: str, adapter: str | None, to: int | None = None) -> tuple[int, list[Root]]:
+        """A new epoch for ``model`` (or one adapter of it), the next or ``to`` (which must
+        be above it: an epoch only goes up): returns it and the roots it made stale, now
+        out of the table."""
+        now = self._epochs.get((model, adapter), 0)
+        epoch = now + 1 if to is None else to
+        if epoch <= now:
+            raise ValueError(f"an epoch only goes up: {model!r}/{adapter!r} is at {now}, not above {epoch}")
         self._epochs[(model, adapter)] = epoch
         stale = []
         for name, (root, _) in list(self._roots.items()):

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from prefixcache.cache.contexts import Contexts
+from prefixcache.cache.invalidations import Stamp
 from prefixcache.cache.kv import KVSource, LoadedKV, kv_source
 from prefixcache.cache.ledger import Ledger
 from prefixcache.cache.owner import Owner
@@ -201,7 +202,13 @@ class PrefixCache:
     # ================================================================ storing
 
     def insert(
-        self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None, *, kv: KV = None
+        self,
+        tokens: Tokens,
+        ctx: CacheContext,
+        segments: Sequence[Segment] | None = None,
+        *,
+        kv: KV = None,
+        since: Stamp | None = None,
     ) -> int:
         """Cache the full blocks of ``tokens`` (and the tail, with ``partial_blocks``).
         Returns how many tokens were newly stored; fewer than asked when the pool has
@@ -209,16 +216,27 @@ class PrefixCache:
 
         With tiers, ``kv`` is the KV of these tokens: an array ``[layers, 2, kv_heads, >=
         len(tokens), head_dim]`` (numpy or CPU torch), or a ``KVSource``; only the range
-        of the new blocks is read from it (``stats().kv_bytes_in`` counts it)."""
+        of the new blocks is read from it (``stats().kv_bytes_in`` counts it).
+
+        ``since``: the ``stamp()`` taken when this store was decided (a request's, before
+        its match). A purge or epoch bump made after it that covers these tokens wins:
+        nothing is stored (``stats().voided_tokens``), so a request in flight cannot
+        bring back what an operator purged. Without it, the store counts as decided now."""
         if self._io is None:
             if kv is not None:
                 raise ValueError("kv given, but this cache has no tiers to hold it (configure tiers and kv_layout)")
-            return self._owner.insert(tokens, ctx, segments)
+            return self._owner.insert(tokens, ctx, segments, since)
         if kv is None:
             raise ValueError("this cache has tiers: insert needs kv (the KV of the tokens)")
         assert self.config.kv_layout is not None
         source = kv_source(kv, self.config.kv_layout, len(tokens))
-        return self._io.insert(tokens, ctx, segments, source)
+        return self._io.insert(tokens, ctx, segments, source, since)
+
+    def stamp(self) -> Stamp:
+        """Now, for a store decided now and made later (``insert(..., since=stamp)``): a
+        request takes it before its match, so that a purge or an epoch bump while it
+        computes is final. Cheap: one number, read under the lock."""
+        return self._owner.stamp()
 
     def access(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None) -> tuple[int, int]:
         """Match, insert, release as one step -- what a simulator does with each request.

@@ -350,7 +350,7 @@ class Ledger:
         for block in blocks:
             self.inflight.pop(block.key, None)
         parent = chain.parent
-        if _left(parent):
+        if _left(parent) or self._voided(chain):
             n = 0
         linked = blocks[:n]
         stored = linked[-1].end - parent.end if linked else 0
@@ -361,6 +361,15 @@ class Ledger:
             self._link(chain, linked, stored)
         self.life.unpin(chain.pin)  # NOTE: after linking, so that a parent with new children stays
         return linked
+
+    def _voided(self, chain: Chain) -> bool:
+        """Whether a purge or an epoch bump made after ``chain`` was decided covers it: its
+        blocks then never link, wherever their bytes went (issue 39, finding 9)."""
+        since = chain.since
+        if since is None or not self.life.invalid.voids(since, chain.ctx, (chain.root.ctx_name,), chain.data):
+            return False
+        self.counters.count_voided(chain.end - chain.begin)
+        return True
 
     def _link(self, chain: Chain, linked: list[Block], stored: int) -> None:
         parent, pool = chain.parent, chain.pool

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prefixcache.cache.contexts import Contexts
+from prefixcache.cache.invalidations import EpochBumped, Invalidations, PrefixPurged, TenantPurged
 from prefixcache.cache.residency import Books
 from prefixcache.cache.stats import Counters
 from prefixcache.cache.tree import Block, BlockTree, Lookup, Node, Pin, path_to, postorder, runs_to
@@ -25,7 +26,7 @@ from prefixcache.config import CacheConfig
 from prefixcache.events import BlocksRemoved, EventLog, RemovalReason
 from prefixcache.storage.base import Frame
 from prefixcache.storage.queue import FrameSource
-from prefixcache.tenancy import Pool, Tenancy
+from prefixcache.tenancy import PUBLIC, Pool, Tenancy
 
 __all__ = ["Lifecycle"]
 
@@ -54,6 +55,7 @@ class Lifecycle:
         self.stale: deque[Iterator[Block]] = deque()  # the blocks of stale roots, children first
         self.ttl: OrderedDict[bytes, Block] | None = OrderedDict() if config.ttl_seconds else None
         self.used = 0  # tokens held or reserved, in every pool
+        self.invalid = Invalidations()  # purges and bumps, numbered: a store decided before one loses
         self._clock = clock
 
     # ================================================================ room in a pool
@@ -284,6 +286,7 @@ class Lifecycle:
 
     def purge(self, tenant: str) -> int:
         self.counters.count_purge()
+        self.invalid.record(TenantPurged(tenant))
         tops = [
             b for b in self.tree.nodes.values() if b.owner == tenant and (b.parent.is_root or b.parent.owner != tenant)
         ]
@@ -293,6 +296,10 @@ class Lifecycle:
         n_tokens, bs = len(lookup.data) // 4, self.config.block_size
         n_full, tail = divmod(n_tokens, bs)
         self.counters.count_purge()
+        # NOTE: the public root's name even when nothing hangs there yet: a publication of
+        # this prefix decided before the purge must not land after it
+        names = {root.ctx_name for root in lookup.roots} | {(PUBLIC, *lookup.roots[0].ctx_name[1:])}
+        self.invalid.record(PrefixPurged(frozenset(names), lookup.data))
         parents: list[Node] = list(lookup.roots)
         if n_full:
             parents = []
@@ -342,11 +349,14 @@ class Lifecycle:
             ):
                 self.remove(sibling, RemovalReason.REPLACED)
 
-    def bump_epoch(self, model: str, adapter: str | None) -> int:
-        epoch, stale = self.contexts.bump(model, adapter)
+    def bump_epoch(self, model: str, adapter: str | None, to: int | None = None) -> int:
+        """A new epoch for ``model`` (or one adapter of it): the next one, or ``to`` (an
+        epoch another server or a tier's record knows, above this one)."""
+        epoch, stale = self.contexts.bump(model, adapter, to)
         for root in stale:
             self.stale.append(postorder(root))
         self.counters.count_epoch_bump()
+        self.invalid.record(EpochBumped(model, adapter))
         return epoch
 
     def reclaim(self, max_blocks: int | None) -> int:

@@ -33,6 +33,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from prefixcache.cache import loadsteps, writesteps
+from prefixcache.cache.invalidations import Stamp
 from prefixcache.cache.ledger import Alive, Ledger
 from prefixcache.cache.peek import Peek, in_tree
 from prefixcache.cache.plans import Chain, Found, LoadPlan, Matched, Probe, Probed, Promoted, Promotion, Written
@@ -139,14 +140,28 @@ class Owner:
 
     # ================================================================ storing
 
-    def plan_insert(self, tokens: object, ctx: CacheContext, segments: object, publish: bool) -> Chain | None:
+    def stamp(self) -> Stamp:
+        with self._lock:
+            return self.ledger.life.invalid.stamp()
+
+    def plan_insert(
+        self, tokens: object, ctx: CacheContext, segments: object, publish: bool, since: Stamp | None = None
+    ) -> Chain | None:
         """The chain an insert with KV stores next: the published prefix it owes (when
-        ``publish`` and one is owed: ``chain.tenants >= 0``), else what the cache lacks."""
+        ``publish`` and one is owed: ``chain.tenants >= 0``), else what the cache lacks.
+        None too when a purge or bump after ``since`` covers it; the chain carries
+        ``since`` (or now), for its commit to check again."""
         ledger = self.ledger
         with self._deciding():
             lookup = ledger.lookup(tokens, ctx, segments)
+            seq = since.seq if since is not None else ledger.life.invalid.seq
+            if self._voided(seq, lookup, ctx):
+                return None
             chain = ledger.publish(lookup, ctx, tiers=True) if publish and ledger.publisher.active else None
-            return chain if chain is not None else ledger.extend(lookup, ctx, None, tiers=True)
+            chain = chain if chain is not None else ledger.extend(lookup, ctx, None, tiers=True)
+            if chain is not None:
+                chain.since, chain.data = seq, lookup.data
+            return chain
 
     def commit_insert(self, chain: Chain, written: Written) -> int:
         with self._deciding():
@@ -157,9 +172,20 @@ class Owner:
         with self._deciding():
             return writesteps.commit_write(self.ledger, job, outcome)
 
-    def insert(self, tokens: object, ctx: CacheContext, segments: object) -> int:
+    def insert(self, tokens: object, ctx: CacheContext, segments: object, since: Stamp | None = None) -> int:
         with self._lock:
+            if since is not None and self._voided(since.seq, self.ledger.lookup(tokens, ctx, segments), ctx):
+                return 0
             return self.ledger.insert(tokens, ctx, segments)
+
+    def _voided(self, seq: int, lookup: Lookup, ctx: CacheContext) -> bool:
+        """Whether a purge or bump after ``seq`` covers a store of ``lookup`` (counted)."""
+        ledger = self.ledger
+        if not ledger.life.invalid.voids(seq, ctx, (root.ctx_name for root in lookup.roots), lookup.data):
+            return False
+        ledger.counters.count_voided(len(lookup.data) // 4)
+        ledger.contexts.drop_empty(lookup)
+        return True
 
     def access(self, tokens: object, ctx: CacheContext, segments: object) -> tuple[int, int]:
         with self._lock:

@@ -53,6 +53,8 @@ class Chain:
     reserved: int  # tokens reserved in the pool (and the cache)
     tiers: list[int] = field(default_factory=list)
     tenants: int = -1  # >= 0: a published prefix, made public by that many tenants (0: declared)
+    since: int | None = None  # with tiers: the invalidations seen when it was decided (``invalidations.py``)
+    data: bytes = b""  # with ``since``: the tokens from the root, which a prefix purge is compared with
 
     @property
     def begin(self) -> int:

@@ -107,6 +107,7 @@ class Counters:
     published_blocks: int = 0
     epoch_bumps: int = 0
     purges: int = 0  # operator calls of purge and purge_prefix (the removals count their blocks)
+    voided_tokens: int = 0  # tokens of stores a purge or an epoch bump made after their decision dropped
     kv_bytes_in: int = 0  # KV bytes taken from callers' sources by inserts: the new ranges only
     removals: Counter[RemovalReason] = field(default_factory=Counter)
     tenants: dict[str, TenantCounters] = field(default_factory=dict)
@@ -152,6 +153,10 @@ class Counters:
 
     def count_epoch_bump(self) -> None:
         self.epoch_bumps += 1
+
+    def count_voided(self, tokens: int) -> None:
+        """A store decided before a purge or bump that covers it: dropped (``invalidations.py``)."""
+        self.voided_tokens += tokens
 
     def count_kv_in(self, nbytes: int) -> None:
         self.kv_bytes_in += nbytes
@@ -299,6 +304,7 @@ class CacheStats:
     pools: Mapping[str, PoolStats]
     tiers: tuple[TierStats, ...] = ()
     writer: WriterStats | None = None
+    voided_tokens: int = 0  # stores dropped because a purge or epoch bump came after their decision
 
     @property
     def evictions(self) -> int:
@@ -385,4 +391,5 @@ def snapshot(ledger: Ledger, tiers: tuple[TierStats, ...] = (), writer: WriterSt
         pools=pools,
         tiers=tiers,
         writer=writer,
+        voided_tokens=c.voided_tokens,
     )

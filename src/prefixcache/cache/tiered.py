@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from prefixcache.cache.invalidations import Stamp
 from prefixcache.cache.kv import KVSource, LoadedKV, as_kv_array
 from prefixcache.cache.owner import Owner
 from prefixcache.cache.plans import Chain, LoadPlan, Probe, Probed, Promoted, Written
@@ -109,14 +110,18 @@ class TieredPath:
 
     # ================================================================ insert
 
-    def insert(self, tokens: object, ctx: CacheContext, segments: object, source: KVSource) -> int:
+    def insert(
+        self, tokens: object, ctx: CacheContext, segments: object, source: KVSource, since: Stamp | None = None
+    ) -> int:
         """Store what the cache lacks of ``tokens`` (a published prefix first, when one is
-        owed), reading from ``source`` only the range of the new blocks."""
+        owed), reading from ``source`` only the range of the new blocks; nothing that a
+        purge or bump after ``since`` covers."""
         if not len(tokens):  # type: ignore[arg-type]
             return 0
+        since = since if since is not None else self.owner.stamp()  # NOTE: one for both rounds
         stored = 0
         for round_ in range(2):
-            chain = self.owner.plan_insert(tokens, ctx, segments, publish=round_ == 0)
+            chain = self.owner.plan_insert(tokens, ctx, segments, publish=round_ == 0, since=since)
             if chain is None:
                 break
             stored += self._write_chain(chain, source)
