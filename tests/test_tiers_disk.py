@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from prefixcache.storage import codec
 from prefixcache.storage import disk as disk_module
 from prefixcache.storage.base import TierError, TierFull
 from prefixcache.storage.disk import FSYNC_POLICIES, MAX_KEY_BYTES, DiskStore
+from prefixcache.storage.placed import Place
 
 HERE = Path(__file__).resolve().parent
 SMALL = (2, 2, 2, 4, 8)  # 256 items
@@ -436,3 +438,54 @@ def test_kill_9_mid_write_leaves_only_whole_verified_frames(tmp_path: Path, hang
     assert store.stats.errors.keys() <= {"partial"} and store.quarantined == 0
     if hang:  # the half-written replace of key 8: deleted, and key 8's old frame still served
         assert store.stats.errors["partial"] == 1 and len(store) == 16
+
+
+# ---------------------------------------------------------------------------- bounded reads
+
+
+def _unhung(fn: Any) -> Any:
+    """``fn()`` on a thread: a read that blocks (a FIFO's open) fails the test instead of
+    hanging it. NOTE: the bound only turns a hang into a failure; the read takes microseconds."""
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert out, "the read blocked"
+    return out[0]
+
+
+@pytest.mark.parametrize("thing", ["fifo", "link to /dev/zero", "longer than a frame"])
+@pytest.mark.parametrize("placed", [False, True], ids=["whole", "placed"])
+def test_a_name_that_is_no_frame_file_is_a_miss_never_a_hang_or_an_endless_read(
+    tmp_path: Path, thing: str, placed: bool
+) -> None:
+    """Whoever writes the disk tier's folder may put a FIFO, a link to ``/dev/zero`` or a
+    huge (sparse) file under a block's name: a read neither waits nor reads more than a
+    frame of the tier's layout; the name is a counted miss, quarantined (issue #39)."""
+    a, b = key_of(1), key_of(2)
+    frame = frame_for(a)
+    store = DiskStore(tmp_path, 1 << 20, max_frame_bytes=len(frame))
+    store.put(a, frame)
+    store.put(b, frame_for(b))
+    path = block_file(store, a)
+    path.unlink()
+    if thing == "fifo":
+        os.mkfifo(path)
+    elif thing == "link to /dev/zero":
+        path.symlink_to("/dev/zero")
+    else:
+        with path.open("wb") as f:
+            f.write(frame)
+            f.truncate(4 << 30)  # sparse: no disk is used
+    if placed:
+        buffer = bytearray(len(frame))
+        out = np.zeros(SMALL, np.float32)
+        place = Place(memoryview(out).cast("B"), 0, 32, 32, 32, 32)
+        assert _unhung(lambda: store.read_placed(a, buffer, place)) is None
+    else:
+        assert _unhung(lambda: store.get_many([a, b])) == [None, frame_for(b)]
+    assert sum(store.stats.errors.values()) == 1 and a not in store
+    assert not path.exists() and not path.is_symlink()  # quarantined, not deleted: an operator may look
+    assert store.get_many([a]) == [None]
+    with pytest.raises(ValueError, match="max_frame_bytes"):
+        DiskStore(tmp_path, 1 << 20, max_frame_bytes=0)

@@ -59,13 +59,17 @@ static PyObject *read_placed(PyObject *self, PyObject *args) {
     unsigned char digest[16];
     const char *name = PyBytes_AS_STRING(path);
     Py_BEGIN_ALLOW_THREADS
-    int fd = open(name, O_RDONLY | O_CLOEXEC);
+    /* no link followed, no open that waits (a FIFO), only a regular file read: a name in a
+       shared folder costs a miss, never a hang or an endless read (disk.py's read_file) */
+    int fd = open(name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     struct stat st;
     if (fd < 0) {
         err = errno;
     } else {
         if (fstat(fd, &st) != 0) {
             err = errno;
+        } else if (!S_ISREG(st.st_mode)) {
+            err = EINVAL;
         } else {
             size = (Py_ssize_t)st.st_size;
             if (size >= payload && size <= buffer.len && (err = read_all(fd, buffer.buf, size)) == 0) {

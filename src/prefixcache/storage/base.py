@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 
 Frame = bytes | bytearray | memoryview
 
+# NOTE: a store opened with its layout (``open.open_store``) reads no more than one frame
+# of that layout; this is the bound of a store built without one. Whoever can write a
+# shared tier (a Redis, a bucket, a disk folder) can put anything under a key: a read
+# that takes whatever is there would let one object take the process's memory.
+MAX_FRAME_BYTES = 1 << 30
+
 log = logging.getLogger("prefixcache.tiers")
 
 ERROR_LOG_EVERY_S = 60.0  # per store and kind: the first error is logged, then one line a minute at most

@@ -35,8 +35,10 @@ are verified on every read instead, where a bad block costs one miss.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -44,7 +46,7 @@ from pathlib import Path
 from typing import ClassVar, Final, TypeVar
 
 from prefixcache.storage import codec
-from prefixcache.storage.base import Frame, TierError, TierFull, TierStore
+from prefixcache.storage.base import MAX_FRAME_BYTES, Frame, TierError, TierFull, TierStore
 from prefixcache.storage.placed import Place, Placed, read_placed
 
 __all__ = ["FSYNC_POLICIES", "MAX_KEY_BYTES", "DiskStore"]
@@ -107,10 +109,15 @@ class DiskStore(TierStore):
     verifies_reads: ClassVar[bool] = True  # get_many decodes every frame it returns
     places_reads: ClassVar[bool] = True
 
-    def __init__(self, directory: str | Path, capacity_bytes: int, fsync: str = "data") -> None:
+    def __init__(
+        self, directory: str | Path, capacity_bytes: int, fsync: str = "data", *, max_frame_bytes: int = MAX_FRAME_BYTES
+    ) -> None:
         super().__init__(capacity_bytes)
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"unknown fsync policy {fsync!r}; valid: {', '.join(FSYNC_POLICIES)}")
+        if max_frame_bytes < 1:
+            raise ValueError(f"max_frame_bytes must be >= 1, got {max_frame_bytes}")
+        self.max_frame_bytes = max_frame_bytes  # a file longer is no frame of this tier (never read whole)
         self.directory = Path(directory)
         self.fsync = fsync
         self.quarantined = 0  # files moved to quarantine/ since open
@@ -261,7 +268,7 @@ class DiskStore(TierStore):
         return self._read(key, lambda path: read_placed(path, buffer, place), lambda got: len(got.frame))
 
     def _get(self, key: bytes) -> bytes | None:
-        return self._read(key, _read_frame(key), len)
+        return self._read(key, _read_frame(key, self.max_frame_bytes), len)
 
     def _read(self, key: bytes, read: Callable[[str], T], size: Callable[[T], int]) -> T | None:
         """``read`` the file of ``key``; a missing, unreadable or bad file is a miss (and
@@ -389,12 +396,43 @@ class DiskStore(TierStore):
             path.unlink()
 
 
-def _read_frame(key: bytes) -> Callable[[str], bytes]:
-    """A whole frame's file, read and verified against ``key``."""
+# NOTE: a name in the folder that is not a plain file of ours (a FIFO, a device, a link
+# to /dev/zero) must cost a miss, never a wait or an endless read: no link is followed,
+# no open blocks, and only a regular file is read (``_placed.c`` opens the same way).
+_OPEN_FLAGS: Final = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+def read_file(path: str, limit: int) -> bytes:
+    """The bytes of the regular file at ``path``, at most ``limit`` of them; a name that
+    is a link or no regular file, or a file longer than ``limit``, is a ``CorruptFrame``
+    (read no further than ``limit`` + 1 bytes)."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise codec.CorruptFrame(f"{path} is a symbolic link, not a frame") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise codec.CorruptFrame(f"{path} is not a regular file")
+        if st.st_size > limit:
+            raise codec.CorruptFrame(f"{path} holds {st.st_size} bytes, more than a frame's {limit}")
+        data = os.read(fd, st.st_size)  # NOTE: one read of a regular file; the loop is for the rare short one
+        while len(data) < st.st_size and (more := os.read(fd, st.st_size - len(data))):
+            data += more
+        if len(data) == st.st_size and os.read(fd, 1):
+            raise codec.CorruptFrame(f"{path} grew while it was read")
+        return data  # shortened under us: the frame check refuses it
+    finally:
+        os.close(fd)
+
+
+def _read_frame(key: bytes, limit: int) -> Callable[[str], bytes]:
+    """A whole frame's file (at most ``limit`` bytes), read and verified against ``key``."""
 
     def read(path: str) -> bytes:
-        with open(path, "rb", buffering=0) as f:
-            data = f.readall()
+        data = read_file(path, limit)
         codec.verify(data, key=key)
         return data
 

@@ -11,8 +11,9 @@ __all__ = ["open_store"]
 
 
 def open_store(config: TierConfig, frame_bytes: int, seed: str) -> TierStore:
-    """The store of ``config``, for frames of up to ``frame_bytes``; Redis keys and S3
-    object paths are prefixed by the tier's namespace (default: the deployment seed)."""
+    """The store of ``config``, for frames of up to ``frame_bytes`` (a stored tier reads no
+    more than that of any key: what another writer put there is bounded too); Redis keys
+    and S3 object paths are prefixed by the tier's namespace (default: the deployment seed)."""
     slot = MemoryStore.slot_for(frame_bytes)
     if config.kind == "memory":
         return MemoryStore(config.capacity_bytes, slot)
@@ -22,7 +23,7 @@ def open_store(config: TierConfig, frame_bytes: int, seed: str) -> TierStore:
         return DeviceStore(config.capacity_bytes, slot, config.device)
     if config.kind == "disk":
         assert config.path is not None
-        return DiskStore(config.path, config.capacity_bytes, config.fsync)
+        return DiskStore(config.path, config.capacity_bytes, config.fsync, max_frame_bytes=frame_bytes)
     if config.kind == "s3":
         from prefixcache.storage.s3 import S3Store  # obstore and boto3 are optional dependencies
 
@@ -38,6 +39,7 @@ def open_store(config: TierConfig, frame_bytes: int, seed: str) -> TierStore:
             connect_timeout=config.connect_timeout,
             read_timeout=config.read_timeout,
             concurrency=config.concurrency,
+            max_frame_bytes=frame_bytes,
         )
     assert config.url is not None
     if config.cluster:
@@ -50,6 +52,7 @@ def open_store(config: TierConfig, frame_bytes: int, seed: str) -> TierStore:
             startup_nodes=config.startup_nodes,
             connect_timeout=config.connect_timeout,
             read_timeout=config.read_timeout,
+            max_frame_bytes=frame_bytes,
         )
     from prefixcache.storage.redis import RedisStore
 
@@ -59,4 +62,5 @@ def open_store(config: TierConfig, frame_bytes: int, seed: str) -> TierStore:
         config.namespace or seed,
         connect_timeout=config.connect_timeout,
         read_timeout=config.read_timeout,
+        max_frame_bytes=frame_bytes,
     )

@@ -11,6 +11,9 @@ Without a C compiler the same steps run in Python, one call each.
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -85,7 +88,10 @@ def read_placed(path: str, buffer: bytearray, place: Place) -> Placed:
 def _read_placed(path: str, buffer: bytearray, place: Place) -> tuple[int, bytes | None]:
     """``_placed.read_placed`` in Python."""
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # as ``_placed.c``
+    with open(fd, "rb", buffering=0, closefd=True) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
         n = 0
         while n < len(view) and (got := f.readinto(view[n:])):
             n += got
