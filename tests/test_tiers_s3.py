@@ -173,6 +173,21 @@ def test_objects_that_are_not_this_blocks_frame_are_counted_misses_and_deleted(s
     assert objects() == {}
 
 
+def test_an_object_longer_than_a_frame_of_the_tier_is_never_read_whole(s3: MotoServer) -> None:
+    """Whoever writes the bucket may put a huge object under a block's name: the store
+    reads no more than a frame of its layout (the object's size, before its body), and
+    the object is a counted miss, deleted (issue #39)."""
+    frame = frame_of(0)
+    with store_at(s3.endpoint, max_frame_bytes=len(frame)) as st:
+        client().put_object(Bucket=S3_BUCKET, Key=path_of(key_of(0)), Body=frame + b"\0" * (1 << 20))
+        st.put(key_of(1), frame_of(1))
+        assert st.get_many([key_of(0), key_of(1)]) == [None, frame_of(1)]
+        assert st.stats.errors["checksum"] == 1 and st.stats.bytes_read == len(frame)
+    assert list(objects()) == [path_of(key_of(1))]
+    with pytest.raises(ValueError, match="max_frame_bytes"):
+        store_at(s3.endpoint, max_frame_bytes=0)
+
+
 # ============================================================================ start-up
 
 

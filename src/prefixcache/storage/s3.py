@@ -56,10 +56,11 @@ from datetime import timedelta
 from typing import ClassVar, Final, TypeVar
 
 import obstore
+from obstore import Bytes
 from obstore.store import S3Store as ObjectStore
 
 from prefixcache.storage import codec
-from prefixcache.storage.base import Frame, TierError, TierFull, TierStore
+from prefixcache.storage.base import MAX_FRAME_BYTES, Frame, TierError, TierFull, TierStore
 from prefixcache.storage.breaker import CircuitBreaker
 
 __all__ = ["S3StartError", "S3Store"]
@@ -142,8 +143,12 @@ class S3Store(TierStore):
         concurrency: int = 16,
         breaker: CircuitBreaker | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
         super().__init__(capacity_bytes)
+        if max_frame_bytes < 1:
+            raise ValueError(f"max_frame_bytes must be >= 1, got {max_frame_bytes}")
+        self.max_frame_bytes = max_frame_bytes  # an object longer is no frame of this tier (never read)
         if not isinstance(namespace, str) or not namespace or "/" in namespace:
             raise ValueError("namespace (the deployment seed) must be a non-empty string without '/'")
         if concurrency < 1:
@@ -310,17 +315,26 @@ class S3Store(TierStore):
     def _get_one(self, key: bytes) -> memoryview | None:
         path = self._path(key)
         try:
-            got = self._guarded(lambda: obstore.get(self._client, path).bytes())
+            got = self._guarded(lambda: self._bounded_get(path))
         except (TierError, FileNotFoundError):
             return None
-        frame = memoryview(got)
+        frame = memoryview(got) if got is not None else None
         try:
+            if frame is None or frame.nbytes > self.max_frame_bytes:
+                raise codec.CorruptFrame(f"{path}: longer than a frame of this tier ({self.max_frame_bytes} bytes)")
             codec.verify(frame, key=key)
         except codec.FrameError:
             self.stats.error("checksum")
             self._discard(path)
             return None
         return frame
+
+    def _bounded_get(self, path: str) -> Bytes | None:
+        """The object's bytes, or None, unread, when its size says it is longer than a frame."""
+        result = obstore.get(self._client, path)
+        if result.meta["size"] > self.max_frame_bytes:
+            return None  # NOTE: the body is left unread (the response is dropped)
+        return result.bytes()
 
     def _discard(self, path: str) -> None:
         """DELETE a bad object, best effort: a failure is counted and the next read finds it bad again."""
