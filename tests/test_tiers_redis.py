@@ -145,6 +145,22 @@ def test_corrupt_values_are_counted_misses_and_deleted(redis_server: RedisServer
     raw.close()
 
 
+def test_a_value_longer_than_a_frame_of_the_tier_is_never_read_whole(redis_server: RedisServer) -> None:
+    """Whoever writes the Redis may put a huge value under a block's key: the store reads
+    one byte past a frame of its layout at most (GETRANGE), and the value is a counted
+    miss, deleted (issue #39); an empty value is a plain miss."""
+    raw = redis.Redis.from_url(redis_server.url)
+    frame = frame_of(0)
+    with store_at(redis_server.url, max_frame_bytes=len(frame)) as store:
+        raw.set(f"{SEED}:".encode() + key_of(0), frame + b"\0" * (1 << 20))
+        raw.set(f"{SEED}:".encode() + key_of(2), b"")
+        store.put(key_of(1), frame_of(1))
+        assert store.get_many([key_of(0), key_of(1), key_of(2)]) == [None, frame_of(1), None]
+        assert store.stats.errors["checksum"] == 1 and store.stats.bytes_read == len(frame)
+        assert raw.exists(f"{SEED}:".encode() + key_of(0)) == 0
+    raw.close()
+
+
 # ============================================================================ failures
 
 
@@ -235,9 +251,11 @@ def test_flushall_mid_run_is_misses_and_forgets_the_keys(redis_server: RedisServ
 
 
 def test_redis_eviction_under_maxmemory_never_returns_wrong_bytes(tmp_path: Path) -> None:
-    srv = RedisServer(tmp_path, extra=("--maxmemory", "1mb", "--maxmemory-policy", "allkeys-lru")).start()
+    # NOTE: 4 MiB, well above an empty Redis's own memory (about 1 MiB), where Redis can
+    # still make room: at its own footprint it refuses reads in a MULTI (``_fetch``)
+    srv = RedisServer(tmp_path, extra=("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")).start()
     try:
-        shape = (4, 2, 2, 16, 16)  # 16 KiB of float16 per frame; 200 frames is 3 MiB
+        shape = (4, 2, 4, 16, 64)  # 64 KiB of float16 per frame; 200 frames is 12.5 MiB
         frames = {key_of(i): frame_of(i, shape=shape) for i in range(200)}
         with store_at(srv.url) as store:
             items = list(frames.items())

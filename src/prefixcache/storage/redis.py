@@ -38,7 +38,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from prefixcache.storage import codec
-from prefixcache.storage.base import Frame, TierError, TierFull, TierStore
+from prefixcache.storage.base import MAX_FRAME_BYTES, Frame, TierError, TierFull, TierStore
 from prefixcache.storage.breaker import CircuitBreaker
 
 __all__ = ["EXISTS_CHUNK", "CircuitBreaker", "RedisStore", "RedisTierBase"]
@@ -85,10 +85,15 @@ class RedisTierBase(TierStore):
     kind: ClassVar[str] = "redis"
     verifies_reads: ClassVar[bool] = True  # get_many decodes every frame it returns
 
-    def __init__(self, capacity_bytes: int, namespace: str, where: str) -> None:
+    def __init__(self, capacity_bytes: int, namespace: str, where: str, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         super().__init__(capacity_bytes)
         if not isinstance(namespace, str) or not namespace:
             raise ValueError("namespace (the deployment seed) must be a non-empty string")
+        if max_frame_bytes < 1:
+            raise ValueError(f"max_frame_bytes must be >= 1, got {max_frame_bytes}")
+        # NOTE: a value is read no further than one byte past this (GETRANGE): a longer one
+        # is no frame of this tier, whoever wrote it, and never costs more memory than a frame
+        self.max_frame_bytes = max_frame_bytes
         self.namespace = namespace
         self.stats.where = where
         self._prefix = f"{namespace}:".encode()
@@ -238,7 +243,7 @@ class RedisTierBase(TierStore):
             if frame is None:
                 self.stats.misses += 1
                 self._forget(key)
-                if value is not None:
+                if value is not None and value != b"":  # "": absent (GETRANGE), nothing to delete
                     bad.append(rkey)
             else:
                 self.stats.hits += 1
@@ -249,9 +254,9 @@ class RedisTierBase(TierStore):
         return out
 
     def _verified(self, key: bytes, value: object) -> bytes | None:
-        if value is None:
+        if value is None or value == b"":  # NOTE: GETRANGE answers a missing key with ""
             return None
-        if not isinstance(value, bytes):
+        if not isinstance(value, bytes) or len(value) > self.max_frame_bytes:
             self.stats.error("checksum")
             return None
         try:
@@ -322,8 +327,9 @@ class RedisStore(RedisTierBase):
         read_timeout: float = 0.2,
         breaker: CircuitBreaker | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
-        super().__init__(capacity_bytes, namespace, f"redis:{_safe_address(url)}")
+        super().__init__(capacity_bytes, namespace, f"redis:{_safe_address(url)}", max_frame_bytes)
         self.breaker = breaker if breaker is not None else CircuitBreaker(clock=clock, name=_safe_address(url))
         # NOTE: redis-py retries failed commands by default (with backoff), which would
         # multiply the read deadline; the breaker is our retry policy, so retries are 0.
@@ -349,8 +355,18 @@ class RedisStore(RedisTierBase):
         self._call(send)
 
     def _fetch(self, rkeys: list[bytes]) -> Sequence[object]:
-        values: list[bytes | str | None] = self._call(lambda client: client.mget(rkeys))
-        return values
+        # NOTE: GETRANGE, so that no value is read past a frame (``_verified``); in one
+        # MULTI, so that the replies are built in one go as an MGET's are: a plain pipeline
+        # lets a Redis under maxmemory evict the keys still to be read while the first
+        # replies wait in its output buffer. A Redis that cannot make room at all refuses a
+        # MULTI (an error reply: misses, counted ``redis``)
+        def fetch(client: redis.Redis) -> list[object]:
+            pipe = client.pipeline(transaction=True)
+            for rkey in rkeys:
+                pipe.getrange(rkey, 0, self.max_frame_bytes)
+            return pipe.execute()
+
+        return self._call(fetch)
 
     def _probe(self, rkeys: list[bytes]) -> list[bool]:
         def probe(client: redis.Redis) -> list[bool]:

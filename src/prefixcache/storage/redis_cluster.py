@@ -47,7 +47,7 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, RedisClusterException
 from redis.retry import Retry
 
-from prefixcache.storage.base import TierError
+from prefixcache.storage.base import MAX_FRAME_BYTES, TierError
 from prefixcache.storage.breaker import CircuitBreaker
 from prefixcache.storage.redis import RedisTierBase, _safe_address
 
@@ -77,9 +77,10 @@ class RedisClusterStore(RedisTierBase):
         connect_timeout: float = 0.2,
         read_timeout: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
         address = _safe_address(url)
-        super().__init__(capacity_bytes, namespace, f"redis-cluster:{address}")
+        super().__init__(capacity_bytes, namespace, f"redis-cluster:{address}", max_frame_bytes)
         if "{" in namespace or "}" in namespace:
             raise ValueError("a redis cluster's namespace may not hold { or } (they make the keys' hash tag)")
         self._url = url
@@ -208,7 +209,8 @@ class RedisClusterStore(RedisTierBase):
             raise TierError("redis cluster: some SETs were not answered (counted by kind)")
 
     def _fetch(self, rkeys: list[bytes]) -> Sequence[object]:
-        replies, _ = self._each_node(rkeys, lambda pipe, rkey: pipe.get(rkey))
+        limit = self.max_frame_bytes  # NOTE: bounded reads, as ``RedisStore._fetch``
+        replies, _ = self._each_node(rkeys, lambda pipe, rkey: pipe.getrange(rkey, 0, limit))
         return [replies.get(i) for i in range(len(rkeys))]
 
     def _probe(self, rkeys: list[bytes]) -> list[bool]:
