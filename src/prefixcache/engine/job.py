@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefixcache.cache import PrefixCache
+from prefixcache.cache import PrefixCache, Stamp
 from prefixcache.cache.kv import KVSource
 from prefixcache.engine.model import LoadedModel
 from prefixcache.engine.modes import ServeMode, Turn
@@ -114,6 +114,7 @@ class Job:
         self._started = 0.0  # when its work began (staging, or its first step)
         self._prefill_s = 0.0
         self._stored = False  # whether the end leaves KV worth storing
+        self._since: Stamp | None = None  # taken before its match: a purge or bump after it voids its stores
         self._final: DoneEvent | ErrorEvent | None = None  # the end event, until sent
 
     @property
@@ -158,6 +159,8 @@ class Job:
         self._started = self._started or rt.clock()
         if rt.cache is None or self.handle.cancelled or self.expired():
             return Staged()
+        if self._since is None:
+            self._since = rt.cache.stamp()
         try:
             with rt.cache.match(tokens, self.context) as match:
                 if match.cached_tokens > 0:
@@ -180,7 +183,7 @@ class Job:
         length = turn.storable(min(length, len(self.handle.request.tokens)))
         if length > 0:
             try:
-                cache.insert(self.handle.request.tokens[:length], self.context, kv=kv)
+                cache.insert(self.handle.request.tokens[:length], self.context, kv=kv, since=self._since)
             except Exception:  # a store that failed costs a hit only
                 log.exception("storing the prompt KV of request %d failed", self.handle.id)
 
@@ -195,7 +198,7 @@ class Job:
         if cache is not None and kv is not None and length > 0:
             tokens = (request.tokens + self._out)[:length]
             try:
-                cache.insert(tokens, self.context, kv=kv)
+                cache.insert(tokens, self.context, kv=kv, since=self._since)
             except Exception:  # the answer is already out; a failed store costs a future hit only
                 log.exception("storing the KV of request %d failed", self.handle.id)
         try:
