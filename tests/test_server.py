@@ -372,7 +372,9 @@ def test_sixteen_concurrent_streams_all_complete_without_memory_growth(live: Liv
         assert len(results) in (16, 32)
         assert all(text and finish in ("stop", "length") for text, finish in results)
     assert grown < 50 << 20, f"RSS grew {grown >> 20} MiB beyond the tiers over the second run"
-    assert httpx.get(live.url + "/healthz").json()["queue_depth"] == 0
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    assert httpx.get(live.url + "/admin/stats", headers=admin).json()["queue_depth"] == 0
+    assert "queue_depth" not in httpx.get(live.url + "/healthz").json()  # anyone's: no load of the tenants
 
 
 def wait_for(check: Callable[[], bool], seconds: float) -> None:

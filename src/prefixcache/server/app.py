@@ -194,9 +194,11 @@ def _generation_routes(app: FastAPI, server: Server) -> None:
         card = {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "prefixcache"}
         return {"object": "list", "data": [card]}
 
+    # NOTE: no queue depth here: /healthz answers anyone, and how many requests wait is
+    # every tenant's load together (a tenant could watch the others'); /admin/stats has it
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "model": server.model_id, "queue_depth": engine.queue_depth()}
+        return {"status": "ok", "model": server.model_id}
 
 
 def _operator_routes(app: FastAPI, server: Server) -> None:
