@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from prefixcache.cache.facade import PrefixCache
+from prefixcache.cache.invalidations import Stamp
 from prefixcache.config import CacheConfig
 from prefixcache.hashing import CacheContext
 from prefixcache.integrations.vllm.paged import PagedKV, PagedSource
@@ -227,14 +228,15 @@ class ConnectorWorker:
             self.tally.lost_tokens[spec.scope.tenant] += len(failed) * n
         return failed
 
-    def save(self, spec: SaveSpec) -> int:
-        """Store the spec's blocks; returns the tokens newly stored."""
+    def save(self, spec: SaveSpec, since: Stamp | None = None) -> int:
+        """Store the spec's blocks; returns the tokens newly stored. ``since``: the stamp
+        of the request (``PrefixCache.insert``): nothing a purge or bump after it covers."""
         start = time.perf_counter()
         stored = 0
         try:
             source = PagedSource(self.paged, spec.block_ids)
             segments = spec.scope.segments(len(spec.tokens))
-            stored = self.cache.insert(spec.tokens, self.context(spec.scope), segments, kv=source)
+            stored = self.cache.insert(spec.tokens, self.context(spec.scope), segments, kv=source, since=since)
         except Exception:  # a failed save costs a future hit, never the request
             log.exception("prefixcache: save for request %s failed", spec.req_id)
             self.tally.errors["save"] += 1

@@ -27,15 +27,20 @@ receive (``failed_recving``), which vLLM recomputes from its start.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Final
 
+from prefixcache.cache import Stamp
 from prefixcache.fleet import wire
 from prefixcache.fleet.translate import wire_events
 from prefixcache.integrations.vllm.wall import Wall
 from prefixcache.integrations.vllm.worker import ConnectorWorker, Loaded, LoadSpec, SaveSpec, Tally, VoidLoad
 
 __all__ = ["WorkerHooks"]
+
+STAMPS_KEPT: Final = 4096  # requests whose stamps are kept: far more than vLLM runs at once
 
 
 class WorkerHooks:
@@ -51,9 +56,19 @@ class WorkerHooks:
         self._load_errors: set[int] = set()
         self._done: set[str] = set()  # async loads that failed to start: reported finished next
         self._failed: set[str] = set()  # async loads voided whole: reported finished and failed next
+        # NOTE: a request's saves carry the stamp of the first step that named it (its load,
+        # or its first save), taken before that step's forward: a purge or epoch bump the
+        # cache learns of while the request computes voids them (``cache/invalidations.py``).
+        # A request whose first chunk completed no block is stamped one step late.
+        self._step: Stamp | None = None
+        self._stamps: OrderedDict[str, Stamp] = OrderedDict()
 
     def start_loads(self, loads: Sequence[LoadSpec], voids: Sequence[VoidLoad] = ()) -> None:
         """vLLM's ``start_load_kv``: this step's loads, inside the step or on I/O threads."""
+        with self.wall.hold("start_load_kv"):
+            self._step = self.worker.cache.stamp()
+        for spec in loads:
+            self._stamp(spec.req_id)
         for void in voids:
             if void.whole:
                 self._failed.add(void.req_id)
@@ -101,7 +116,16 @@ class WorkerHooks:
         """vLLM's ``wait_for_save``: store this step's computed prompt blocks."""
         for spec in saves:
             with self.wall.hold("wait_for_save"):
-                self.worker.save(spec)
+                self.worker.save(spec, self._stamp(spec.req_id))
+
+    def _stamp(self, req_id: str) -> Stamp | None:
+        """The stamp of ``req_id``'s stores: the first it got, or this step's."""
+        stamp = self._stamps.get(req_id)
+        if stamp is None and self._step is not None:
+            stamp = self._stamps[req_id] = self._step
+            if len(self._stamps) > STAMPS_KEPT:
+                self._stamps.popitem(last=False)
+        return stamp
 
     def take_tally(self) -> Tally | None:
         """vLLM's ``get_kv_connector_stats``: the worker's counts and this side's failures."""
