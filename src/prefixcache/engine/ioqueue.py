@@ -2,9 +2,10 @@
 threads and no I/O, so that every order they allow can be tested (``IOQueue``).
 
     put(task) ──> pending, in arrival order; a task may run once
-                    - every task it comes after is done: its job's earlier tasks, and, for
-                      a stage, the stores still pending of jobs of the same context whose
-                      prompt its own prompt extends (the conversation's earlier turns)
+                    - every task it comes after is done: its owner's (its job's) earlier
+                      tasks, and, for a stage, the stores not done yet of the same scope
+                      (cache context) whose prompt its own prompt extends (the
+                      conversation's earlier turns)
                     - its tenant runs fewer than ``per_tenant`` tasks
                     - fewer than ``workers`` tasks run
     take()    ──> the first pending task in arrival order that may run (None: none may)
@@ -14,15 +15,20 @@ Ordered per conversation, not globally: the next turn of a conversation extends 
 prompt of the one before (its prompt, its answer, a new message), and is sent once that
 answer went out, after its store was queued: so its match finds that store done. Tasks
 of unrelated prompts, and every task of another tenant, never wait for each other (a
-task only ever comes after tasks of its own context). A tenant whose tier stalls holds
-at most ``per_tenant`` workers; the others stay free for the other tenants.
+task only comes after tasks of its own owner or scope, and a scope is one tenant's).
+
+A tenant whose tier stalls holds at most ``per_tenant`` workers, whatever it queues;
+``workers // per_tenant - 1`` tenants stalled at once still leave every other tenant
+its ``per_tenant`` workers. NOTE: that is the bound on a stalled tier's hold: which
+tiers a match will touch (a shared tier's probe) is decided inside the cache, under its
+lock, so no per-tier limit can be applied before the task runs.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from prefixcache.engine.inflight import common_prefix
@@ -49,7 +55,8 @@ class Task(Generic[T]):
     scope: Hashable  # its cache context: a stage waits only for stores of the same context
     prompt: Sequence[int]
     kind: Kind
-    after: tuple[Task[T], ...] = ()  # tasks that must be done before it runs
+    waits: int = 0  # tasks it comes after that are not done yet
+    then: list[Task[T]] = field(default_factory=list)  # tasks that come after it, not run yet
     running: bool = False
     done: bool = False
 
@@ -79,13 +86,14 @@ class IOQueue(Generic[T]):
     def put(
         self, item: T, *, owner: Hashable, tenant: str, scope: Hashable, prompt: Sequence[int], kind: Kind
     ) -> Task[T]:
-        after: list[Task[T]] = []
+        task = Task(item, owner, tenant, scope, prompt, kind)
         last = self._last.get(owner)
-        if last is not None:
-            after.append(last)
+        before = [last] if last is not None else []
         if kind is Kind.STAGE:
-            after += (s for s in self._stores.get(scope, ()) if s is not last and extends(prompt, s.prompt))
-        task = Task(item, owner, tenant, scope, prompt, kind, tuple(after))
+            before += (s for s in self._stores.get(scope, ()) if s is not last and extends(prompt, s.prompt))
+        for earlier in before:
+            earlier.then.append(task)
+        task.waits = len(before)
         self._pending.append(task)
         self._last[owner] = task
         if kind is Kind.STORE:
@@ -97,7 +105,7 @@ class IOQueue(Generic[T]):
         if self._running >= self.workers:
             return None
         for i, task in enumerate(self._pending):
-            if self._busy.get(task.tenant, 0) < self.per_tenant and all(a.done for a in task.after):
+            if not task.waits and self._busy.get(task.tenant, 0) < self.per_tenant:
                 del self._pending[i]
                 task.running = True
                 self._running += 1
@@ -107,8 +115,12 @@ class IOQueue(Generic[T]):
 
     def done(self, task: Task[T]) -> None:
         """``task`` ran (or failed): what came after it may run."""
-        assert task.running and not task.done, "only a running task can be done"
-        task.running, task.done, task.after = False, True, ()  # NOTE: () lets done chains be freed
+        if not task.running or task.done:
+            raise ValueError("only a running task can be done")
+        task.running, task.done = False, True
+        for later in task.then:
+            later.waits -= 1
+        task.then = []  # NOTE: a done task holds nothing that runs later, nor is held by it
         self._running -= 1
         busy = self._busy[task.tenant] - 1
         if busy:
