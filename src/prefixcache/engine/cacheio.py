@@ -15,10 +15,18 @@ tenant's memory hit (invariants 9 and 16); ordered per conversation (``ioqueue.p
 turn's store runs before the same conversation's next match, which the next turn, sent
 once the answer went out (after its store was queued), relies on to hit on it.
 
+A stalled tier holds the workers whose tasks touch it: at most ``per_tenant`` of each
+tenant's. With the defaults (8 workers, 2 a tenant) three tenants whose lookups all
+stall leave two workers to every other tenant; a fourth would take the last ones. No
+limit is set per tier: whether a match probes a shared tier is the cache's decision,
+taken under its lock when the match runs, not known when the task is queued.
+
 One lock (``self._cond``) owns the queue, the in-flight leads and followers and the jobs
 being staged; no cache call runs under it. A job not staged yet whose client left or
 whose deadline passed (queued, looking, or following a lead) is handed back to the step
-loop by ``overdue``, which ends it at once: its slot frees on time.
+loop by ``overdue``, which ends it at once: its slot frees on time. Its stage, when it
+runs, does nothing, and a lookup already running for it is dropped; its end's store
+comes after that lookup (one job's tasks keep their order), and holds no slot.
 """
 
 from __future__ import annotations
@@ -26,12 +34,13 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable, Hashable, Sequence
+import time
+from collections.abc import Callable
 
 from prefixcache.cache.kv import KVSource
 from prefixcache.engine.inflight import InFlight
 from prefixcache.engine.ioqueue import IOQueue, Kind, Task
-from prefixcache.engine.job import Job
+from prefixcache.engine.job import Job, Staged
 from prefixcache.engine.threads import serial_torch
 
 __all__ = ["IO_PER_TENANT", "IO_WORKERS", "CacheIO"]
@@ -58,7 +67,7 @@ class CacheIO:
         per_tenant: int = IO_PER_TENANT,
     ) -> None:
         self._poke = poke
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # NOTE: an RLock: ``_led`` queues while it holds it
         self._queue: IOQueue[Callable[[], None]] = IOQueue(workers, per_tenant)
         self._inflight = InFlight() if share else None
         self._staging: dict[Job, None] = {}  # handed to stage, not staged yet (insertion order)
@@ -83,13 +92,11 @@ class CacheIO:
     def store_prompt(self, job: Job, kv: KVSource, length: int, after: Callable[[], None]) -> None:
         """Store ``job``'s prompt (``length`` positions of ``kv``) now that it is computed,
         then call ``after`` (always)."""
-        with self._cond:
-            self._queue_job(job, Kind.STORE, lambda: self._storing(job, lambda: job.store_prompt(kv, length), after))
+        self._queue_job(job, Kind.STORE, lambda: self._storing(job, lambda: job.store_prompt(kv, length), after))
 
     def store(self, job: Job, kv: KVSource | None, length: int, after: Callable[[], None]) -> None:
         """Store ``length`` positions of ``kv`` for ``job`` (it ended), then call ``after`` (always)."""
-        with self._cond:
-            self._queue_job(job, Kind.STORE, lambda: self._storing(job, lambda: job.store(kv, length), after))
+        self._queue_job(job, Kind.STORE, lambda: self._storing(job, lambda: job.store(kv, length), after))
 
     def overdue(self, gone: Callable[[Job], bool]) -> list[Job]:
         """The jobs not staged yet for which ``gone`` holds (client left, deadline passed),
@@ -109,14 +116,22 @@ class CacheIO:
         with self._cond:
             return self._inflight.followers if self._inflight is not None else 0
 
+    @property
+    def idle(self) -> bool:
+        """Whether no task is queued or running."""
+        with self._cond:
+            return self._queue.idle
+
     def close(self, timeout: float) -> None:
-        """Run what is queued, then stop the threads."""
+        """Run what is queued, then stop the threads (waiting ``timeout`` seconds in all
+        for them: a task stalled in a tier is left to its thread, a daemon)."""
         with self._cond:
             self._closed, self._generation = self._generation, self._generation + 1
             threads, self._threads = self._threads, []  # NOTE: a later task starts new ones
             self._cond.notify_all()
+        deadline = time.monotonic() + timeout
         for thread in threads:
-            thread.join(timeout)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------ on a worker
 
@@ -124,13 +139,17 @@ class CacheIO:
         with self._cond:
             if job not in self._staging:
                 return  # ended while queued (``overdue``)
-        staged = job.lookup()
+        try:
+            staged = job.lookup()
+        except Exception:  # NOTE: a bug must cost the hit only, not leave the job unstaged until its deadline
+            log.exception("the lookup of request %d failed", job.handle.id)
+            staged = Staged()
         with self._cond:
             if job not in self._staging:
                 return  # ended while it looked: its end went out, what it loaded is dropped
             if self._inflight is not None:
                 lead = self._inflight.leader(job, staged.cached)
-                if lead is not None and not job.handle.cancelled:
+                if lead is not None and not (job.handle.cancelled or job.expired()):
                     return self._inflight.follow(lead, job)  # staged again once the lead's prompt is stored
                 self._inflight.lead(job)
             del self._staging[job]
@@ -141,8 +160,10 @@ class CacheIO:
         try:
             store()
         finally:
-            after()
-            self._led(job)
+            try:
+                after()
+            finally:
+                self._led(job)
 
     def _led(self, job: Job) -> None:
         """``job``'s prompt is stored, or it ended: who waited for it is staged again."""
@@ -155,32 +176,23 @@ class CacheIO:
                     self._queue_job(follower, Kind.STAGE, functools.partial(self._stage, follower))
 
     def _queue_job(self, job: Job, kind: Kind, task: Callable[[], None]) -> None:
-        self._put(task, owner=job, tenant=job.tenant, scope=job.context, prompt=job.prompt, kind=kind)
-
-    def _put(
-        self,
-        task: Callable[[], None],
-        *,
-        owner: Hashable = None,
-        tenant: str = "",
-        scope: Hashable = None,
-        prompt: Sequence[int] = (),
-        kind: Kind = Kind.STORE,
-    ) -> None:
-        """Queue ``task`` (the caller may hold the lock: it is reentrant)."""
+        """Queue ``task`` of ``job`` (the caller may hold the lock: it is reentrant)."""
         with self._cond:
             if not self._threads:
-                generation = self._generation
-                self._threads = [
-                    threading.Thread(
-                        target=self._run, args=(generation,), name=f"prefixcache-cache-io-{i}", daemon=True
-                    )
-                    for i in range(self._queue.workers)
-                ]
-                for thread in self._threads:
-                    thread.start()
-            self._queue.put(task, owner=owner, tenant=tenant, scope=scope, prompt=prompt, kind=kind)
+                self._start()
+            self._queue.put(task, owner=job, tenant=job.tenant, scope=job.context, prompt=job.prompt, kind=kind)
             self._cond.notify()
+
+    def _start(self) -> None:
+        """Start a generation of workers (under the lock): the first task, or the first
+        after a ``close``."""
+        generation = self._generation
+        self._threads = [
+            threading.Thread(target=self._run, args=(generation,), name=f"prefixcache-cache-io-{i}", daemon=True)
+            for i in range(self._queue.workers)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def _run(self, generation: int) -> None:
         serial_torch()  # NOTE: the worker's OpenMP team stays the only one (``threads.py``)
