@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from prefixcache.engine.arch import serving
 from prefixcache.engine.kv import to_numpy
 from prefixcache.engine.model import LoadedModel
 from prefixcache.engine.packed import Packed, use_packed_attention
@@ -109,10 +110,13 @@ class Batch:
     def __init__(self, loaded: LoadedModel) -> None:
         self._loaded = loaded
         config = loaded.model.config
-        self._layers = int(config.num_hidden_layers)
+        self._arch = serving(config)  # NOTE: an ArchError for a model no packed step serves exactly
+        self._layers = len(self._arch.windows)
         self._heads = loaded.kv.kv_heads
         self._dim = loaded.kv.head_dim
         self._dtype = next(loaded.model.parameters()).dtype
+        embeddings: Any = loaded.model.get_input_embeddings()
+        self._vocab = int(embeddings.weight.shape[0])
         self._device = loaded.device
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
@@ -192,6 +196,37 @@ class Batch:
 
     # ------------------------------------------------------------------ a step
 
+    @property
+    def context_length(self) -> int:
+        """Positions a step serves exactly (``arch.py``): a row or a chunk never goes past."""
+        return self._arch.context_length
+
+    def check(self, chunk: Chunk) -> None:
+        """Raise ``ValueError`` when ``chunk`` cannot run in a step: tokens outside the
+        vocabulary, positions past the exact ones, or a sequence's KV not of this model's
+        shape. Run before the forward, since what raises inside it fails every sequence
+        of the step, not this one alone."""
+        tokens, seq = chunk.tokens, chunk.seq
+        if not tokens or not 1 <= chunk.keep <= len(tokens):
+            raise ValueError(f"a chunk of {len(tokens)} tokens cannot keep the logits of {chunk.keep}")
+        if min(tokens) < 0 or max(tokens) >= self._vocab:
+            raise ValueError(f"a chunk's token ids must be in [0, {self._vocab})")
+        if seq.length + len(tokens) > self.context_length:
+            raise ValueError(
+                f"a chunk reaches position {seq.length + len(tokens) - 1}, past the {self.context_length} a step serves"
+            )
+        layers: list[Any] = list(seq.cache.layers)
+        if seq.length == 0 and all(layer.keys is None or layer.keys.numel() == 0 for layer in layers):
+            return
+        expected = (1, self._heads, seq.length, self._dim)
+        if len(layers) != self._layers:
+            raise ValueError(f"a chunk's sequence has the KV of {len(layers)} layers, the model {self._layers}")
+        for index, layer in enumerate(layers):
+            for kv in (layer.keys, layer.values):
+                if kv is None or tuple(kv.shape) != expected or kv.dtype != self._dtype:
+                    shape = None if kv is None else (tuple(kv.shape), kv.dtype)
+                    raise ValueError(f"a chunk's KV at layer {index} is {shape}, not {expected} of {self._dtype}")
+
     @torch.inference_mode()
     def step(
         self, tokens: dict[int, int], chunks: Sequence[Chunk] = ()
@@ -211,6 +246,10 @@ class Batch:
         # NOTE: the window ends at the new column and holds the longest row in use (the
         # buffer may reach further back, to rows that left)
         width = 1 + max((self.length(row) for row in live), default=0)
+        if width > self.context_length:
+            raise ValueError(f"a row is at position {width - 1}, past the {self.context_length} a step serves")
+        for chunk in chunks:
+            self.check(chunk)
         mask = torch.zeros((rows, 1, 1, width), dtype=torch.bool)
         mask[:, 0, 0, -1] = True  # a free row sees its own column only
         ids = [0] * rows

