@@ -6,7 +6,8 @@
       row 2  [ (free: zeros, one live column)     ]    written at column ``end``
 
 A step feeds one token per row at its own position (its length) with a mask that lets
-each row see only its own columns, so a row's logits are those of its sequence alone
+each row see only its own columns (in a layer with a sliding window, the last ``window``
+of them), so a row's logits are those of its sequence alone
 (up to float rounding of the larger matrix products); prompts' chunks may ride along in
 the same forward, each on its own sequence's KV (``packed.py``). A row joins with the KV of its
 prefill (copied in once) and leaves without a copy: its columns stay untouched until
@@ -61,18 +62,18 @@ class _Layer(DynamicLayer):  # type: ignore[no-untyped-call]
         b, index = self._batch, self._index
         plan = b._plan
         assert plan is not None, "a batch's cache runs only in its own step"
-        window = None
+        window, rows = plan.windows[index], None
         if plan.rows:
             keys, values = b._keys[index], b._values[index]
             keys[: plan.rows, :, b._end].copy_(key_states[0, :, : plan.rows].transpose(0, 1))
             values[: plan.rows, :, b._end].copy_(value_states[0, :, : plan.rows].transpose(0, 1))
-            first = b._end + 1 - plan.window
-            window = keys[: plan.rows, :, first : b._end + 1], values[: plan.rows, :, first : b._end + 1]
+            first = b._end + 1 - plan.columns(window)
+            rows = keys[: plan.rows, :, first : b._end + 1], values[: plan.rows, :, first : b._end + 1]
         chunks = [
             chunk.seq.cache.update(key_states[:, :, begin:end], value_states[:, :, begin:end], index)
             for chunk, (begin, end) in zip(plan.chunks, plan.spans, strict=True)
         ]
-        plan.layer = window, chunks
+        plan.layer = window, rows, chunks
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -243,27 +244,22 @@ class Batch:
         rows = max(live) + 1 if live else 0
         if live and self._end + 1 > self._keys[0].shape[2]:
             self._layout(rows=len(self._lengths), width=max(n for n in self._lengths if n is not None))
-        # NOTE: the window ends at the new column and holds the longest row in use (the
-        # buffer may reach further back, to rows that left)
-        width = 1 + max((self.length(row) for row in live), default=0)
-        if width > self.context_length:
-            raise ValueError(f"a row is at position {width - 1}, past the {self.context_length} a step serves")
+        # NOTE: a row's columns end at the new one; those the step reads hold the longest
+        # row in use (the buffer may reach further back, to rows that left)
+        lengths = tuple(self._lengths[row] or 0 for row in range(rows))  # a free row: position 0
+        if max(lengths, default=0) >= self.context_length:
+            raise ValueError(f"a row is at position {max(lengths)}, past the {self.context_length} a step serves")
         for chunk in chunks:
             self.check(chunk)
-        mask = torch.zeros((rows, 1, 1, width), dtype=torch.bool)
-        mask[:, 0, 0, -1] = True  # a free row sees its own column only
-        ids = [0] * rows
-        for row in live:
-            ids[row] = tokens[row]
-            mask[row, 0, 0, width - 1 - self.length(row) :] = True
-        plan = Packed(rows, width, mask.to(self._device) if rows else None, tuple(chunks))
+        ids = [tokens.get(row, 0) for row in range(rows)]
+        plan = Packed(lengths, tuple(chunks), self._arch.windows, self._device)
         for chunk in chunks:
             ids += chunk.tokens
         self._plan = plan
         try:
             out = self._loaded.model(
                 input_ids=torch.tensor([ids], dtype=torch.long, device=self._device),
-                position_ids=plan.positions(self._lengths).to(self._device),
+                position_ids=plan.positions().to(self._device),
                 attention_mask=self._no_mask,  # NOTE: a 4-D mask is taken as it is: the plan holds the real ones
                 cache=self._cache,
                 use_cache=True,

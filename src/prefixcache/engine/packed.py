@@ -4,7 +4,7 @@
     positions:          each row's length      a's KV length + 0..n-1   b's + 0..m-1
     attention:          rows: one query each,  a: causal over a's own KV (its cached prefix
                         over the batch's        and the chunk), b: over b's; every other
-                        window (``batch.py``)   layer sees tokens, not sequences
+                        columns (``batch.py``)  layer sees tokens, not sequences
 
 Every layer but attention works token by token, so a prompt's chunk rides along the
 decoding rows' step: the weights are read once for both, where a chunk alone and a step
@@ -12,6 +12,13 @@ alone would read them twice. The attention splits the packed queries back by seq
 and runs transformers' SDPA on each part with the inputs and masks it has when that part
 runs alone: a chunk's KV and logits are those of its forward alone, up to the rounding
 of the larger matrix products (a chunk packed with nothing else is its forward alone).
+
+A layer with a sliding window (``arch.py``: Mistral's, Gemma's sliding layers) gets the
+masks transformers gives it alone: a query at position p sees the keys at p - window + 1
+to p. A row reads only the last ``window`` columns of the batch's buffer; a chunk's mask
+covers its sequence's whole KV, as transformers' does, so that a chunk packed with
+nothing else stays its forward alone. What makes the rest exact (one rotation per
+position whatever the other positions in the forward) is checked at start (``arch.py``).
 
 ``Packed`` is the plan of one forward; the model finds it in its keyword arguments
 (``packed=``) on every attention call, and the batch's cache layers fill in each layer's
@@ -35,22 +42,25 @@ __all__ = ["NAME", "Packed", "use_packed_attention"]
 NAME = "prefixcache_packed"
 _OURS = ("sdpa", NAME)
 
-# per layer: the rows' window (keys, values) or None, then each chunk's whole KV
-LayerKV = tuple[tuple[torch.Tensor, torch.Tensor] | None, list[tuple[torch.Tensor, torch.Tensor]]]
+# per layer: its window (None: full attention), the rows' KV over the columns it reads
+# (None: no rows), then each chunk's whole KV
+LayerKV = tuple[int | None, tuple[torch.Tensor, torch.Tensor] | None, list[tuple[torch.Tensor, torch.Tensor]]]
 
 
 @dataclass(eq=False)
 class Packed:
-    """One packed forward: ``rows`` batch rows (a token each, the first ``rows`` tokens),
+    """One packed forward: a row for each of ``lengths`` (a token each, the first tokens),
     then ``chunks``, each over ``spans[i]`` of the packed tokens."""
 
-    rows: int
-    window: int  # W: the rows' columns the step reads, the last W of the batch's buffer
-    window_mask: torch.Tensor | None  # [rows, 1, 1, W]: which of them each row sees
+    lengths: tuple[int, ...]  # per row: its token's position, its sequence's length (a free row: 0)
     chunks: tuple[Chunk, ...]
+    windows: tuple[int | None, ...]  # per layer: its sliding window, None for full attention
+    device: torch.device
     spans: tuple[tuple[int, int], ...] = field(init=False)
-    chunk_masks: tuple[torch.Tensor | None, ...] = field(init=False)
     layer: LayerKV | None = None  # the current layer's KV, set by the cache's update
+    # the masks built for this forward: the rows' per window, a chunk's per (chunk, window)
+    _row_masks: dict[int | None, torch.Tensor] = field(init=False, default_factory=dict)
+    _chunk_masks: dict[tuple[int, int | None], torch.Tensor | None] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         spans, begin = [], self.rows
@@ -58,11 +68,20 @@ class Packed:
             spans.append((begin, begin + len(chunk.tokens)))
             begin += len(chunk.tokens)
         self.spans = tuple(spans)
-        self.chunk_masks = tuple(_causal(chunk.seq.length, len(chunk.tokens)) for chunk in self.chunks)
 
-    def positions(self, lengths: list[int | None]) -> torch.Tensor:
-        """[1, tokens]: each row's length (a free row's: 0), then each chunk's positions."""
-        out = [length or 0 for length in lengths[: self.rows]]
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def columns(self, window: int | None) -> int:
+        """The rows' columns a layer with ``window`` reads, the last of the batch's buffer:
+        the longest row's and the new one's, at most ``window``."""
+        width = 1 + max(self.lengths, default=0)
+        return width if window is None else min(width, window)
+
+    def positions(self) -> torch.Tensor:
+        """[1, tokens]: each row's length, then each chunk's positions."""
+        out = list(self.lengths)
         for chunk in self.chunks:
             out += range(chunk.seq.length, chunk.seq.length + len(chunk.tokens))
         return torch.tensor([out], dtype=torch.long)
@@ -74,15 +93,39 @@ class Packed:
             out += range(end - chunk.keep, end)
         return torch.tensor(out, dtype=torch.long)
 
+    def row_mask(self, window: int | None) -> torch.Tensor:
+        """[rows, 1, 1, columns]: which of a layer's columns each row sees, its last ones
+        (a free row: its own column only, so that its values stay finite)."""
+        if window not in self._row_masks:
+            columns = self.columns(window)
+            seen = torch.tensor([min(length + 1, columns) for length in self.lengths])
+            mask = torch.arange(columns)[None, :] >= columns - seen[:, None]
+            self._row_masks[window] = mask[:, None, None, :].to(self.device)
+        return self._row_masks[window]
 
-def _causal(past: int, tokens: int) -> torch.Tensor | None:
+    def chunk_mask(self, index: int, window: int | None) -> torch.Tensor | None:
+        """The mask of chunk ``index`` in a layer with ``window``, over its sequence's KV."""
+        key = (index, window)
+        if key not in self._chunk_masks:
+            chunk = self.chunks[index]
+            mask = _causal(chunk.seq.length, len(chunk.tokens), window)
+            self._chunk_masks[key] = mask.to(self.device) if mask is not None else None
+        return self._chunk_masks[key]
+
+
+def _causal(past: int, tokens: int, window: int | None) -> torch.Tensor | None:
     """The mask of ``tokens`` queries after ``past`` positions of KV, as transformers builds
-    it for the chunk alone: none at all without past (SDPA's causal flag), else a boolean
-    [1, 1, tokens, past + tokens] (transformers' SDPA mask is then such a tensor)."""
-    if past == 0:
+    it for the chunk alone (``masking_utils.sdpa_mask``): none at all where SDPA's own
+    causal flag (or none) is the same (one query, or no past, and all of it within the
+    window), else a boolean [1, 1, tokens, past + tokens]."""
+    if (tokens == 1 or past == 0) and (window is None or past + tokens < window):
         return None
-    columns = torch.arange(past + tokens)
-    return (columns[None, :] <= past + torch.arange(tokens)[:, None])[None, None]
+    keys = torch.arange(past + tokens)[None, :]
+    queries = past + torch.arange(tokens)[:, None]
+    mask = keys <= queries
+    if window is not None:
+        mask &= keys > queries - window
+    return mask[None, None]
 
 
 def _attention(
@@ -97,14 +140,15 @@ def _attention(
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     assert plan.layer is not None, "the packed forward's cache did not give this layer's KV"
-    window, chunks = plan.layer
+    window, rows_kv, chunks = plan.layer
     plan.layer = None
     parts = []
-    if window is not None:
+    if rows_kv is not None:
         rows = query[0, :, : plan.rows].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
-        out, _ = sdpa_attention_forward(module, rows, window[0], window[1], plan.window_mask, **kwargs)
+        out, _ = sdpa_attention_forward(module, rows, rows_kv[0], rows_kv[1], plan.row_mask(window), **kwargs)
         parts.append(out.transpose(0, 1))  # [1, rows, heads, dim]
-    for (begin, end), (keys, values), mask in zip(plan.spans, chunks, plan.chunk_masks, strict=True):
+    for index, ((begin, end), (keys, values)) in enumerate(zip(plan.spans, chunks, strict=True)):
+        mask = plan.chunk_mask(index, window)
         out, _ = sdpa_attention_forward(module, query[:, :, begin:end], keys, values, mask, **kwargs)
         parts.append(out)
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], None

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from prefixcache.engine.kv import fill_cache
 from prefixcache.engine.model import LoadedModel, dtype_of
 
-__all__ = ["Chunk", "Prefill", "Sequence", "advance", "full_logits", "run_prefill"]
+__all__ = ["Chunk", "Prefill", "Sequence", "advance", "full_cache", "full_logits", "run_prefill"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,7 +75,7 @@ class Sequence:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self._loaded = loaded
         self.chunk_tokens = chunk_tokens
-        self.cache = DynamicCache(config=loaded.model.config)
+        self.cache = full_cache()
         self.length = 0
 
     def prefill(
@@ -99,9 +99,8 @@ class Sequence:
             done = int(cached.shape[3])
             if done >= len(tokens):
                 raise ValueError("at least one prompt token must be prefilled (its logits start decoding)")
-            self.cache = fill_cache(
-                cached, self._loaded.model.config, self._loaded.device, dtype_of(self._loaded.kv.dtype)
-            )
+            # NOTE: no model config: a cache with one gives a sliding layer only its window (see full_cache)
+            self.cache = fill_cache(cached, None, self._loaded.device, dtype_of(self._loaded.kv.dtype))
         self.length = done
         rest = tokens[done:]
         size = self.chunk_tokens or len(rest)
@@ -120,7 +119,7 @@ class Sequence:
 
     def drop_kv(self) -> None:
         """Free the KV (a batch row holds a copy of it now); ``length`` stays."""
-        self.cache = DynamicCache(config=self._loaded.model.config)
+        self.cache = full_cache()
 
     def step(self, token: int) -> torch.Tensor:
         """Append one generated token; the logits for the next one."""
@@ -135,6 +134,16 @@ class Sequence:
         out = self._loaded.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep)
         logits: torch.Tensor = out.logits[0].float().cpu()
         return logits
+
+
+def full_cache() -> DynamicCache:
+    """An empty cache that keeps every position of every layer.
+
+    NOTE: not ``DynamicCache(config=...)``, which keeps a sliding layer's last window only:
+    a batch row and the prefix cache take a sequence's every position, and the window is
+    the masks' to apply (transformers' alone, the packed ones in ``packed.py``), which see
+    the same keys either way. Storing only the window is issue #40's."""
+    return DynamicCache()
 
 
 @torch.inference_mode()
