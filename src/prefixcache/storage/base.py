@@ -11,12 +11,13 @@ fails its checksum.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Final, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from prefixcache.storage.placed import Place, Placed
@@ -167,3 +168,33 @@ class TierStore(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# The most a store reads of one epoch record, and the most records it returns: what a
+# tier another process can write hands back is bounded before it is looked at.
+EPOCH_RECORD_BYTES: Final = 4096
+EPOCH_RECORDS: Final = 1024
+EPOCH_NAME: Final = re.compile(r"[0-9a-f]{32}")  # a record's name: 32 lower-case hex digits, nothing else
+
+
+@runtime_checkable
+class EpochKeeper(Protocol):
+    """A store that keeps the cache's epoch records beside its frames (disk, Redis, S3),
+    so that an epoch bump outlives a restart and reaches every server sharing the tier
+    (``cache/epochbook.py`` writes and judges them; the store only moves the bytes).
+
+    NOTE: a protocol, not methods of ``TierStore``: a store that keeps no records (a
+    memory tier, whose frames a restart forgets anyway) simply has none."""
+
+    epoch_sync: bool  # other processes write this tier too: re-read its records while the cache runs
+
+    def read_epochs(self) -> list[tuple[str, bytes]]:
+        """Every record held, as (name, bytes): at most ``EPOCH_RECORDS`` of them, each at
+        most ``EPOCH_RECORD_BYTES`` (a longer one is skipped, counted ``epoch``).
+        ``TierError`` when the medium fails."""
+        ...
+
+    def write_epoch(self, name: str, record: bytes) -> None:
+        """Publish ``record`` under ``name`` (``EPOCH_NAME``; another is a ValueError),
+        whole or not at all, replacing what was there; ``TierError`` when the medium fails."""
+        ...

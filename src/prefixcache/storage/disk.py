@@ -12,6 +12,7 @@ treated as a miss::
           <key hex>.blk            a whole codec frame; its header's key equals its name
       tmp/                         writes in progress: <key hex>.<random>.tmp
       quarantine/                  bad files moved aside for a human: <name>.<random>
+      epochs/<name>.epoch          the cache's epoch records (``cache/epochbook.py``)
 
     put:   tmp/x.tmp --write--> [fsync file] --os.replace--> blocks/ab/x.blk --> [fsync blocks/ab/]
                                  "data", "full"                                    "full" only
@@ -46,7 +47,16 @@ from pathlib import Path
 from typing import ClassVar, Final, TypeVar
 
 from prefixcache.storage import codec
-from prefixcache.storage.base import MAX_FRAME_BYTES, Frame, TierError, TierFull, TierStore
+from prefixcache.storage.base import (
+    EPOCH_NAME,
+    EPOCH_RECORD_BYTES,
+    EPOCH_RECORDS,
+    MAX_FRAME_BYTES,
+    Frame,
+    TierError,
+    TierFull,
+    TierStore,
+)
 from prefixcache.storage.placed import Place, Placed, read_placed
 
 __all__ = ["FSYNC_POLICIES", "MAX_KEY_BYTES", "DiskStore"]
@@ -56,6 +66,7 @@ FSYNC_POLICIES: Final = ("none", "data", "full")
 # common file systems: 120 bytes -> 240 hex digits + ".blk". Block keys are 16-32 bytes.
 MAX_KEY_BYTES: Final = 120
 _SUFFIX: Final = ".blk"
+_EPOCH_SUFFIX: Final = ".epoch"
 # NOTE: a header is at most 256 bytes for a key of MAX_KEY_BYTES, so one small read
 # finds it; a header that claims to be longer cannot be a key this store writes.
 _HEADER_PROBE: Final = 4096
@@ -394,6 +405,57 @@ class DiskStore(TierStore):
         """Best-effort unlink: what cannot be removed now is found again by the next open."""
         with contextlib.suppress(OSError):
             path.unlink()
+
+    # ------------------------------------------------------------------ epoch records
+
+    epoch_sync: ClassVar[bool] = False  # one store per directory: read when the cache opens
+
+    def read_epochs(self) -> list[tuple[str, bytes]]:
+        """The records in epochs/ (``base.EpochKeeper``): regular files named for a record,
+        each read no further than ``EPOCH_RECORD_BYTES``; anything else is skipped (counted
+        ``epoch``)."""
+        folder = self.directory / "epochs"
+        try:
+            entries = sorted(os.listdir(folder))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            self.stats.error("io", f"epochs: {exc.strerror or exc}")
+            raise TierError(f"disk epochs unreadable: {exc}") from exc
+        found: list[tuple[str, bytes]] = []
+        for entry in entries:
+            name = entry.removesuffix(_EPOCH_SUFFIX)
+            try:
+                if entry == name or not EPOCH_NAME.fullmatch(name):
+                    raise codec.CorruptFrame(f"{entry} is not a record's name")
+                found.append((name, read_file(str(folder / entry), EPOCH_RECORD_BYTES)))
+            except (OSError, codec.FrameError) as exc:
+                self.stats.error("epoch", str(exc))
+            if len(found) >= EPOCH_RECORDS:
+                break
+        return found
+
+    def write_epoch(self, name: str, record: bytes) -> None:
+        """Publish ``record`` as epochs/<name>.epoch with one rename, the file and the
+        folder synced whatever ``fsync`` says: a bump is rare and must outlive a power loss."""
+        if not EPOCH_NAME.fullmatch(name):
+            raise ValueError(f"not an epoch record's name: {name!r}")
+        folder = self.directory / "epochs"
+        tmp = self._tmp / f"epoch-{name}.{uuid.uuid4().hex}.tmp"
+        try:
+            folder.mkdir(exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, memoryview(record))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, folder / (name + _EPOCH_SUFFIX))
+            _fsync_dir(folder)
+        except OSError as exc:
+            self.stats.error("io", f"epoch write: {exc.strerror or exc}")
+            self._remove(tmp)
+            raise TierError(f"disk epoch write failed: {exc}") from exc
 
 
 # NOTE: a name in the folder that is not a plain file of ours (a FIFO, a device, a link

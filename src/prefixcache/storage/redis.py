@@ -38,7 +38,16 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from prefixcache.storage import codec
-from prefixcache.storage.base import MAX_FRAME_BYTES, Frame, TierError, TierFull, TierStore
+from prefixcache.storage.base import (
+    EPOCH_NAME,
+    EPOCH_RECORD_BYTES,
+    EPOCH_RECORDS,
+    MAX_FRAME_BYTES,
+    Frame,
+    TierError,
+    TierFull,
+    TierStore,
+)
 from prefixcache.storage.breaker import CircuitBreaker
 
 __all__ = ["EXISTS_CHUNK", "CircuitBreaker", "RedisStore", "RedisTierBase"]
@@ -310,6 +319,66 @@ class RedisTierBase(TierStore):
         self._closed = True
         self._disconnect()
 
+    # ------------------------------------------------------------------ epoch records
+
+    epoch_sync: ClassVar[bool] = True  # other servers write it too: re-read while the cache runs
+
+    def _epochs_key(self) -> bytes:
+        """The hash of the epoch records, field <name> -> record. NOTE: no block's key: a
+        block's is the namespace and a digest of 8 bytes or more (hex in braces in a
+        cluster), never these 7 bytes."""
+        return self._prefix + b"~epochs"
+
+    def _on_epochs(self, key: bytes, op: Callable[[redis.Redis], T]) -> T:
+        """Run ``op`` on the connection that holds ``key``, through its breaker."""
+        raise NotImplementedError
+
+    def read_epochs(self) -> list[tuple[str, bytes]]:
+        """The records of the epochs hash (``base.EpochKeeper``), filtered in Redis by a
+        script, so that no longer or misnamed one, and no more than ``EPOCH_RECORDS``,
+        crosses the network (those left there are counted ``epoch``)."""
+        key = self._epochs_key()
+        reply = self._on_epochs(key, lambda c: c.eval(_READ_EPOCHS, 1, key, EPOCH_RECORD_BYTES, EPOCH_RECORDS))
+        if not isinstance(reply, list) or not reply or not isinstance(reply[0], int) or len(reply) % 2 != 1:
+            self.stats.error("epoch", "the epoch script's reply is not a list of records")
+            return []
+        if reply[0]:
+            self.stats.error("epoch", f"{reply[0]} records too long or misnamed, left unread")
+        found: list[tuple[str, bytes]] = []
+        for name, record in zip(reply[1::2], reply[2::2], strict=True):
+            if isinstance(name, bytes) and isinstance(record, bytes) and EPOCH_NAME.fullmatch(name.decode("latin-1")):
+                found.append((name.decode("ascii"), record))
+            else:
+                self.stats.error("epoch", "a misnamed record")
+        return found
+
+    def write_epoch(self, name: str, record: bytes) -> None:
+        """HSET the record: one command, so a reader sees it whole or not at all."""
+        if not EPOCH_NAME.fullmatch(name):
+            raise ValueError(f"not an epoch record's name: {name!r}")
+        key = self._epochs_key()
+        self._on_epochs(key, lambda c: c.hset(key, name, record))
+
+
+# The epochs hash's fields named for a record (32 bytes) whose value is short enough, at
+# most ARGV[2] of them; the first element counts those left out. The hash is whatever a
+# writer of the Redis made it: only what this returns leaves Redis.
+_READ_EPOCHS: Final = """
+local out, left = {0}, 0
+local all = redis.call('HGETALL', KEYS[1])
+local limit, most = tonumber(ARGV[1]), tonumber(ARGV[2])
+for i = 1, #all, 2 do
+  if #all[i] == 32 and #all[i + 1] <= limit and (#out - 1) / 2 < most then
+    out[#out + 1] = all[i]
+    out[#out + 1] = all[i + 1]
+  else
+    left = left + 1
+  end
+end
+out[1] = left
+return out
+"""
+
 
 class RedisStore(RedisTierBase):
     """Frames in one Redis under ``"<namespace>:" + key``; reads verified, failures counted as misses.
@@ -383,6 +452,9 @@ class RedisStore(RedisTierBase):
 
     def _disconnect(self) -> None:
         self._client.close()
+
+    def _on_epochs(self, key: bytes, op: Callable[[redis.Redis], T]) -> T:
+        return self._call(op)
 
 
 def _byte_view(frame: Frame) -> memoryview:

@@ -36,7 +36,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, TypeVar
 
 import redis
 from redis import Redis
@@ -52,6 +52,8 @@ from prefixcache.storage.breaker import CircuitBreaker
 from prefixcache.storage.redis import RedisTierBase, _safe_address
 
 __all__ = ["REFRESH_EVERY_S", "RedisClusterStore"]
+
+T = TypeVar("T")
 
 REFRESH_EVERY_S: Final = 1.0  # at most one slot-map refresh a second, however many calls ask
 
@@ -227,6 +229,24 @@ class RedisClusterStore(RedisTierBase):
         with self._topology:
             if self._client is not None:
                 self._client.close()
+
+    def _epochs_key(self) -> bytes:
+        return b"%s{~epochs}" % self._prefix  # NOTE: its own tag; no block's hex holds "~"
+
+    def _on_epochs(self, key: bytes, op: Callable[[Redis], T]) -> T:
+        """``op`` on the master that owns ``key``'s slot, through that node's breaker."""
+        client = self._cluster()
+        try:
+            node = client.get_node_from_key(key)  # type: ignore[no-untyped-call]
+        except RedisClusterException as exc:
+            self._stale = True
+            raise TierError(f"redis cluster: no node holds the epochs' slot: {exc}") from None
+        conn = client.get_redis_connection(node)
+        try:
+            return self._guarded(self._breaker(node), lambda: op(conn))
+        except TierError:
+            self._stale = True  # a failover may have moved the slot
+            raise
 
 
 def _node(spec: str) -> ClusterNode:

@@ -53,15 +53,28 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from typing import ClassVar, Final, TypeVar
+from functools import partial
+from typing import TYPE_CHECKING, ClassVar, Final, TypeVar
 
 import obstore
 from obstore import Bytes
 from obstore.store import S3Store as ObjectStore
 
 from prefixcache.storage import codec
-from prefixcache.storage.base import MAX_FRAME_BYTES, Frame, TierError, TierFull, TierStore
+from prefixcache.storage.base import (
+    EPOCH_NAME,
+    EPOCH_RECORD_BYTES,
+    EPOCH_RECORDS,
+    MAX_FRAME_BYTES,
+    Frame,
+    TierError,
+    TierFull,
+    TierStore,
+)
 from prefixcache.storage.breaker import CircuitBreaker
+
+if TYPE_CHECKING:
+    from obstore import ObjectMeta
 
 __all__ = ["S3StartError", "S3Store"]
 
@@ -384,3 +397,52 @@ class S3Store(TierStore):
             return
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ epoch records
+
+    epoch_sync: ClassVar[bool] = True  # other servers write the bucket too: re-read while the cache runs
+
+    def read_epochs(self) -> list[tuple[str, bytes]]:
+        """The objects under ``<prefix>/<namespace>/~epochs/`` (``base.EpochKeeper``): one
+        LIST, then a GET of each object named for a record whose size is at most
+        ``EPOCH_RECORD_BYTES`` (the rest are counted ``epoch`` and left unread).
+        ``TierError`` when any call fails: a partial view must not pass for the whole.
+        NOTE: ``~`` is no hex digit, so no block's object is under this folder."""
+        folder = self._root + "~epochs/"
+        found: list[tuple[str, bytes]] = []
+        for meta in self._guarded(lambda: self._list_epochs(folder)):
+            path, size = meta["path"], meta["size"]
+            name = path.removeprefix(folder)
+            if not EPOCH_NAME.fullmatch(name) or size > EPOCH_RECORD_BYTES:
+                self.stats.error("epoch", f"{path}: not a record ({size} bytes)")
+                continue
+            try:
+                got = self._guarded(partial(self._bounded_record, path))
+            except FileNotFoundError:
+                continue  # deleted since the LIST
+            if got is None:
+                self.stats.error("epoch", f"{path}: grew past {EPOCH_RECORD_BYTES} bytes")
+                continue
+            found.append((name, bytes(got)))
+        return found
+
+    def _list_epochs(self, folder: str) -> list[ObjectMeta]:
+        metas: list[ObjectMeta] = []
+        for chunk in obstore.list(self._client, folder, chunk_size=100):
+            metas.extend(chunk)
+            if len(metas) >= EPOCH_RECORDS:
+                break
+        return metas[:EPOCH_RECORDS]
+
+    def _bounded_record(self, path: str) -> Bytes | None:
+        result = obstore.get(self._client, path)
+        if result.meta["size"] > EPOCH_RECORD_BYTES:
+            return None  # NOTE: the body is left unread
+        return result.bytes()
+
+    def write_epoch(self, name: str, record: bytes) -> None:
+        """PUT the record as one object (a reader sees all of it or none)."""
+        if not EPOCH_NAME.fullmatch(name):
+            raise ValueError(f"not an epoch record's name: {name!r}")
+        path = f"{self._root}~epochs/{name}"
+        self._guarded(lambda: obstore.put(self._client, path, record, use_multipart=False))
