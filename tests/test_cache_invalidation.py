@@ -66,7 +66,7 @@ def test_a_request_in_flight_does_not_store_back_what_was_invalidated(tmp_path: 
         assert cache.insert(TOKENS, CTX, kv=kv_for(TOKENS), since=cache.stamp()) == 400  # a later request
 
 
-@pytest.mark.parametrize("how", ["purge", "purge_prefix"])
+@pytest.mark.parametrize("how", ["purge", "purge_prefix", "bump_epoch"])
 def test_a_purged_prefix_stored_back_by_a_request_in_flight_is_not_on_disk(tmp_path: Path, how: str) -> None:
     with memory_disk(tmp_path) as cache:
         cache.insert(TOKENS, CTX, kv=kv_for(TOKENS))

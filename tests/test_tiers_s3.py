@@ -24,6 +24,7 @@ import pytest
 
 from guard_store import guard_stores  # noqa: F401  (autouse: no store call under a cache lock)
 from prefixcache.cache import PrefixCache
+from prefixcache.cache.epochbook import record_name
 from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.storage import codec
 from prefixcache.storage.base import TierError, TierFull
@@ -387,7 +388,8 @@ def test_ttl_epoch_bump_and_purge_delete_the_objects(s3: MotoServer) -> None:
         store(cache, prompt(2))
         cache.bump_epoch("m")
         cache.reclaim()
-        assert cache.flush(timeout=10) and objects() == {}
+        epochs = f"{S3_PREFIX}/{SEED}/~epochs/"
+        assert cache.flush(timeout=10) and list(objects()) == [epochs + record_name("m", None)]  # the epoch kept
         store(cache, prompt(3))
         assert cache.purge("acme") > 0 and cache.flush(timeout=10)
-        assert objects() == {}
+        assert objects(f"{S3_PREFIX}/{SEED}/") == objects(epochs)

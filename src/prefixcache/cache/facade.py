@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from prefixcache.cache.contexts import Contexts
+from prefixcache.cache.epochbook import SYNC_S, EpochKeeping
 from prefixcache.cache.invalidations import Stamp
 from prefixcache.cache.kv import KVSource, LoadedKV, kv_source
 from prefixcache.cache.ledger import Ledger
@@ -41,7 +42,7 @@ from prefixcache.events import Drained, Event, RemovalReason
 from prefixcache.hashing import ONESHOT, CacheContext, HashFactory, Segment, get_hash
 from prefixcache.policies import make_policy
 from prefixcache.storage import codec
-from prefixcache.storage.base import TierStore
+from prefixcache.storage.base import EpochKeeper, TierStore
 from prefixcache.storage.open import open_store
 from prefixcache.storage.queue import WriteQueue
 from prefixcache.storage.transfer import Transfer
@@ -109,7 +110,9 @@ class PrefixCache:
 
     ``clock`` (seconds, monotonic) drives TTLs and is injected so that the simulator can
     replay virtual time; ``hash_factory`` overrides ``config.hash`` (tests inject weak
-    hashes through it); ``store_factory`` opens each tier's store (tests inject faults).
+    hashes through it); ``store_factory`` opens each tier's store (tests inject faults);
+    ``epoch_sync_s`` is how often the shared tiers' epochs are read again (None: only
+    when ``sync_epochs`` or ``bump_epoch`` is called; ``epochbook.py``).
     """
 
     def __init__(
@@ -119,6 +122,7 @@ class PrefixCache:
         clock: Callable[[], float] = time.monotonic,
         hash_factory: HashFactory | None = None,
         store_factory: StoreFactory = open_store,
+        epoch_sync_s: float | None = SYNC_S,
     ) -> None:
         self.config = config = config if config is not None else CacheConfig()
         factory = hash_factory if hash_factory is not None else get_hash(config.hash)
@@ -127,6 +131,7 @@ class PrefixCache:
         self._io: TieredPath | None = None
         self._writer: Writer | None = None
         self._prefetcher: ThreadPoolExecutor | None = None
+        self._epochs: EpochKeeping | None = None
         if not config.tiers:
             self._ledger = Ledger(config, contexts, clock, None)
             self._owner = Owner(self._ledger)
@@ -141,6 +146,10 @@ class PrefixCache:
         self._owner = Owner(self._ledger)
         self._writer = Writer(config.writer, transfer, self._owner.commit_write)
         self._io = TieredPath(self._owner, transfer, self._writer)
+        stores = zip(config.tiers, transfer.stores, strict=True)
+        keepers = [(tc.label, store) for tc, store in stores if isinstance(store, EpochKeeper)]
+        if keepers:
+            self._epochs = EpochKeeping(self._owner, keepers, epoch_sync_s)
         # NOTE: made here, not on the first prefetch, so that no lock guards its making; a
         # pool makes its thread on its first task
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="prefixcache-prefetch")
@@ -249,8 +258,22 @@ class PrefixCache:
 
     def bump_epoch(self, model: str, adapter: str | None = None) -> int:
         """Invalidate every block of ``model`` (or of one adapter of it) at once: O(roots
-        of that model), no scan of blocks. Returns the new epoch."""
+        of that model), no scan of blocks. Returns the new epoch.
+
+        With tiers that outlive the process (disk, Redis, S3), the epoch is kept there
+        too (``epochbook.py``): a restart, and every server sharing the tier, misses the
+        old blocks. ``EpochNotKept`` when a tier did not take it: the bump holds here,
+        and the tier is written again at every sync."""
+        if self._epochs is not None:
+            return self._epochs.bump(model, adapter)
         return self._owner.bump_epoch(model, adapter)
+
+    def sync_epochs(self) -> list[tuple[str, str | None]]:
+        """Read the epochs that the shared tiers (Redis, S3) keep and apply what is higher
+        than this cache's: another server's bumps. A thread does it every
+        ``epoch_sync_s`` seconds; call it to know it is done. Returns the (model,
+        adapter) raised."""
+        return self._epochs.sync() if self._epochs is not None else []
 
     def purge(self, tenant: str) -> int:
         """Remove every block ``tenant`` stored (and, where others built on them in
@@ -310,6 +333,8 @@ class PrefixCache:
         write was done."""
         if self._writer is None or self._io is None:
             return True
+        if self._epochs is not None:
+            self._epochs.close(timeout)
         done = self._writer.close(timeout)
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True)

@@ -29,7 +29,7 @@ A section that frees memory slots whose frames a slower tier still has to receiv
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from prefixcache.cache import loadsteps, writesteps
@@ -198,6 +198,23 @@ class Owner:
             epoch = self.ledger.life.bump_epoch(model, adapter)
             self.ledger.events.record(EpochBumped(model, adapter, epoch))
             return epoch
+
+    def raise_epochs(self, found: Mapping[tuple[str, str | None], int]) -> list[tuple[str, str | None]]:
+        """Apply epochs read from the tiers (``epochbook.py``) that are above this cache's:
+        each a bump to that epoch. Returns the (model, adapter) raised."""
+        raised = []
+        with self._lock:
+            contexts = self.ledger.contexts
+            for (model, adapter), epoch in found.items():
+                if epoch > contexts.epoch(model, adapter):
+                    self.ledger.life.bump_epoch(model, adapter, epoch)
+                    self.ledger.events.record(EpochBumped(model, adapter, epoch))
+                    raised.append((model, adapter))
+        return raised
+
+    def epochs(self) -> dict[tuple[str, str | None], int]:
+        with self._lock:
+            return self.ledger.contexts.known()
 
     def purge(self, tenant: str) -> int:
         with self._lock:
