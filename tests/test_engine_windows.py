@@ -1,27 +1,33 @@
-"""Sliding-window models served exactly.
+"""Sliding-window models served exactly, and one job's bad chunk failing that job alone.
 
 Mistral (every layer windowed), Gemma 3 and Qwen2 (windowed and full layers mixed), with
 a window of 8 and prompts several windows long: packed prompt chunks, decoding rows and
 the KV a row leaves with are those of transformers' own forward of each sequence alone,
-and two tenants' requests served together get the greedy answers of the model alone.
-Tiny random models (``tiny_support``)."""
+and two tenants' requests served together get the greedy answers of the model alone. A
+chunk that would raise inside the step's forward (checked before it) fails its own job,
+not another tenant's answer decoding in the same step. Tiny random models (``tiny_support``)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, Gemma3TextConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, DynamicCache, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
-from prefixcache.engine import Engine, LoadedModel, Request, SamplingParams
+from prefixcache.engine import DoneEvent, Engine, ErrorEvent, Event, LoadedModel, Request, SamplingParams, TokenEvent
 from prefixcache.engine.arch import serving
 from prefixcache.engine.batch import Batch
+from prefixcache.engine.job import Job
 from prefixcache.engine.kv import cut_cache
 from prefixcache.engine.model import kv_layout
-from prefixcache.engine.runner import Chunk, Sequence, full_logits
+from prefixcache.engine.modes import EXACT, ExactTurn, Turn
+from prefixcache.engine.runner import Chunk, Prefill, Sequence, full_logits
+from prefixcache.hashing import CacheContext
+from support import wait_for
 from tiny_support import SMALL, load, save, tokenizer, tokens
 
 WINDOW = 8
@@ -134,3 +140,63 @@ def test_two_tenants_past_the_window_get_the_answers_of_the_model_alone(tmp_path
     finally:
         engine.close()
     assert answers == {tenant: greedy_alone(loaded, prompt, 8) for tenant, prompt in prompts.items()}
+
+
+class _BrokenTurn(ExactTurn):
+    """A turn whose chunk claims KV its sequence does not hold: its forward would raise."""
+
+    def prefill(self, seq: Sequence, tokens: list[int], prefix_kv: Any) -> Prefill:
+        seq.length = 3
+        logits = yield Chunk(seq, tokens, 1)
+        assert logits is not None
+        return logits[-1]
+
+
+class _Mode:
+    def open(self, request: Request, ctx: CacheContext) -> Turn:
+        return _BrokenTurn() if request.tenant == "bad" else EXACT.open(request, ctx)
+
+
+def test_a_chunk_that_cannot_run_fails_its_job_not_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant's answer decoding in the step a bad chunk would have joined goes on: the
+    chunk is checked before the forward and fails its own job only."""
+    loaded = in_memory(LlamaConfig(**SMALL))
+    staged: list[Job] = []
+    lookup = Job.lookup
+
+    def noted(job: Job) -> Any:
+        if job.tenant == "bad":
+            staged.append(job)
+        return lookup(job)
+
+    monkeypatch.setattr(Job, "lookup", noted)
+    bad_ended = threading.Event()
+    bad_events: list[Event] = []
+    good_events: list[Event] = []
+    good_ended = threading.Event()
+    engine = Engine(loaded, "tiny", mode=_Mode(), max_active=2)
+
+    def good_sink(event: Event) -> None:
+        good_events.append(event)
+        if isinstance(event, TokenEvent) and len(good_events) == 1:
+            # NOTE: the worker waits here, after the good answer's first token, until the bad
+            # request is staged: the next step carries both, the good one still decoding
+            engine.submit(Request(tokens(6, seed=9), "bad", SamplingParams(max_tokens=4)), bad_sink)
+            wait_for(lambda: bool(staged) and staged[0].staged is not None, timeout=60)
+        if not isinstance(event, TokenEvent):
+            good_ended.set()
+
+    def bad_sink(event: Event) -> None:
+        bad_events.append(event)
+        if not isinstance(event, TokenEvent):
+            bad_ended.set()
+
+    try:
+        engine.submit(Request(tokens(6, seed=8), "good", SamplingParams(max_tokens=8, temperature=0.0)), good_sink)
+        assert bad_ended.wait(60) and good_ended.wait(60)
+    finally:
+        engine.close()
+    assert isinstance(bad_events[-1], ErrorEvent) and bad_events[-1].error.status == 500
+    done = good_events[-1]
+    assert isinstance(done, DoneEvent) and done.finish_reason == "length" and len(done.tokens) == 8
+    assert engine.stats.failed == 1 and engine.stats.completed == 1

@@ -11,9 +11,11 @@ carries the prompts' next chunks, tenants in turn.
            an ended job: its store queued on the I/O workers, then its end event out
 
 A long prompt delays the others by at most one chunk a step, and a decoding request
-gets a token every step. With ``batched`` off, each decoding job gets a batch of its own
-(one forward each) and a chunk runs alone, followed by ``decode_steps`` steps: the
-engine without batching, for comparisons.
+gets a token every step. A chunk that cannot run (``Batch.check``) fails its own job
+before the forward; what fails inside a forward fails every job of that step. With
+``batched`` off, each decoding job gets a batch of its own (one forward each) and a
+chunk runs alone, followed by ``decode_steps`` steps: the engine without batching, for
+comparisons.
 """
 
 from __future__ import annotations
@@ -111,6 +113,12 @@ class StepLoop:
             chunk = job.chunk()
             if chunk is None:  # it decodes or ended now, or its mode ran a step of its own
                 self._settle(job)
+                continue
+            try:
+                self._shared.check(chunk)
+            except ValueError as exc:  # NOTE: it would raise in the forward, failing every job of the step
+                job.fail(exc)
+                self._finish(job)
                 continue
             if out and len(chunk.tokens) > budget:
                 self._held = job
