@@ -1,7 +1,9 @@
 """The write queue under any interleaving: inserts, loads (some while inserting), epoch
-bumps and purges, against a writer whose jobs run only when this machine says so, one
-at a time, some of them failing; and restarts (a close that abandons what is queued,
-then a new cache over the same disk). The disk tier stores raw or int8 frames.
+bumps and purges (some while a store is staged: a request in flight, or an insert
+between its plan and its commit), against a writer whose jobs run only when this
+machine says so, one at a time, some of them failing; and restarts (a close that
+abandons what is queued, then a new cache over the same disk). The disk tier stores
+raw or int8 frames.
 
 After every step: invariant 4 over what each block can be loaded from (a held frame or
 a queued one), the room of each tier equal to what it holds, queues and reserves,
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +26,35 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from fault_stores import Faulty, faulty
 from guard_store import guard_stores  # noqa: F401  (autouse: no store call under a cache lock)
-from prefixcache.cache import PrefixCache
+from prefixcache.cache import PrefixCache, Stamp
 from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.hashing import CacheContext
 from tier_worker import BLOCK, SEED, frame_bytes, kv_for, layout, prompt
 
 TENANTS = ("a", "b")
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A request that matched (its stamp taken) and stores when it ends."""
+
+    stamp: Stamp
+    tokens: list[int]
+    ctx: CacheContext
+    voided: bool = False  # a purge or bump since covers it: its store must add nothing
+
+
+class Interrupting:
+    """A KV source that runs ``then`` when the insert reads it: between its plan and its commit."""
+
+    def __init__(self, tokens: list[int], then: Callable[[], object]) -> None:
+        self.kv, self.then, self.ran = kv_for(tokens), then, False
+
+    def read(self, begin: int, end: int) -> np.ndarray:
+        if not self.ran:
+            self.ran = True
+            self.then()
+        return self.kv[:, :, :, begin:end, :]
 
 
 class WriterMachine(RuleBasedStateMachine):
@@ -76,7 +102,16 @@ class WriterMachine(RuleBasedStateMachine):
 
     def open(self) -> None:
         self.stores = []
+        self.inflight: list[InFlight] = []  # NOTE: a stamp is its cache's: a restart ends them
         self.cache = PrefixCache(self.config, store_factory=faulty(opened=self.stores))
+
+    def matched(self, tokens: list[int], ctx: CacheContext) -> int:
+        with self.cache.match(tokens, ctx) as m:
+            return m.cached_tokens
+
+    def void(self, covers: Callable[[InFlight], bool]) -> None:
+        for request in self.inflight:
+            request.voided = request.voided or covers(request)
 
     def teardown(self) -> None:
         """The end of a run: a flush settles every queued write, and leaves the books right."""
@@ -123,14 +158,61 @@ class WriterMachine(RuleBasedStateMachine):
     @rule()
     def bump(self) -> None:
         self.cache.bump_epoch("m")
+        self.void(lambda request: True)
 
     @rule(tenant=st.sampled_from(TENANTS), i=st.integers(0, 5), n=st.integers(1, 3))
     def purge_prefix(self, tenant: str, i: int, n: int) -> None:
-        self.cache.purge_prefix(prompt(i, n)[: BLOCK * n - 1], CacheContext(tenant=tenant, model="m"))
+        prefix = prompt(i, n)[: BLOCK * n - 1]
+        self.cache.purge_prefix(prefix, CacheContext(tenant=tenant, model="m"))
+        self.void(lambda request: request.ctx.tenant == tenant and request.tokens[: len(prefix)] == prefix)
 
     @rule(tenant=st.sampled_from(TENANTS))
     def purge(self, tenant: str) -> None:
         self.cache.purge(tenant)
+        self.void(lambda request: request.ctx.tenant == tenant)
+
+    @rule(i=st.integers(0, 5), n=st.integers(1, 7), tenant=st.sampled_from(TENANTS))
+    def begin_request(self, i: int, n: int, tenant: str) -> None:
+        """A request matches: its store is decided now and made when it ends."""
+        ctx = CacheContext(tenant=tenant, model="m")
+        self.inflight.append(InFlight(self.cache.stamp(), prompt(i, n), ctx))
+        self.matched(prompt(i, n), ctx)
+
+    @precondition(lambda self: bool(getattr(self, "inflight", None)))
+    @rule(j=st.integers(0, 5))
+    def end_request(self, j: int) -> None:
+        """It stores; what a purge or bump since its match covers stays out (finding 9)."""
+        request = self.inflight.pop(j % len(self.inflight))
+        before = self.matched(request.tokens, request.ctx)
+        stored = self.cache.insert(request.tokens, request.ctx, kv=kv_for(request.tokens), since=request.stamp)
+        if request.voided:
+            assert stored == 0 and self.matched(request.tokens, request.ctx) == before
+
+    @rule(
+        i=st.integers(0, 5),
+        n=st.integers(1, 7),
+        tenant=st.sampled_from(TENANTS),
+        how=st.sampled_from(["purge", "purge_prefix", "bump"]),
+    )
+    def invalidate_while_staged(self, i: int, n: int, tenant: str, how: str) -> None:
+        """A purge or bump between an insert's plan and its commit: nothing of it is
+        matchable after, in any tier (the books agree after every step)."""
+        tokens, ctx = prompt(i, n), CacheContext(tenant=tenant, model="m")
+
+        def invalidate() -> None:
+            if how == "purge":
+                self.purge(tenant)
+            elif how == "bump":
+                self.bump()
+            else:
+                self.cache.purge_prefix(tokens[:2], ctx)
+                self.void(lambda request: request.ctx.tenant == tenant and request.tokens[:2] == tokens[:2])
+
+        source = Interrupting(tokens, invalidate)
+        stored = self.cache.insert(tokens, ctx, kv=source)
+        if not source.ran:  # nothing to store, so nothing staged: the invalidation comes after
+            invalidate()
+        assert stored == 0 and self.matched(tokens, ctx) == 0
 
     @precondition(lambda self: hasattr(self, "cache"))
     @rule(flush=st.booleans())
