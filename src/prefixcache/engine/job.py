@@ -1,20 +1,20 @@
 """One request's work, from its slot to its stored KV, as the engine's threads see it.
 
-    I/O thread:   lookup()            match + load what the cache holds          (STAGING)
+    I/O worker:   lookup()            match + load what the cache holds          (STAGING)
     worker:       chunk()             [cancelled or past deadline? end]
                                       the chunk of the prompt to run this step;   (PREFILL)
                   prefilled(logits)   it ran (in one forward with the batch's
                                       step); the last samples the first token ──> (DECODE: the loop gives it a row)
-    I/O thread:   store_prompt(kv)    insert the prompt's KV (others may wait for it)
+    I/O worker:   store_prompt(kv)    insert the prompt's KV (others may wait for it)
     worker:       fed() / decoded()   the token it feeds the batch, then the
                                       logits the batch step gave it              (DECODE)
     worker:       ended               the end event (done, cancelled, 504) went  (DONE)
-    I/O thread:   store(kv)           insert prompt + answer with their KV
+    I/O worker:   store(kv)           insert prompt + answer with their KV
 
 A prefill call is bounded by one chunk and a decode by one token, so a request past
 its deadline, or whose client left, stops within one step, and no request waits behind
 more than a chunk of another's prefill. The cache's match, load and insert run on the
-I/O thread, never on the worker's step loop.
+I/O workers (``cacheio.py``), never on the worker's step loop.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Phase(enum.Enum):
     """Where a job is: what its next step does."""
 
     WAITING = "waiting"  # queued for a slot
-    STAGING = "staging"  # has a slot; the I/O thread matches and loads its prefix
+    STAGING = "staging"  # has a slot; an I/O worker matches and loads its prefix
     PREFILL = "prefill"  # a chunk of its prompt per step
     DECODE = "decode"  # a row of the batch, a token per step
     DONE = "done"  # its end event went out; its store may still run
@@ -102,7 +102,7 @@ class Job:
         self.handle = handle
         self.phase = Phase.WAITING
         self.row: int | None = None  # its row in the batch while decoding (the loop's)
-        self.staged: Staged | None = None  # written by the I/O thread: the job is ready
+        self.staged: Staged | None = None  # written by an I/O worker: the job is ready
         self._rt = runtime
         self._context = runtime.context(handle.request.tenant)
         self._turn: Turn | None = None
@@ -151,7 +151,7 @@ class Job:
         """Whether a prefill step can run now (staged, not yet decoding or done)."""
         return self.staged is not None and self.phase in (Phase.STAGING, Phase.PREFILL)
 
-    # ------------------------------------------------------------------ I/O thread
+    # ------------------------------------------------------------------ I/O workers
 
     def lookup(self) -> Staged:
         """Match and load the prompt's cached prefix into memory of its own (a failure is a miss)."""

@@ -8,7 +8,7 @@ for the next operation: each of the worker's parallel operations (hundreds a dec
 step) then wakes its team from sleep, and a step costs markedly more
 (``benchmarks/bench_serve_load.py`` runs the server's setup, ``docs/server.md`` has its
 figures). So every thread of the server that runs torch but is not the worker (the one
-that loads the model, the cache's I/O thread) runs its torch operations on one core:
+that loads the model, the cache's I/O workers) runs its torch operations on one core:
 they are copies and a model load, which one core serves as well.
 """
 
