@@ -39,6 +39,7 @@ from prefixcache.blend.metrics import BlendMetrics
 from prefixcache.blend.serve_engine import BlendEngine
 from prefixcache.blend.serve_gate import GateStatus
 from prefixcache.cache import PrefixCache
+from prefixcache.cache.epochbook import EpochNotKept
 from prefixcache.cache.stats import CacheStats, to_json, top_tenants
 from prefixcache.engine import Engine
 from prefixcache.ops.collector import CacheCollector
@@ -269,7 +270,11 @@ def _operator_routes(app: FastAPI, server: Server) -> None:
         blender = server.blend_engine.blender if server.blend_engine is not None else None
         if blender is not None:
             blender.bump_epoch(engine.cache_model)
-        return {"model": body.model, "epoch": server.need_cache().bump_epoch(engine.cache_model)}
+        try:
+            epoch = server.need_cache().bump_epoch(engine.cache_model)
+        except EpochNotKept as exc:  # NOTE: the bump holds here; a tier that outlives us did not keep it
+            raise APIError(503, str(exc), "server_error", "epoch_not_kept") from None
+        return {"model": body.model, "epoch": epoch}
 
     @app.post("/admin/purge", dependencies=[Depends(auth.admin)])
     def purge(body: PurgeRequest) -> dict[str, Any]:
