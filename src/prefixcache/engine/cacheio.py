@@ -35,7 +35,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 
 from prefixcache.cache.kv import KVSource
 from prefixcache.engine.inflight import InFlight
@@ -176,11 +176,24 @@ class CacheIO:
                     self._queue_job(follower, Kind.STAGE, functools.partial(self._stage, follower))
 
     def _queue_job(self, job: Job, kind: Kind, task: Callable[[], None]) -> None:
-        """Queue ``task`` of ``job`` (the caller may hold the lock: it is reentrant)."""
+        self._put(task, owner=job, tenant=job.tenant, scope=job.context, prompt=job.prompt, kind=kind)
+
+    def _put(
+        self,
+        task: Callable[[], None],
+        *,
+        owner: Hashable = None,
+        tenant: str = "",
+        scope: Hashable = None,
+        prompt: Sequence[int] = (),
+        kind: Kind = Kind.STORE,
+    ) -> None:
+        """Queue ``task`` (the caller may hold the lock: it is reentrant). The defaults: a
+        bare task of nobody's, after the bare tasks before it (``test_threads.py``)."""
         with self._cond:
             if not self._threads:
                 self._start()
-            self._queue.put(task, owner=job, tenant=job.tenant, scope=job.context, prompt=job.prompt, kind=kind)
+            self._queue.put(task, owner=owner, tenant=tenant, scope=scope, prompt=prompt, kind=kind)
             self._cond.notify()
 
     def _start(self) -> None:
