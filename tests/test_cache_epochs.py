@@ -23,6 +23,7 @@ from prefixcache.cache import PrefixCache
 from prefixcache.cache.epochbook import MAX_EPOCH, EpochNotKept, EpochRecord, decode, encode, record_name
 from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.hashing import CacheContext
+from prefixcache.storage.base import TierError
 from redis_cluster import LocalCluster
 from redis_server import RedisServer
 from s3_server import HAS_MOTO, MotoServer
@@ -162,6 +163,29 @@ def test_what_is_no_record_file_in_the_epochs_folder_is_skipped(tmp_path: Path, 
         (folder / "notes.txt").write_bytes(record(5))
     with cache_of(disk(tmp_path)) as restarted:
         assert matched(restarted) == 100 and restarted.stats().tiers[1].errors["epoch"] == 1
+
+
+def test_a_bump_the_disk_failed_to_keep_is_an_error_and_written_at_the_next_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with cache_of(disk(tmp_path)) as cache:
+        store(cache)
+        assert cache._io is not None
+        held = cache._io.transfer.stores[1]
+        inner = getattr(held, "inner", held)  # the disk store under the test's lock guard
+
+        def full(name: str, record: bytes) -> None:
+            raise TierError("disk full")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(inner, "write_epoch", full)
+            with pytest.raises(EpochNotKept, match="disk"):
+                cache.bump_epoch("m")
+            assert cache.sync_epochs() == [] and not (tmp_path / "epochs" / f"{M}.epoch").exists()
+        assert matched(cache) == 0  # it held here all along
+        assert cache.sync_epochs() == []  # and is written now, though no sync reads the disk
+    with cache_of(disk(tmp_path)) as restarted:
+        assert matched(restarted) == 0
 
 
 # ============================================================================ shared tiers: Redis

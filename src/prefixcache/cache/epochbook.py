@@ -24,8 +24,9 @@ outlives the process keeps an epoch record per (model, adapter)::
 
 The bound: a bump on another server is applied here at most ``sync_s`` seconds (plus
 one read of the tier) after its record landed in a tier both share; until then this
-server may still hit on the old blocks. A tier that cannot be read is retried at the
-next sync, and meanwhile serves no frames either (the same breaker guards both).
+server may still hit on the old blocks. A tier that cannot be read is read again at the
+next sync: while it is down it serves no frames either, and once it answers again the
+bound holds from then.
 
 What a shared tier hands back is not trusted (design: what comes back from a tier
 another process can write is checked before it is believed): a record that is not one
@@ -164,6 +165,7 @@ class EpochKeeping:
         self._tiers = list(tiers)
         self._io = threading.Lock()
         self._refused: dict[tuple[str, str, bytes], None] = {}
+        self._owed: set[tuple[str, Name]] = set()  # (tier, record) a write failed to keep: retried at each sync
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.syncs = 0  # shared reads applied, for a test to wait on
@@ -227,6 +229,9 @@ class EpochKeeping:
         unread = [label for label, _ in self._tiers if label not in seen]  # a disk, at a sync: told what is news
         for name in raised:
             self._write(name, known[name], unread)
+        for label, name in sorted(self._owed, key=repr):  # what a tier failed to keep, wherever it was read or not
+            if (label, name) in self._owed:
+                self._write(name, known[name], [label])
         if shared:
             with self._synced:
                 self.syncs += 1
@@ -240,8 +245,12 @@ class EpochKeeping:
                 continue
             try:
                 held = keeper.read_epochs()
-            except TierError as exc:
+            except (TierError, OSError) as exc:
                 log.warning("event=epochs_unread tier=%s error=%s (read again at the next sync)", label, exc)
+                seen[label] = None
+                continue
+            except Exception:  # NOTE: a store's bug must not keep a cache from opening, nor end the syncs
+                log.exception("event=epochs_unread tier=%s (read again at the next sync)", label)
                 seen[label] = None
                 continue
             records: dict[Name, int] = {}
@@ -264,10 +273,15 @@ class EpochKeeping:
                 continue
             try:
                 keeper.write_epoch(record_name(*name), data)
-            except TierError as exc:
-                line = "event=epoch_not_kept tier=%s model=%r adapter=%r epoch=%d error=%s"
-                log.warning(line, label, name[0], name[1], epoch, exc)
+            except (TierError, OSError) as exc:
+                line = "event=epoch_not_kept tier=%s model=%r adapter=%r epoch=%d error=%s (written again at each sync)"
+                # NOTE: once per record until it is kept: a tier that refuses writes is tried every sync
+                level = logging.DEBUG if (label, name) in self._owed else logging.WARNING
+                log.log(level, line, label, name[0], name[1], epoch, exc)
+                self._owed.add((label, name))
                 failed.append(label)
+            else:
+                self._owed.discard((label, name))
         return failed
 
     def _refuse(self, label: str, name: str, data: bytes, why: str) -> None:
