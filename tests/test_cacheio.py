@@ -304,6 +304,10 @@ def test_an_expired_or_cancelled_job_never_follows(world: World) -> None:
     world.io.stage(left)
     world.wait_staged(late, left)  # staged (empty) at once: their first step ends them
     assert world.io.following == 0
+    later = world.job("acme", [*system, 4])
+    world.io.stage(later)
+    wait_for(lambda: world.io.following == 1, GUARD_S)  # it follows the lead, never the two that end now
+    assert world.io._inflight is not None and world.io._inflight.leads == 1
 
 
 def test_close_runs_what_is_queued_then_stops_the_threads_and_a_later_task_starts_them_again(

@@ -147,9 +147,11 @@ class CacheIO:
         with self._cond:
             if job not in self._staging:
                 return  # ended while it looked: its end went out, what it loaded is dropped
-            if self._inflight is not None:
+            # NOTE: one whose client left or whose deadline passed ends at its first step:
+            # it neither waits for a lead nor is one
+            if self._inflight is not None and not (job.handle.cancelled or job.expired()):
                 lead = self._inflight.leader(job, staged.cached)
-                if lead is not None and not (job.handle.cancelled or job.expired()):
+                if lead is not None:
                     return self._inflight.follow(lead, job)  # staged again once the lead's prompt is stored
                 self._inflight.lead(job)
             del self._staging[job]
