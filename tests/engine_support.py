@@ -72,5 +72,12 @@ class LiveServer:
         self.thread.join(10)
 
 
+# NOTE: far beyond any request's run on a loaded 2-core machine: a test that is about a
+# deadline gives its request one (and the engine an injected clock), no other test meets one
+TEST_TIMEOUT_S = 3600.0
+
+
 def engine(loaded: LoadedModel, cache: PrefixCache | None = None, **kwargs: Any) -> Engine:
+    kwargs.setdefault("timeout_s", TEST_TIMEOUT_S)
     return Engine(loaded, MODEL_ID, cache=cache, **kwargs)
+

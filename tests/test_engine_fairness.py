@@ -3,18 +3,18 @@ past its deadline or whose client left stops within about a chunk, and its slot 
 to the next request; tenants are served in turn; a light tenant's first token does not
 wait for a heavy tenant's prefills; a tenant over its share gets 429 through the server.
 
-Timings are compared with chunk and prefill times measured in the same test, with
-generous bounds: the CPU may be shared, and its speed change from minute to minute."""
+No test here reads the wall clock for a verdict: deadlines run on an injected clock that
+the test moves a step at a time, and who waits for whom is counted in the worker's steps
+(a shared CPU makes one step take ten times another; the order of steps stays)."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
+import http.client
+import json
 import random
-import statistics
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from prefixcache.engine import (
     DoneEvent,
     ErrorEvent,
     Event,
+    Handle,
     LoadedModel,
     Order,
     Request,
@@ -41,7 +42,7 @@ from prefixcache.engine.runner import Chunk
 from prefixcache.server.main import build_service
 from prefixcache.settings import AuthSettings, ModelSettings, ServerSettings, Settings
 from prefixcache.settings.admission import AdmissionSettings, TenantAdmission
-from support import wait_for
+from support import Clock, wait_for
 
 pytestmark = pytest.mark.model  # the real model
 
@@ -68,90 +69,111 @@ def light(lm: LoadedModel, question: str) -> list[int]:
 
 @dataclass
 class Probe:
-    """A sink that notes when each event of one request came."""
+    """A sink that notes at which worker step each event of one request came (with
+    ``steps``; the sink runs in the worker, during the step)."""
 
     name: str = ""
-    events: list[tuple[float, Event]] = field(default_factory=list)
+    steps: Steps | None = None
+    events: list[tuple[int, Event]] = field(default_factory=list)
     ended: threading.Event = field(default_factory=threading.Event)
     log: list[str] | None = None  # names of ended requests, in order
 
     def __call__(self, event: Event) -> None:
-        self.events.append((time.monotonic(), event))
+        self.events.append((self.steps.count if self.steps is not None else -1, event))
         if not isinstance(event, TokenEvent):
             if self.log is not None:
                 self.log.append(self.name)
             self.ended.set()
 
     def wait(self) -> Event:
-        assert self.ended.wait(120)
+        assert self.ended.wait(300)
         return self.events[-1][1]
 
     @property
-    def first_at(self) -> float:
+    def first_at(self) -> int:
+        """The step its first event came in."""
         return self.events[0][0]
-
-    @property
-    def end_at(self) -> float:
-        return self.events[-1][0]
 
 
 @dataclass(frozen=True)
 class Step:
-    """One step the worker ran: whose, when."""
+    """One step the worker ran: whose, and its place in the run (steps run one at a time)."""
 
     job: int  # the request's handle id
-    began: float
-    ended: float
+    index: int  # the step's number, from 0
+
+
+class Steps(list[Step]):
+    """The steps the worker ran, in order; ``after`` runs in the worker after each step
+    with the ids of the jobs in it (a test's clock or cancel, at a chosen step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0  # steps ended: the index of the step running or next
+        self.begun = 0  # steps begun
+        self.staged: dict[int, int] = {}  # job -> ``begun`` when its lookup ended: steps from it on began after
+        self.after: list[Callable[[set[int]], None]] = []
+
+    def ran(self, jobs: list[int]) -> None:
+        self.extend(Step(job, self.count) for job in jobs)
+        self.count += 1
+        for hook in self.after:
+            hook(set(jobs))
+
+    def of(self, job: int) -> list[int]:
+        """The indices of ``job``'s steps."""
+        return [s.index for s in self if s.job == job]
 
 
 @pytest.fixture
-def steps(monkeypatch: pytest.MonkeyPatch) -> list[Step]:
-    """Every step the worker runs, recorded: timing claims are made against the steps
-    of the same run (a shared CPU makes one step take ten times another). A step is one
-    of each request it decodes or runs a prompt chunk of; a chunk run alone (no batching,
-    or a request past its deadline in the queue), one of its request."""
-    recorded: list[Step] = []
-    prefill, step = Job.prefill, StepLoop._step
+def steps(monkeypatch: pytest.MonkeyPatch) -> Steps:
+    """Every step the worker runs, recorded: claims about who waits are made in steps
+    (a shared CPU makes one step take ten times another). A step is one of each request
+    it decodes or runs a prompt chunk of; a chunk run alone (no batching, or a request
+    past its deadline in the queue), one of its request."""
+    recorded = Steps()
+    prefill, step, lookup = Job.prefill, StepLoop._step, Job.lookup
 
-    def timed_prefill(self: Job) -> None:
-        began = time.monotonic()
+    def counted_lookup(self: Job) -> Any:
+        try:
+            return lookup(self)
+        finally:
+            recorded.staged[self.handle.id] = recorded.begun
+
+    def counted_prefill(self: Job) -> None:
+        recorded.begun += 1
         try:
             prefill(self)
         finally:
-            recorded.append(Step(self.handle.id, began, time.monotonic()))
+            recorded.ran([self.handle.id])
 
-    def timed_step(self: StepLoop, chunks: list[tuple[Job, Chunk]]) -> bool:
+    def counted_step(self: StepLoop, chunks: list[tuple[Job, Chunk]]) -> bool:
         jobs = [job.handle.id for job in [*self._rows, *(job for job, _ in chunks)]]
-        began = time.monotonic()
+        recorded.begun += bool(jobs)
         try:
             return step(self, chunks)
         finally:
-            ended = time.monotonic()
-            recorded.extend(Step(job, began, ended) for job in jobs)
+            if jobs:
+                recorded.ran(jobs)
 
-    monkeypatch.setattr(Job, "prefill", timed_prefill)
-    monkeypatch.setattr(StepLoop, "_step", timed_step)
+    monkeypatch.setattr(Job, "prefill", counted_prefill)
+    monkeypatch.setattr(StepLoop, "_step", counted_step)
+    monkeypatch.setattr(Job, "lookup", counted_lookup)
     return recorded
 
 
-def step_end_at(steps: list[Step], job: int, moment: float) -> float:
-    """When the step of ``job`` running at ``moment`` ended (``moment`` if none ran)."""
-    return next((s.ended for s in steps if s.job == job and s.began <= moment < s.ended), moment)
-
-
-EPS = 0.3  # seconds for what is not a model step (events, the end of a request), generous
-
-
 def test_a_prompt_past_its_deadline_frees_the_engine_within_a_chunk(
-    lm: LoadedModel, tmp_path: Path, steps: list[Step]
+    lm: LoadedModel, tmp_path: Path, steps: Steps
 ) -> None:
+    """The engine's clock moves 0.3 s a step of the late request: its 1 s deadline passes
+    during its 4th chunk, and it ends there, before a 5th."""
+    clock = Clock()
     cache = tiered_cache(lm, tmp_path, partial_blocks=True)
-    eng = engine(lm, cache, prefill_chunk_tokens=CHUNK, max_active=1)  # one slot: the next waits for it
-    prompt, deadline = heavy(1), 1.0
-    late, following = Probe(), Probe()
+    eng = engine(lm, cache, prefill_chunk_tokens=CHUNK, max_active=1, clock=clock)  # one slot: the next waits
+    prompt, late, following = heavy(1, 8 * CHUNK), Probe(), Probe()
+    steps.after.append(lambda jobs: setattr(clock, "now", clock.now + 0.3 * (not late.ended.is_set())))
     try:
-        submitted = time.monotonic()
-        one = eng.submit(Request(prompt, "acme", SHORT, timeout_s=deadline), late)
+        one = eng.submit(Request(prompt, "acme", SHORT, timeout_s=1.0), late)  # due at 1.0 on ``clock``
         two = eng.submit(Request(light(lm, "Hi"), "globex", SHORT), following)
         end, done = late.wait(), following.wait()
         assert eng.wait_idle(30)
@@ -161,27 +183,34 @@ def test_a_prompt_past_its_deadline_frees_the_engine_within_a_chunk(
         eng.close()
         cache.close()
     assert isinstance(end, ErrorEvent) and isinstance(end.error, RequestTimeout) and end.error.status == 504
-    assert "while prefilling" in end.error.message
+    assert "while prefilling its prompt (256 of 512)" in end.error.message
     assert isinstance(done, DoneEvent) and done.finish_reason in ("stop", "length")
-    due = submitted + deadline
     # it stopped at the end of the chunk running at its deadline ...
-    assert late.end_at < step_end_at(steps, one.id, due) + EPS, (late.end_at - due, steps)
-    # ... and the next request started right after its last step (the end: a 504, its KV stored)
-    last = max(s.ended for s in steps if s.job == one.id)
-    assert late.end_at <= min(s.began for s in steps if s.job == two.id) < last + EPS
-    assert CHUNK <= again.usage.cached_tokens < len(prompt)
+    assert len(steps.of(one.id)) == 4, steps
+    # ... and the next request ran the very next step (the end: a 504, its KV stored)
+    assert min(steps.of(two.id)) == max(steps.of(one.id)) + 1, steps
+    assert again.usage.cached_tokens == 4 * CHUNK
     assert (eng.stats.timed_out, eng.stats.completed) == (1, 2)
 
 
-def test_a_client_gone_during_prefill_stops_it(lm: LoadedModel, tmp_path: Path, steps: list[Step]) -> None:
+def test_a_client_gone_during_prefill_stops_it(lm: LoadedModel, tmp_path: Path, steps: Steps) -> None:
+    """The client leaves while its request's 3rd chunk runs: it ends at that chunk's end."""
     cache = tiered_cache(lm, tmp_path, partial_blocks=True)
     eng = engine(lm, cache, prefill_chunk_tokens=CHUNK)
-    prompt, probe = heavy(2), Probe()
+    prompt, probe = heavy(2, 8 * CHUNK), Probe()
+    handles: list[Handle] = []
+    submitted = threading.Event()
+
+    def leave(jobs: set[int]) -> None:  # the worker, after each step: at the 3rd, the client leaves
+        if steps.count == 3:
+            assert submitted.wait(60)
+            handles[0].cancel()
+
+    steps.after.append(leave)
     try:
-        handle = eng.submit(Request(prompt, "acme", SHORT), probe)
-        time.sleep(1.0)
-        left = time.monotonic()
-        handle.cancel()
+        handles.append(eng.submit(Request(prompt, "acme", SHORT), probe))
+        submitted.set()
+        handle = handles[0]
         end = probe.wait()
         assert eng.wait_idle(30)
         rest = eng.generate(Request(prompt, "acme", ONE)).result(300)  # the part never prefilled
@@ -189,8 +218,8 @@ def test_a_client_gone_during_prefill_stops_it(lm: LoadedModel, tmp_path: Path, 
         eng.close()
         cache.close()
     assert isinstance(end, DoneEvent) and end.finish_reason == "cancelled" and end.tokens == ()
-    assert probe.end_at < step_end_at(steps, handle.id, left) + EPS  # at the end of the chunk running then
-    assert CHUNK <= rest.usage.cached_tokens < len(prompt)  # stopped part way, what it computed kept
+    assert len(steps.of(handle.id)) == 3  # at the end of the chunk running then
+    assert rest.usage.cached_tokens == 3 * CHUNK  # stopped part way, what it computed kept
     assert (eng.stats.cancelled, eng.stats.cancelled_queued, eng.stats.completed) == (1, 0, 1)
 
 
@@ -218,71 +247,72 @@ def test_waiting_tenants_are_served_in_turn(lm: LoadedModel, order: Order, expec
 
 @dataclass(frozen=True)
 class Timed:
+    """A request's place in the worker's steps: from when it was staged (the steps from
+    ``staged`` on began after that) to the step its first token came in."""
+
     job: int
-    submitted: float
-    first_token: float
+    staged: int
+    first_token: int
 
     @property
-    def ttft(self) -> float:
-        return self.first_token - self.submitted
+    def waited(self) -> int:
+        """Steps begun after its staging, to the end of the step of its first token."""
+        return self.first_token - self.staged + 1
 
 
-def timed(eng: Any, prompt: list[int], tenant: str) -> Timed:
-    """Submit and wait; when it was submitted and when its first token came."""
-    probe = Probe()
-    submitted = time.monotonic()
+def timed(eng: Any, prompt: list[int], tenant: str, steps: Steps) -> Timed:
+    """Submit and wait; where its staging and first token fell among the steps."""
+    probe = Probe(steps=steps)
     handle = eng.submit(Request(prompt, tenant, SHORT), probe)
     assert isinstance(probe.wait(), DoneEvent)
-    return Timed(handle.id, submitted, probe.first_at)
+    return Timed(handle.id, steps.staged[handle.id], probe.first_at)
 
 
-def others_began(steps: list[Step], request: Timed) -> int:
-    """Steps of other requests that began between ``request``'s submission and its first step."""
-    first = min(s.began for s in steps if s.job == request.job)
-    return sum(1 for s in steps if s.job != request.job and request.submitted < s.began < first)
+def others_began(steps: Steps, request: Timed) -> int:
+    """Steps of other requests that began between ``request``'s staging and its first step."""
+    first = min(steps.of(request.job))
+    return len({s.index for s in steps if s.job != request.job and request.staged <= s.index < first})
 
 
-def test_a_light_tenant_does_not_wait_for_a_heavy_tenants_prefills(lm: LoadedModel, steps: list[Step]) -> None:
+def test_a_light_tenant_does_not_wait_for_a_heavy_tenants_prefills(lm: LoadedModel, steps: Steps) -> None:
     eng = engine(lm, prefill_chunk_tokens=CHUNK, max_active=4)
     questions = ("Hi", "Name a tool.", "Is it sunny?", "Say yes.", "Count to 3.", "Hello there.", "Bye.")
-    floods = [Probe(f"heavy{i}") for i in range(2)]
+    floods = [Probe(f"heavy{i}", steps) for i in range(2)]
     try:
-        started = time.monotonic()
-        eng.submit(Request(heavy(10, 1500), "heavy", ONE), floods[0])
-        own = timed(eng, light(lm, "Hi"), "heavy")  # its own short one, beside its long one
-        eng.submit(Request(heavy(11, 1500), "heavy", ONE), floods[1])
-        lights = []
-        for question in questions:
-            lights.append(timed(eng, light(lm, question), "light"))
-            time.sleep(0.05)
+        heavies = [eng.submit(Request(heavy(10, 1500), "heavy", ONE), floods[0])]
+        own = timed(eng, light(lm, "Hi"), "heavy", steps)  # its own short one, beside its long one
+        heavies.append(eng.submit(Request(heavy(11, 1500), "heavy", ONE), floods[1]))
+        lights = [timed(eng, light(lm, question), "light", steps) for question in questions]
         assert not any(p.ended.is_set() for p in floods), "the heavy prompts ended before the light ones"
         for probe in floods:
             assert isinstance(probe.wait(), DoneEvent)
     finally:
         eng.close()
-    # each short request started within one step of another's (the one running when it came)
+    # each short request started within one step of another's (the one running when it was
+    # staged), and its one-chunk prompt gave its first token in its first step
     assert all(others_began(steps, r) <= 1 for r in [own, *lights]), [others_began(steps, r) for r in lights]
-    # the worker spent the time until the heavy prompts ended on them (the light ones are small)
-    one_heavy = (max(p.end_at for p in floods) - started) / len(floods)
-    ttfts = [r.ttft for r in lights]
-    assert statistics.median(ttfts) < 0.25 * one_heavy, (ttfts, one_heavy)
-    assert own.ttft < 0.5 * one_heavy, (own, one_heavy)  # round robin within a tenant too
+    assert all(r.first_token == min(steps.of(r.job)) for r in [own, *lights])
+    # in steps, what a heavy prompt's prefill took dwarfs what a light one waited
+    one_heavy = min(len(steps.of(h.id)) for h in heavies)
+    assert one_heavy >= 1500 // CHUNK
+    assert max(r.waited for r in lights) <= 2 < 0.25 * one_heavy, (lights, one_heavy)
+    assert own.waited <= 2  # round robin within a tenant too
 
 
-def test_one_queue_in_arrival_order_makes_the_light_tenant_wait(lm: LoadedModel, steps: list[Step]) -> None:
+def test_one_queue_in_arrival_order_makes_the_light_tenant_wait(lm: LoadedModel, steps: Steps) -> None:
     """The contrast that shows the test above can fail: one slot, one queue (the engine
     before), and the light tenant's first token waits for a whole heavy prefill."""
     eng = engine(lm, prefill_chunk_tokens=CHUNK, max_active=1, order=Order.FIFO)
-    probe = Probe()
+    probe = Probe(steps=steps)
     try:
-        eng.submit(Request(heavy(20), "heavy", ONE), probe)
-        waited = timed(eng, light(lm, "Hi"), "light")
+        first = eng.submit(Request(heavy(20, 12 * CHUNK), "heavy", ONE), probe)
+        waited = timed(eng, light(lm, "Hi"), "light", steps)
         done = probe.wait()
     finally:
         eng.close()
     assert isinstance(done, DoneEvent)
-    assert others_began(steps, waited) > 10  # every chunk of the heavy prompt first
-    assert waited.ttft > 0.8 * done.usage.prefill_s
+    assert len(steps.of(first.id)) == 12  # every chunk of the heavy prompt first ...
+    assert min(steps.of(waited.job)) > max(steps.of(first.id))  # ... before the light one's first step
 
 
 KEYS = {"sk-acme-0123456789": "acme", "sk-globex-0123456789": "globex"}
@@ -323,9 +353,15 @@ def test_a_tenant_over_its_share_gets_429_with_retry_after(limited: LiveServer) 
     acme = {"Authorization": "Bearer sk-acme-0123456789"}
     holding = {"model": MODEL_ID, "prompt": heavy(30, 6000), "max_tokens": 1, "temperature": 0}
 
-    def hold() -> None:  # acme's one request: a long prefill, then its client gives up (a cancel)
-        with contextlib.suppress(httpx.ReadTimeout):
-            httpx.post(url, json=holding, headers=acme, timeout=httpx.Timeout(60, read=15))
+    leave = threading.Event()
+
+    def hold() -> None:  # acme's one request: a long prefill, until its client leaves (a cancel) at the end
+        held = http.client.HTTPConnection(httpx.URL(url).host, httpx.URL(url).port)
+        try:
+            held.request("POST", "/v1/completions", json.dumps(holding), acme | {"Content-Type": "application/json"})
+            leave.wait(600)  # the answer is never read
+        finally:
+            held.close()
 
     holder = threading.Thread(target=hold)
     holder.start()
@@ -348,6 +384,7 @@ def test_a_tenant_over_its_share_gets_429_with_retry_after(limited: LiveServer) 
         assert all(a.choices[0].finish_reason in ("stop", "length") for a in answers)
         assert "acme" in scheduler.load(), "the holding request ended too soon for this test"
     finally:
+        leave.set()
         holder.join(120)
 
 
