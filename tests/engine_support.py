@@ -81,3 +81,23 @@ def engine(loaded: LoadedModel, cache: PrefixCache | None = None, **kwargs: Any)
     kwargs.setdefault("timeout_s", TEST_TIMEOUT_S)
     return Engine(loaded, MODEL_ID, cache=cache, **kwargs)
 
+
+class WorkClock:
+    """Virtual time for timing audits: a unit (1/1024 s, exact in binary) per token the
+    model is given, counted by a forward pre-hook. A request's time to first token is
+    then the prefill it cost, and a cached prefix time saved exactly, whatever else the
+    machine runs; ``close`` removes the hook."""
+
+    def __init__(self, model: Any) -> None:
+        self.tokens = 0
+        self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        self.tokens += int(ids.shape[-1])
+
+    def __call__(self) -> float:
+        return self.tokens / 1024
+
+    def close(self) -> None:
+        self._hook.remove()
