@@ -139,8 +139,9 @@ class StatsSource:
         return self._stats
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll ``cond`` until it holds; fail the test after ``timeout`` seconds."""
+def wait_for(cond: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Poll ``cond`` until it holds; fail the test after ``timeout`` seconds (a guard
+    against a hang, never waited out by a passing test: generous, for loaded machines)."""
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"

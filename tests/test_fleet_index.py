@@ -165,18 +165,18 @@ def test_lost_events_are_replayed_from_the_stream_then_from_a_snapshot(redis_ser
     reader = StreamReader(follower, client, "s:a", backend.snapshot).start()
     try:
         backend.store(0)
-        wait_for(lambda: held_by(index, 0), 5.0)
+        wait_for(lambda: held_by(index, 0))
         assert backend.snapshots == 1  # the start
         reader.lose_next(2)  # read and lost on the way: still in the stream
         for i in (1, 2, 3):
             backend.store(i)
         # the replay counts itself once it has read to the end of the stream, after
         # the blocks are in the index: wait for both, then check nothing else happened
-        wait_for(lambda: all(held_by(index, i) for i in (1, 2, 3)) and follower.stats.replays == 1, 5.0)
+        wait_for(lambda: all(held_by(index, i) for i in (1, 2, 3)) and follower.stats.replays == 1)
         assert follower.stats.replays == 1 and backend.snapshots == 1
         backend.store(4, send=False)  # never reached the stream (Redis was down)
         backend.store(5)
-        wait_for(lambda: all(held_by(index, i) for i in range(6)) and follower.seq == 6, 5.0)
+        wait_for(lambda: all(held_by(index, i) for i in range(6)) and follower.seq == 6)
         assert backend.snapshots == 2 and follower.seq == backend.seq == 6
     finally:
         reader.stop()

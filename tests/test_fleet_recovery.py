@@ -33,7 +33,7 @@ def test_the_router_resynchronizes_after_a_redis_restart(tmp_path: Path, redis_s
         a, b, c = list(range(12)), list(range(100, 112)), list(range(200, 212))
         insert(cache, a)
         pub.publish_pending()
-        wait_for(lambda: held(index, a) == 3, 15.0)
+        wait_for(lambda: held(index, a) == 3)
         redis_server.kill()
         insert(cache, b)
         pub.publish_pending()  # dropped: Redis is down
@@ -42,7 +42,7 @@ def test_the_router_resynchronizes_after_a_redis_restart(tmp_path: Path, redis_s
         insert(cache, c)
         pub.publish_pending()
         # a snapshot's blocks reach the index before its seq is taken: wait for both
-        wait_for(lambda: held(index, c) == 3 and held(index, b) == 3 and follower.seq == pub.seq, 15.0)
+        wait_for(lambda: held(index, c) == 3 and held(index, b) == 3 and follower.seq == pub.seq)
         assert follower.stats.snapshots >= 2  # the start, and the gap no stream held
         assert follower.seq == pub.seq
         assert held(index, a) == 3 and len(truth(cache)) == 9  # nothing lost, nothing invented
