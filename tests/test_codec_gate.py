@@ -6,11 +6,11 @@ more than int8, and ``prefixcache gate-codec`` stores what a server reads."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +18,12 @@ import pytest
 import torch
 
 from engine_support import MODELS_DIR, model
+from prefixcache import cli
 from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.engine import LoadedModel
+from prefixcache.engine import model as model_module
+from prefixcache.quality import codecs as codecs_module
+from prefixcache.quality import reference as reference_module
 from prefixcache.quality.codec_gate import (
     CodecGateRefused,
     check_codecs,
@@ -27,8 +31,8 @@ from prefixcache.quality.codec_gate import (
     decide_codecs,
     read_codec_figures,
 )
-from prefixcache.quality.codecs import BLOCK_TOKENS, cached_tokens, evaluate_codec, through_codec
-from prefixcache.quality.evalset import load_eval_set
+from prefixcache.quality.codecs import BLOCK_TOKENS, CodecRun, cached_tokens, evaluate_codec, through_codec
+from prefixcache.quality.evalset import EvalSet, load_eval_set
 from prefixcache.quality.reference import Prepared, model_fingerprint, prepare
 from prefixcache.quality.verdict import GateFigures, GateStore, NoiseFloor
 from prefixcache.server.main import build_service
@@ -183,7 +187,7 @@ def test_raw_frames_give_back_the_bytes_and_int4_is_coarser_than_int8() -> None:
 
 # -- the real model ---------------------------------------------------------------------
 
-# the first items of the set (what --limit 2 measures), and a chat with a shifted system prompt
+# the first items of the set, and a chat with a shifted system prompt
 MODEL_ITEMS = ("reorder-01", "system-04")
 
 
@@ -194,13 +198,33 @@ def lm() -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def prepared(lm: LoadedModel) -> Prepared:
-    return prepare(lm, load_eval_set(EVAL).subset(list(MODEL_ITEMS)))
+def model_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The evaluation set of ``MODEL_ITEMS`` alone, as a file ``gate-codec --eval-set`` reads."""
+    doc = json.loads(EVAL.read_text())
+    doc["items"] = [item for item in doc["items"] if item["id"] in MODEL_ITEMS]
+    assert [item["id"] for item in doc["items"]] == list(MODEL_ITEMS)
+    path = tmp_path_factory.mktemp("eval") / "eval.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.fixture(scope="module")
+def prepared(lm: LoadedModel, model_set: Path) -> Prepared:
+    return prepare(lm, load_eval_set(model_set))
+
+
+@pytest.fixture(scope="module")
+def evaluated(lm: LoadedModel, prepared: Prepared) -> Callable[[str], tuple[GateFigures, list[CodecRun]]]:
+    """``evaluate_codec`` on the prepared set, each codec measured once for the module (the
+    measurement is deterministic: the same weights, items and codec give the same figures)."""
+    return functools.cache(lambda codec: evaluate_codec(lm, prepared, codec))
 
 
 @pytest.mark.model
-def test_raw_frames_serve_the_reference_answer(lm: LoadedModel, prepared: Prepared) -> None:
-    figures, runs = evaluate_codec(lm, prepared, "raw")
+def test_raw_frames_serve_the_reference_answer(
+    prepared: Prepared, evaluated: Callable[[str], tuple[GateFigures, list[CodecRun]]]
+) -> None:
+    figures, runs = evaluated("raw")
     assert all(run.kv_rel_error == 0.0 for run in runs)  # the frame path hands back the bytes
     assert figures.top1 == 1.0 and figures.greedy_em == 1.0
     # NOTE: not exactly 0: the engine prefills the suffix over a loaded prefix, which rounds
@@ -210,9 +234,11 @@ def test_raw_frames_serve_the_reference_answer(lm: LoadedModel, prepared: Prepar
 
 
 @pytest.mark.model
-def test_int4_diverges_more_than_int8(lm: LoadedModel, prepared: Prepared) -> None:
-    int8, runs8 = evaluate_codec(lm, prepared, "int8")
-    int4, runs4 = evaluate_codec(lm, prepared, "int4")
+def test_int4_diverges_more_than_int8(
+    prepared: Prepared, evaluated: Callable[[str], tuple[GateFigures, list[CodecRun]]]
+) -> None:
+    int8, runs8 = evaluated("int8")
+    int4, runs4 = evaluated("int4")
     assert int8.floor == int4.floor == prepared.floor
     assert 0.0 < int8.mean_kl < int4.mean_kl and int8.max_kl < int4.max_kl
     assert all(a.kv_rel_error < b.kv_rel_error for a, b in zip(runs8, runs4, strict=True))
@@ -220,13 +246,40 @@ def test_int4_diverges_more_than_int8(lm: LoadedModel, prepared: Prepared) -> No
 
 
 @pytest.mark.model
-def test_the_command_stores_what_the_server_reads(lm: LoadedModel, tmp_path: Path) -> None:
+def test_the_command_stores_what_the_server_reads(
+    lm: LoadedModel,
+    model_set: Path,
+    prepared: Prepared,
+    evaluated: Callable[[str], tuple[GateFigures, list[CodecRun]]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The command, in this process: it loads the model and prepares the set it is given,
+    and gets what this module measured already (the same model, set and codecs)."""
+    loads: list[Path] = []
+
+    def load_model(models_dir: Path, device: str) -> LoadedModel:
+        loads.append(models_dir)
+        return lm
+
+    def prepare_set(loaded: LoadedModel, eval_set: EvalSet) -> Prepared:
+        assert loaded is lm and [item.id for item in eval_set.items] == list(MODEL_ITEMS)  # --limit 2 of the set
+        return prepared
+
+    def evaluate(loaded: LoadedModel, measured: Prepared, codec: str) -> tuple[GateFigures, list[CodecRun]]:
+        assert loaded is lm and measured is prepared
+        return evaluated(codec)
+
+    monkeypatch.setattr(model_module, "load_model", load_model)
+    monkeypatch.setattr(reference_module, "prepare", prepare_set)
+    monkeypatch.setattr(codecs_module, "evaluate_codec", evaluate)
     out = tmp_path / "gate.json"
-    command = [sys.executable, "-m", "prefixcache.cli", "gate-codec", "--codecs", "raw,int8", "--limit", "2"]
-    command += ["--threads", "2", "--out", str(out), "--models-dir", str(MODELS_DIR), "--eval-set", str(EVAL)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode in (0, 1), done.stderr[-2000:]
-    assert "noise floor: full prefill in bfloat16" in done.stdout
+    command = ["gate-codec", "--codecs", "raw,int8", "--limit", "2", "--threads", "2", "--out", str(out)]
+    code = cli.main([*command, "--models-dir", str(MODELS_DIR), "--eval-set", str(model_set)])
+    stdout = capsys.readouterr().out
+    assert code in (0, 1) and loads == [MODELS_DIR]
+    assert "noise floor: full prefill in bfloat16" in stdout
     model_id = model_fingerprint(lm)
     store = GateStore(out)
     for codec in ("raw", "int8"):
@@ -236,7 +289,7 @@ def test_the_command_stores_what_the_server_reads(lm: LoadedModel, tmp_path: Pat
         assert record is not None and record["verdict"] in ("pass", "fail") and record["steps"] == 32
     outcome = decide_codecs(model_id, [("disk", "int8")], read_codec_figures(store, model_id, ["int8"])[0])
     assert outcome.verdicts[0].status in ("passed", "failed")  # measured: never absent
-    assert (done.returncode == 0) == outcome.start
+    assert (code == 0) == outcome.start
 
 
 @pytest.mark.model
