@@ -22,12 +22,13 @@ from prefixcache.blend.gate import evaluate, gate_key, plan_name, prepare
 from prefixcache.blend.serve import Blender
 from prefixcache.blend.serve_types import BlendConfig
 from prefixcache.cache import PrefixCache
+from prefixcache.engine.arch import serving
 from prefixcache.engine.model import LoadedModel
 from prefixcache.quality.evalset import EvalSetError, load_eval_set
 from prefixcache.quality.reference import model_fingerprint
 from prefixcache.quality.verdict import GateReport, GateStore, judge
 
-__all__ = ["GateStatus", "open_blender", "read_gate"]
+__all__ = ["GateStatus", "blend_unserved", "open_blender", "read_gate"]
 
 log = logging.getLogger("prefixcache.blend")
 
@@ -72,6 +73,16 @@ def read_gate(config: BlendConfig, loaded: LoadedModel, model_id: str) -> GateSt
     return GateStatus(model_id, plan, report, report.summary())
 
 
+def blend_unserved(model_config: object) -> str | None:
+    """Why blend cannot serve this model whatever its gate says, or None.
+
+    NOTE: blend's recompute (``prefill.py``) runs every layer as full attention over the
+    reused chunks: a sliding-window layer would see past its window there."""
+    if any(w is not None for w in serving(model_config).windows):
+        return "the model has sliding-window layers, which blend's recompute does not model"
+    return None
+
+
 def open_blender(
     config: BlendConfig, loaded: LoadedModel, model_id: str, cache: PrefixCache | None
 ) -> tuple[Blender | None, GateStatus]:
@@ -79,6 +90,9 @@ def open_blender(
     Chunks are blocks of ``cache`` (``chunks``): no cache (``server.cache = false``) or
     one without tiers holds none, so the mode stays off, said so in the log."""
     status = read_gate(config, loaded, model_id)
+    unserved = blend_unserved(loaded.model.config)
+    if status.passed and unserved is not None:
+        status = GateStatus(status.model, status.plan, None, f"{unserved}; gate: {status.reason}")
     if status.passed and (cache is None or not cache.config.tiers):
         reason = "no cache with tiers (server.cache, cache.tiers): chunks are blocks of the cache"
         status = GateStatus(status.model, status.plan, None, f"{reason}; gate: {status.reason}")

@@ -179,7 +179,9 @@ def full_prefill_in(reference: LoadedModel, low: LoadedModel, tokens: Sequence[i
     the prefill differs from the reference's, so the floor is the prefill's noise alone."""
     logits, seq = full_prefill(low, tokens)
     n = len(tokens)
-    cache = fill_cache(cut_cache(seq.cache, n), reference.model.config, reference.device, dtype_of(reference.kv.dtype))
+    # NOTE: a cache of every position (no config): a sliding layer's window is the masks' to
+    # apply, as in the engine (``runner.full_cache``)
+    cache = fill_cache(cut_cache(seq.cache, n), None, reference.device, dtype_of(reference.kv.dtype))
     return Prefilled(logits.float(), cache, 0, 0, n, n * reference.kv.layers)
 
 
