@@ -168,3 +168,14 @@ def test_a_plain_model_is_served_whole() -> None:
     arch = serving(llama("default"))
     assert arch.windows == (None, None) and arch.bound is None
     assert arch.context_length == SMALL["max_position_embeddings"]
+
+
+def test_a_model_transformers_runs_on_eager_attention_is_refused_at_load(tmp_path: Path) -> None:
+    """Gemma 2's logit soft-capping makes transformers pick eager attention, which the
+    packed steps cannot run: a ``ModelError`` at load that names it, not a ``ValueError``
+    when the engine is built."""
+    from transformers import Gemma2Config
+
+    gemma2 = Gemma2Config(**(SMALL | {"sliding_window": 8}))
+    with pytest.raises(ModelError, match="'eager' attention"):
+        load(save(tmp_path / "gemma2", gemma2))

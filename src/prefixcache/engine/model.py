@@ -219,6 +219,14 @@ def load_model(
         raise ModelError(str(exc)) from None
     memo.save()
     model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype)
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention != "sdpa":
+        # NOTE: transformers picks another attention where SDPA cannot compute the model
+        # (Gemma 2's logit soft-capping: eager); the packed steps run on SDPA alone
+        raise ModelError(
+            f"the model in {folder} runs on {attention!r} attention, which the engine's packed steps "
+            "cannot run (they need SDPA's)"
+        )
     model = model.to(dev).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     if folder_stamps(folder) != stamps:
