@@ -146,9 +146,10 @@ def _root(
     tokenizer: str = "",
     namespace: str = "",
     extra: tuple[Any, ...] = (),
+    generation: int = 0,
 ) -> bytes:
     ctx = CacheContext(tenant="t", model=model, adapter=adapter, extra=extra, tokenizer=tokenizer)
-    return root_encoding(seed, ctx, namespace, model_epoch, adapter_epoch)
+    return root_encoding(seed, ctx, namespace, model_epoch, adapter_epoch, generation)
 
 
 def _digest(enc: bytes) -> bytes:
@@ -179,6 +180,15 @@ def _digest(enc: bytes) -> bytes:
         ({"extra": (b"x",)}, {"extra": ("x",)}),
         ({"extra": ((1, 2),)}, {"extra": (1, 2)}),
         ({"extra": ("a", "b")}, {"extra": ("ab",)}),
+        # a namespace's generation: a field of its own from 1 on, absent at 0
+        ({"generation": 1}, {}),
+        ({"generation": 1, "extra": ()}, {"extra": (1,)}),
+        ({"generation": 1, "extra": ()}, {"extra": (1, ())}),
+        ({"namespace": "org_1", "generation": 2345}, {"namespace": "org_12345"}),
+        ({"namespace": "org_1", "generation": 2345}, {"namespace": "org_1", "extra": (2345,)}),
+        ({"generation": 12, "extra": (3,)}, {"generation": 1, "extra": (23,)}),
+        ({"generation": 1, "model_epoch": 0}, {"generation": 0, "model_epoch": 1}),
+        ({"generation": 1, "adapter_epoch": 0}, {"generation": 0, "adapter_epoch": 1}),
     ],
 )
 def test_root_separates_contexts_a_concatenation_would_alias(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -192,6 +202,41 @@ def test_root_encoding_layout() -> None:
     ctx = CacheContext(tenant="t", model="m", adapter="lora", extra=("x",), tokenizer="tok")
     got = root_encoding("seed", ctx, "ns", 3, 4)
     assert got == ROOT_TAG + encode(("seed", "m", 3, "lora", 4, "tok", "ns", ("x",)))
+    assert root_encoding("seed", ctx, "ns", 3, 4, 0) == got  # generation 0: the keys stored before generations
+    assert root_encoding("seed", ctx, "ns", 3, 4, 5) == ROOT_TAG + encode(
+        ("seed", "m", 3, "lora", 4, "tok", "ns", 5, ("x",))
+    )
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.0, "1", None])
+def test_a_generation_is_an_integer_from_zero(bad: Any) -> None:
+    with pytest.raises(ValueError, match="generation"):
+        root_encoding("s", CTX, "ns", 0, 0, bad)
+
+
+_root_fields = st.fixed_dictionaries(
+    {
+        "seed": st.sampled_from(["s", "s1"]),
+        "model": st.sampled_from(["m", "m1"]),
+        "model_epoch": st.integers(0, 2),
+        "adapter": st.sampled_from([None, "", "1"]),
+        "adapter_epoch": st.integers(0, 2),
+        "namespace": st.sampled_from(["", "1", "org_1", "org_12"]),
+        "generation": st.integers(0, 12),
+        "extra": st.lists(st.sampled_from([0, 1, 2, 12, "", "1", None, ()]), max_size=2).map(tuple),
+    }
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_root_fields, min_size=2, max_size=12))
+def test_root_encoding_is_injective_with_generations(roots: list[dict[str, Any]]) -> None:
+    """Invariant 1 with a namespace's generation: two contexts share a root encoding only
+    when every field, typed, is the same (so 0 and an absent generation are one)."""
+    for a in roots:
+        for b in roots:
+            same = {k: _typed(v) for k, v in a.items()} == {k: _typed(v) for k, v in b.items()}
+            assert (_root(**a) == _root(**b)) == same, (a, b)
 
 
 def test_root_ignores_tenant_name_only_namespace_counts() -> None:
@@ -210,6 +255,7 @@ _FIELD_CHANGES: dict[str, dict[str, Any]] = {
     "tokenizer": {"tokenizer": "tok-v2"},
     "namespace": {"namespace": "acme"},
     "extra": {"extra": ("salt",)},
+    "generation": {"generation": 1},
 }
 
 

@@ -4,7 +4,7 @@ A block key names "this context, followed by exactly these tokens (and these non
 segments)". It is computed by one streaming hasher over a self-delimiting layout::
 
     key(T) = H( ROOT_TAG | enc(seed, model, model_epoch, adapter, adapter_epoch,
-                                tokenizer, namespace, extra)          <- the context root
+                                tokenizer, namespace, [generation,] extra)  <- the context root
               | tokens[0:T] as little-endian uint32                   <- all tokens so far
               | enc(segments starting before T)                       <- per-block extra keys
               | u64 len(segments encoding) | u64 T )                  <- trailer, read backwards
@@ -156,10 +156,21 @@ def root_encoding(
     namespace: str,
     model_epoch: int,
     adapter_epoch: int,
+    generation: int = 0,
 ) -> bytes:
-    """The bytes every key of this context starts with."""
-    fields = (seed, ctx.model, model_epoch, ctx.adapter, adapter_epoch, ctx.tokenizer, namespace, ctx.extra)
-    return ROOT_TAG + encode(fields)
+    """The bytes every key of this context starts with. ``generation`` is the namespace's:
+    a tenant purge raises it (``cache/contexts.py``), so no key of the purged blocks is
+    ever computed again.
+
+    NOTE: generation 0 leaves the field out (the eight fields the encoding always had), so
+    that keys stored before generations existed are still found; from 1 on it is a ninth
+    field. Still injective: ``encode`` prefixes a tuple with its length, so no eight-field
+    encoding equals a nine-field one, and a nine-field one never holds a 0."""
+    if type(generation) is not int or generation < 0:
+        raise ValueError(f"a generation is an integer >= 0, not {generation!r}")
+    fields = (seed, ctx.model, model_epoch, ctx.adapter, adapter_epoch, ctx.tokenizer, namespace)
+    tail = (generation, ctx.extra) if generation else (ctx.extra,)
+    return ROOT_TAG + encode(fields + tail)
 
 
 # ---------------------------------------------------------------------------- segments
