@@ -175,6 +175,9 @@ class TierStore(ABC):
 EPOCH_RECORD_BYTES: Final = 4096
 EPOCH_RECORDS: Final = 1024
 EPOCH_NAME: Final = re.compile(r"[0-9a-f]{32}")  # a record's name: 32 lower-case hex digits, nothing else
+# The books a store keeps records in, apart, so that one's records never crowd the other's
+# out of a read: model and adapter epochs, and the generations of tenant namespaces.
+EPOCH_BOOKS: Final = ("epochs", "generations")
 
 
 @runtime_checkable
@@ -188,13 +191,22 @@ class EpochKeeper(Protocol):
 
     epoch_sync: bool  # other processes write this tier too: re-read its records while the cache runs
 
-    def read_epochs(self) -> list[tuple[str, bytes]]:
-        """Every record held, as (name, bytes): at most ``EPOCH_RECORDS`` of them, each at
-        most ``EPOCH_RECORD_BYTES`` (a longer one is skipped, counted ``epoch``).
-        ``TierError`` when the medium fails."""
+    def read_epochs(self, book: str = "epochs") -> list[tuple[str, bytes]]:
+        """Every record held in ``book`` (one of ``EPOCH_BOOKS``), as (name, bytes): at most
+        ``EPOCH_RECORDS`` of them, each at most ``EPOCH_RECORD_BYTES`` (a longer one is
+        skipped, counted ``epoch``). ``TierError`` when the medium fails."""
         ...
 
-    def write_epoch(self, name: str, record: bytes) -> None:
-        """Publish ``record`` under ``name`` (``EPOCH_NAME``; another is a ValueError),
-        whole or not at all, replacing what was there; ``TierError`` when the medium fails."""
+    def write_epoch(self, name: str, record: bytes, book: str = "epochs") -> None:
+        """Publish ``record`` under ``name`` (``EPOCH_NAME``; another is a ValueError) in
+        ``book``, whole or not at all, replacing what was there; ``TierError`` when the
+        medium fails."""
         ...
+
+
+def epoch_book(book: str) -> str:
+    """``book`` when it is one of ``EPOCH_BOOKS``; a ValueError otherwise (it names a
+    folder, a key or a prefix of the tier)."""
+    if book not in EPOCH_BOOKS:
+        raise ValueError(f"not a book of records: {book!r}; valid: {', '.join(EPOCH_BOOKS)}")
+    return book

@@ -13,6 +13,7 @@ treated as a miss::
       tmp/                         writes in progress: <key hex>.<random>.tmp
       quarantine/                  bad files moved aside for a human: <name>.<random>
       epochs/<name>.epoch          the cache's epoch records (``cache/epochbook.py``)
+      generations/<name>.epoch     the generations of tenant namespaces (the same book's)
 
     put:   tmp/x.tmp --write--> [fsync file] --os.replace--> blocks/ab/x.blk --> [fsync blocks/ab/]
                                  "data", "full"                                    "full" only
@@ -56,6 +57,7 @@ from prefixcache.storage.base import (
     TierError,
     TierFull,
     TierStore,
+    epoch_book,
 )
 from prefixcache.storage.placed import Place, Placed, read_placed
 
@@ -410,11 +412,11 @@ class DiskStore(TierStore):
 
     epoch_sync: ClassVar[bool] = False  # one store per directory: read when the cache opens
 
-    def read_epochs(self) -> list[tuple[str, bytes]]:
-        """The records in epochs/ (``base.EpochKeeper``): regular files named for a record,
+    def read_epochs(self, book: str = "epochs") -> list[tuple[str, bytes]]:
+        """The records in <book>/ (``base.EpochKeeper``): regular files named for a record,
         each read no further than ``EPOCH_RECORD_BYTES``; anything else is skipped (counted
         ``epoch``)."""
-        folder = self.directory / "epochs"
+        folder = self.directory / epoch_book(book)
         try:
             entries = sorted(os.listdir(folder))
         except FileNotFoundError:
@@ -435,15 +437,18 @@ class DiskStore(TierStore):
                 break
         return found
 
-    def write_epoch(self, name: str, record: bytes) -> None:
-        """Publish ``record`` as epochs/<name>.epoch with one rename, the file and the
-        folder synced whatever ``fsync`` says: a bump is rare and must outlive a power loss."""
+    def write_epoch(self, name: str, record: bytes, book: str = "epochs") -> None:
+        """Publish ``record`` as <book>/<name>.epoch with one rename, the file and the
+        folder synced whatever ``fsync`` says: a bump or a purge is rare and must outlive a
+        power loss."""
         if not EPOCH_NAME.fullmatch(name):
             raise ValueError(f"not an epoch record's name: {name!r}")
-        folder = self.directory / "epochs"
+        folder = self.directory / epoch_book(book)
         tmp = self._tmp / f"epoch-{name}.{uuid.uuid4().hex}.tmp"
         try:
-            folder.mkdir(exist_ok=True)
+            if not folder.is_dir():
+                folder.mkdir(exist_ok=True)
+                _fsync_dir(self.directory)  # NOTE: the folder's own entry, or a power loss may take the record
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 _write_all(fd, memoryview(record))

@@ -47,6 +47,7 @@ from prefixcache.storage.base import (
     TierError,
     TierFull,
     TierStore,
+    epoch_book,
 )
 from prefixcache.storage.breaker import CircuitBreaker
 
@@ -323,21 +324,22 @@ class RedisTierBase(TierStore):
 
     epoch_sync: ClassVar[bool] = True  # other servers write it too: re-read while the cache runs
 
-    def _epochs_key(self) -> bytes:
-        """The hash of the epoch records, field <name> -> record. NOTE: no block's key: a
-        block's is the namespace and a digest of 8 bytes or more (hex in braces in a
-        cluster), never these 7 bytes."""
-        return self._prefix + b"~epochs"
+    def _epochs_key(self, book: str = "epochs") -> bytes:
+        """The hash of one book's records (``base.EPOCH_BOOKS``), field <name> -> record.
+        NOTE: no block's key: a block's is the namespace and a digest of 8 bytes or more
+        (hex in braces in a cluster), never "~epochs" (7 bytes) nor "~generations" (12 bytes:
+        no registered hash gives a digest of that length)."""
+        return self._prefix + b"~" + epoch_book(book).encode()
 
     def _on_epochs(self, key: bytes, op: Callable[[redis.Redis], T]) -> T:
         """Run ``op`` on the connection that holds ``key``, through its breaker."""
         raise NotImplementedError
 
-    def read_epochs(self) -> list[tuple[str, bytes]]:
-        """The records of the epochs hash (``base.EpochKeeper``), filtered in Redis by a
+    def read_epochs(self, book: str = "epochs") -> list[tuple[str, bytes]]:
+        """The records of the book's hash (``base.EpochKeeper``), filtered in Redis by a
         script, so that no longer or misnamed one, and no more than ``EPOCH_RECORDS``,
         crosses the network (those left there are counted ``epoch``)."""
-        key = self._epochs_key()
+        key = self._epochs_key(book)
         reply = self._on_epochs(key, lambda c: c.eval(_READ_EPOCHS, 1, key, EPOCH_RECORD_BYTES, EPOCH_RECORDS))
         if not isinstance(reply, list) or not reply or not isinstance(reply[0], int) or len(reply) % 2 != 1:
             self.stats.error("epoch", "the epoch script's reply is not a list of records")
@@ -352,11 +354,11 @@ class RedisTierBase(TierStore):
                 self.stats.error("epoch", "a misnamed record")
         return found
 
-    def write_epoch(self, name: str, record: bytes) -> None:
+    def write_epoch(self, name: str, record: bytes, book: str = "epochs") -> None:
         """HSET the record: one command, so a reader sees it whole or not at all."""
         if not EPOCH_NAME.fullmatch(name):
             raise ValueError(f"not an epoch record's name: {name!r}")
-        key = self._epochs_key()
+        key = self._epochs_key(book)
         self._on_epochs(key, lambda c: c.hset(key, name, record))
 
 

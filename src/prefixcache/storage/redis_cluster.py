@@ -47,7 +47,7 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, RedisClusterException
 from redis.retry import Retry
 
-from prefixcache.storage.base import MAX_FRAME_BYTES, TierError
+from prefixcache.storage.base import MAX_FRAME_BYTES, TierError, epoch_book
 from prefixcache.storage.breaker import CircuitBreaker
 from prefixcache.storage.redis import RedisTierBase, _safe_address
 
@@ -230,8 +230,8 @@ class RedisClusterStore(RedisTierBase):
             if self._client is not None:
                 self._client.close()
 
-    def _epochs_key(self) -> bytes:
-        return b"%s{~epochs}" % self._prefix  # NOTE: its own tag; no block's hex holds "~"
+    def _epochs_key(self, book: str = "epochs") -> bytes:
+        return b"%s{~%s}" % (self._prefix, epoch_book(book).encode())  # NOTE: its own tag; no block's hex holds "~"
 
     def _on_epochs(self, key: bytes, op: Callable[[Redis], T]) -> T:
         """``op`` on the master that owns ``key``'s slot, through that node's breaker."""

@@ -70,6 +70,7 @@ from prefixcache.storage.base import (
     TierError,
     TierFull,
     TierStore,
+    epoch_book,
 )
 from prefixcache.storage.breaker import CircuitBreaker
 
@@ -402,13 +403,13 @@ class S3Store(TierStore):
 
     epoch_sync: ClassVar[bool] = True  # other servers write the bucket too: re-read while the cache runs
 
-    def read_epochs(self) -> list[tuple[str, bytes]]:
-        """The objects under ``<prefix>/<namespace>/~epochs/`` (``base.EpochKeeper``): one
+    def read_epochs(self, book: str = "epochs") -> list[tuple[str, bytes]]:
+        """The objects under ``<prefix>/<namespace>/~<book>/`` (``base.EpochKeeper``): one
         LIST, then a GET of each object named for a record whose size is at most
         ``EPOCH_RECORD_BYTES`` (the rest are counted ``epoch`` and left unread).
         ``TierError`` when any call fails: a partial view must not pass for the whole.
         NOTE: ``~`` is no hex digit, so no block's object is under this folder."""
-        folder = self._root + "~epochs/"
+        folder = f"{self._root}~{epoch_book(book)}/"
         found: list[tuple[str, bytes]] = []
         for meta in self._guarded(lambda: self._list_epochs(folder)):
             path, size = meta["path"], meta["size"]
@@ -440,9 +441,9 @@ class S3Store(TierStore):
             return None  # NOTE: the body is left unread
         return result.bytes()
 
-    def write_epoch(self, name: str, record: bytes) -> None:
+    def write_epoch(self, name: str, record: bytes, book: str = "epochs") -> None:
         """PUT the record as one object (a reader sees all of it or none)."""
         if not EPOCH_NAME.fullmatch(name):
             raise ValueError(f"not an epoch record's name: {name!r}")
-        path = f"{self._root}~epochs/{name}"
+        path = f"{self._root}~{epoch_book(book)}/{name}"
         self._guarded(lambda: obstore.put(self._client, path, record, use_multipart=False))
