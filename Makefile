@@ -113,7 +113,7 @@ bench-serve-load: $(STAMP)
 	$(BIN)/python benchmarks/bench_serve_load.py
 
 # A tenant's memory hit while another's Redis answers in 1.5 s: the cache's I/O workers
-# against one I/O thread, the engine before (needs redis-server; about 3 minutes).
+# against one I/O thread, the engine before (needs redis-server; about 7 minutes).
 bench-io-isolation: $(STAMP)
 	$(BIN)/python benchmarks/bench_io_isolation.py
 
