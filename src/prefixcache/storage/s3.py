@@ -178,6 +178,9 @@ class S3Store(TierStore):
         self._used = 0
         self._books = threading.Lock()  # _sizes and _used; never held over a network call
         self._closed = False
+        # NOTE: the records read last, by path: (ETag, size, modified) -> bytes, so that a sync
+        # GETs only what changed since (a LIST a second, not a GET a record a second)
+        self._records: dict[str, tuple[tuple[object, ...], bytes]] = {}
         self._client = self._connect(region, profile, connect_timeout, read_timeout)
         self._check_bucket(self._connect(region, profile, connect_timeout, START_TIMEOUT))
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="prefixcache-s3")
@@ -408,14 +411,23 @@ class S3Store(TierStore):
         LIST, then a GET of each object named for a record whose size is at most
         ``EPOCH_RECORD_BYTES`` (the rest are counted ``epoch`` and left unread).
         ``TierError`` when any call fails: a partial view must not pass for the whole.
+        An object whose ETag, size and modification time are those of the last read is
+        not fetched again. Called by one thread at a time (the cache's epoch book).
         NOTE: ``~`` is no hex digit, so no block's object is under this folder."""
         folder = f"{self._root}~{epoch_book(book)}/"
         found: list[tuple[str, bytes]] = []
+        listed: set[str] = set()
         for meta in self._guarded(lambda: self._list_epochs(folder)):
             path, size = meta["path"], meta["size"]
             name = path.removeprefix(folder)
             if not EPOCH_NAME.fullmatch(name) or size > EPOCH_RECORD_BYTES:
                 self.stats.error("epoch", f"{path}: not a record ({size} bytes)")
+                continue
+            listed.add(path)
+            seen = (meta.get("e_tag"), size, meta.get("last_modified"))
+            held = self._records.get(path)
+            if held is not None and held[0] == seen and seen[0] is not None:
+                found.append((name, held[1]))
                 continue
             try:
                 got = self._guarded(partial(self._bounded_record, path))
@@ -424,7 +436,10 @@ class S3Store(TierStore):
             if got is None:
                 self.stats.error("epoch", f"{path}: grew past {EPOCH_RECORD_BYTES} bytes")
                 continue
+            self._records[path] = (seen, bytes(got))  # NOTE: a GET newer than its LIST costs one more GET
             found.append((name, bytes(got)))
+        for path in [p for p in self._records if p.startswith(folder) and p not in listed]:
+            del self._records[path]
         return found
 
     def _list_epochs(self, folder: str) -> list[ObjectMeta]:
