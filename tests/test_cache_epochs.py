@@ -174,7 +174,7 @@ def test_a_bump_the_disk_failed_to_keep_is_an_error_and_written_at_the_next_sync
         held = cache._io.transfer.stores[1]
         inner = getattr(held, "inner", held)  # the disk store under the test's lock guard
 
-        def full(name: str, record: bytes) -> None:
+        def full(name: str, record: bytes, book: str = "epochs") -> None:
             raise TierError("disk full")
 
         with monkeypatch.context() as patch:

@@ -24,6 +24,7 @@ import pytest
 
 from guard_store import guard_stores  # noqa: F401  (autouse: no store call under a cache lock)
 from prefixcache.cache import PrefixCache
+from prefixcache.cache.contexts import generation_name
 from prefixcache.cache.epochbook import record_name
 from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.storage import codec
@@ -392,4 +393,6 @@ def test_ttl_epoch_bump_and_purge_delete_the_objects(s3: MotoServer) -> None:
         assert cache.flush(timeout=10) and list(objects()) == [epochs + record_name("m", None)]  # the epoch kept
         store(cache, prompt(3))
         assert cache.purge("acme") > 0 and cache.flush(timeout=10)
-        assert objects(f"{S3_PREFIX}/{SEED}/") == objects(epochs)
+        generations = f"{S3_PREFIX}/{SEED}/~generations/"
+        assert list(objects(generations)) == [generations + generation_name(SEED, "acme")]  # the purge kept
+        assert objects(f"{S3_PREFIX}/{SEED}/") == objects(epochs) | objects(generations)

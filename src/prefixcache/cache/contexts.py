@@ -1,15 +1,23 @@
-"""Context roots and epochs: which root a request's blocks hang under, and the key
-chains its search follows.
+"""Context roots, epochs and generations: which root a request's blocks hang under, and
+the key chains its search follows.
 
 A root names one context (namespace, model, adapter, tokenizer, extra key) at its
-current epochs; its encoding seeds every block key below it (``hashing``). Bumping an
-epoch takes the roots of that model (or adapter) out of the table: no request can
-reach them again, and the ledger reclaims their blocks, children first.
+current epochs and its namespace's generation; its encoding seeds every block key below
+it (``hashing``). Bumping an epoch takes the roots of that model (or adapter) out of the
+table, and raising a generation (a tenant purge) the roots of that namespace: no request
+can reach them again, and the ledger reclaims their blocks, children first.
+
+Generations are kept by the name of the namespace's record (``generation_name``), not by
+the namespace: a generation read from a tier another server wrote names no tenant, and
+is applied to whichever namespace hashes to it.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import Final
 
 import numpy as np
 
@@ -21,14 +29,32 @@ from prefixcache.hashing import (
     KeyChain,
     Segment,
     Segments,
+    encode,
     root_encoding,
     token_bytes,
 )
 from prefixcache.tenancy import PUBLIC
 
-__all__ = ["Contexts", "context_name"]
+__all__ = ["MAX_GENERATION", "Contexts", "context_name", "generation_name"]
 
 Tokens = Sequence[int] | np.ndarray
+
+MAX_GENERATION: Final = (1 << 31) - 1  # as ``epochbook.MAX_EPOCH``: far past any real count of purges
+_PERSON: Final = b"pc/generation/1"  # blake2b's personalization: these names are no other digest
+
+
+def generation_name(seed: str, namespace: str) -> str:
+    """The name a namespace's generation is kept under, in this cache and in every tier:
+    blake2b-128 of the namespace keyed by the deployment seed, in hex. A tier shows this,
+    never the tenant's name; whoever knows the seed can still test a guessed name
+    against it (docs/storage.md says what an observer of a tier learns)."""
+    return hashlib.blake2b(encode(namespace), key=_seed_key(seed), person=_PERSON, digest_size=16).hexdigest()
+
+
+@functools.lru_cache(maxsize=8)
+def _seed_key(seed: str) -> bytes:
+    """blake2b's key (at most 64 bytes) from a seed of any length."""
+    return hashlib.blake2b(seed.encode("utf-8", "surrogatepass"), digest_size=32).digest()
 
 
 def context_name(ctx: CacheContext) -> tuple[object, ...]:
@@ -47,6 +73,7 @@ class Contexts:
         self._oneshot = oneshot  # the same hash in one call, for short prefixes (``hashing.ONESHOT``)
         self._vocab = vocab_size
         self._epochs: dict[tuple[str, str | None], int] = {}
+        self._generations: dict[str, int] = {}  # by ``generation_name``: every one above 0
         self._roots: dict[tuple[object, ...], tuple[Root, Hasher]] = {}
 
     def __len__(self) -> int:
@@ -60,7 +87,7 @@ class Contexts:
         entry = self._roots.get(name)
         if entry is None and create:
             model_epoch, adapter_epoch = self.epochs(ctx)
-            enc = root_encoding(self._seed, ctx, namespace, model_epoch, adapter_epoch)
+            enc = root_encoding(self._seed, ctx, namespace, model_epoch, adapter_epoch, self.generation(namespace))
             hasher = self._hash()
             hasher.update(enc)
             root = Root(hasher.copy().digest(), namespace, namespace == PUBLIC, name, enc)
@@ -73,6 +100,17 @@ class Contexts:
         model = self._epochs.get((ctx.model, None), 0)
         adapter = self._epochs.get((ctx.model, ctx.adapter), 0) if ctx.adapter is not None else 0
         return model, adapter
+
+    def generation(self, namespace: str) -> int:
+        """The namespace's generation now (0 until its first purge)."""
+        if not self._generations:  # NOTE: the common case, no purge ever: no digest per new root
+            return 0
+        return self._generations.get(generation_name(self._seed, namespace), 0)
+
+    def version(self, ctx: CacheContext, namespace: str) -> tuple[int, int, int]:
+        """Everything that, changed, makes the roots of ``ctx`` in ``namespace`` stale: a
+        caller that let go of the lock compares it before and after."""
+        return (*self.epochs(ctx), self.generation(namespace))
 
     def drop_empty(self, lookup: Lookup) -> None:
         """``drop_if_empty`` for each root of ``lookup`` (its own, and a public one it made)."""
@@ -141,6 +179,42 @@ class Contexts:
                 root.stale = True
                 stale.append(root)
         return epoch, stale
+
+    def generations(self) -> dict[str, int]:
+        """Every generation above 0, by record name: what the durable tiers must keep."""
+        return dict(self._generations)
+
+    def generation_of(self, name: str) -> int:
+        return self._generations.get(name, 0)
+
+    def next_generation(self, namespace: str) -> tuple[str, int, list[Root]] | None:
+        """A tenant purge: ``namespace``'s next generation. Returns its record name, the
+        generation and the roots it made stale (now out of the table); None when the
+        namespace is at ``MAX_GENERATION`` (nothing changes)."""
+        name = generation_name(self._seed, namespace)
+        now = self._generations.get(name, 0)
+        if now >= MAX_GENERATION:
+            return None
+        return name, now + 1, self.raise_generation(name, now + 1)
+
+    def raise_generation(self, name: str, to: int) -> list[Root]:
+        """The namespace named ``name`` goes to generation ``to``, above its own (only up);
+        returns the roots of that namespace made stale, now out of the table."""
+        now = self._generations.get(name, 0)
+        if to <= now:
+            raise ValueError(f"a generation only goes up: {name} is at {now}, not above {to}")
+        self._generations[name] = to
+        names: dict[str, str] = {}  # namespace -> its name, once per namespace in the table
+        stale = []
+        for ctx_name, (root, _) in list(self._roots.items()):
+            digest = names.get(root.owner)
+            if digest is None:
+                digest = names[root.owner] = generation_name(self._seed, root.owner)
+            if digest == name:
+                del self._roots[ctx_name]
+                root.stale = True
+                stale.append(root)
+        return stale
 
     def tokens(self, tokens: Tokens) -> bytes:
         return token_bytes(tokens, self._vocab)

@@ -269,21 +269,37 @@ class PrefixCache:
         return self._owner.bump_epoch(model, adapter)
 
     def sync_epochs(self) -> list[tuple[str, str | None]]:
-        """Read the epochs that the shared tiers (Redis, S3) keep and apply what is higher
-        than this cache's: another server's bumps. A thread does it every
-        ``epoch_sync_s`` seconds; call it to know it is done. Returns the (model,
-        adapter) raised."""
+        """Read the epochs and generations that the shared tiers (Redis, S3) keep and
+        apply what is higher than this cache's: another server's bumps and purges. A
+        thread does it every ``epoch_sync_s`` seconds; call it to know it is done. Returns
+        the (model, adapter) raised (a generation raised names no tenant: it is applied,
+        not listed)."""
         return self._epochs.sync() if self._epochs is not None else []
 
     def purge(self, tenant: str) -> int:
         """Remove every block ``tenant`` stored (and, where others built on them in
         shared mode, what hangs below). Pinned blocks become unmatchable now and are
-        freed on release. Returns the tokens removed or doomed. O(blocks): an admin call."""
+        freed on release. Returns the tokens removed or doomed here. O(blocks): an admin
+        call.
+
+        In "namespace" and "partitioned" isolation the purge is also final beyond this
+        tree: it raises the generation of the tenant's key namespace, so no key of its
+        old blocks is computed again, and with tiers that outlive the process (disk,
+        Redis, S3) the generation is kept there, as an epoch is: a restart, and every
+        server sharing the tier once it syncs, misses them too. ``EpochNotKept`` when a
+        tier did not keep it (the purge holds here, and the tier is written again at
+        every sync). In "shared" isolation the tenant has no namespace of its own: the
+        purge removes what this tree holds and nothing else (blocks the tenant stored in
+        a tier this tree does not know, after a restart or on another server, stay).
+        Prefixes published to the public pool are everybody's and stay."""
         if not isinstance(tenant, str) or not tenant:
             raise ValueError("purge needs a non-empty tenant name")
-        removed = self._owner.purge(tenant)
-        self._after()
-        return removed
+        try:
+            if self._epochs is not None:
+                return self._epochs.purge(tenant)
+            return self._owner.purge(tenant).removed
+        finally:
+            self._after()
 
     def purge_prefix(self, tokens: Tokens, ctx: CacheContext, segments: Sequence[Segment] | None = None) -> int:
         """Remove every cached sequence that ``ctx`` can see and that starts with

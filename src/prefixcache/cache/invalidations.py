@@ -18,6 +18,8 @@ its commit is covered too. Which stores an invalidation covers:
     TenantPurged(t)            every store of tenant t (its own blocks and what it would publish)
     EpochBumped(m, a)          every store of model m (of adapter a only, when given)
     PrefixPurged(names, p)     stores under one of the purged roots whose tokens start with p
+    GenerationRaised(n)        stores under a root of the namespace named n (``generation_name``):
+                               another server's purge, read from a shared tier
 
 TTL is not an invalidation: a block expires for want of use, and a store is a use.
 
@@ -32,9 +34,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
+from prefixcache.cache.contexts import generation_name
 from prefixcache.hashing import CacheContext
 
-__all__ = ["EpochBumped", "Invalidations", "PrefixPurged", "Stamp", "TenantPurged"]
+__all__ = ["EpochBumped", "GenerationRaised", "Invalidations", "PrefixPurged", "Stamp", "TenantPurged"]
 
 KEEP: Final = 4096  # invalidations remembered: admin calls, far more than a request outlives
 
@@ -75,7 +78,16 @@ class PrefixPurged:
         return data.startswith(self.prefix) and any(name in self.names for name in names)
 
 
-Scope = TenantPurged | EpochBumped | PrefixPurged
+@dataclass(frozen=True, slots=True)
+class GenerationRaised:
+    name: str  # the namespace's record name: all a shared tier tells of it
+    seed: str  # the deployment seed its name is keyed by
+
+    def covers(self, ctx: CacheContext, names: Names, data: bytes) -> bool:
+        return any(generation_name(self.seed, str(name[0])) == self.name for name in names)
+
+
+Scope = TenantPurged | EpochBumped | PrefixPurged | GenerationRaised
 
 
 class Invalidations:

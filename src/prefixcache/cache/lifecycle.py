@@ -15,20 +15,33 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.cache.contexts import Contexts
-from prefixcache.cache.invalidations import EpochBumped, Invalidations, PrefixPurged, TenantPurged
+from prefixcache.cache.invalidations import EpochBumped, GenerationRaised, Invalidations, PrefixPurged, TenantPurged
 from prefixcache.cache.residency import Books
 from prefixcache.cache.stats import Counters
-from prefixcache.cache.tree import Block, BlockTree, Lookup, Node, Pin, path_to, postorder, runs_to
+from prefixcache.cache.tree import Block, BlockTree, Lookup, Node, Pin, Root, path_to, postorder, runs_to
 from prefixcache.config import CacheConfig
 from prefixcache.events import BlocksRemoved, EventLog, RemovalReason
 from prefixcache.storage.base import Frame
 from prefixcache.storage.queue import FrameSource
 from prefixcache.tenancy import PUBLIC, Pool, Tenancy
 
-__all__ = ["Lifecycle"]
+__all__ = ["Lifecycle", "Purged"]
+
+
+@dataclass(frozen=True, slots=True)
+class Purged:
+    """What a tenant purge did under the lock: the tokens it removed (or doomed, pinned),
+    and the generation it raised, as (record name, generation), for the durable tiers to
+    keep. ``generation`` is None in shared isolation, where the tenant has no namespace of
+    its own, and when the namespace is at its last generation (``last``)."""
+
+    removed: int
+    generation: tuple[str, int] | None
+    last: bool = False
 
 
 class Lifecycle:
@@ -284,13 +297,36 @@ class Lifecycle:
                 block.doomed = reason
         return removed
 
-    def purge(self, tenant: str) -> int:
+    def purge(self, tenant: str) -> Purged:
+        """Remove what this tree holds of ``tenant`` now; and, where the tenant has a key
+        namespace of its own (not in shared isolation), raise that namespace's generation,
+        so that no key of its old blocks is computed again: what a tier holds of them (a
+        disk after a restart, another server's Redis) is never found. Its roots go stale,
+        and whatever hangs there still is reclaimed first, as after an epoch bump."""
         self.counters.count_purge()
         self.invalid.record(TenantPurged(tenant))
         tops = [
             b for b in self.tree.nodes.values() if b.owner == tenant and (b.parent.is_root or b.parent.owner != tenant)
         ]
-        return sum(self.purge_subtree(b) for b in tops)
+        removed = sum(self.purge_subtree(b) for b in tops)
+        if self.tenancy.mode == "shared":
+            return Purged(removed, None)
+        raised = self.contexts.next_generation(self.tenancy.namespace(tenant))
+        if raised is None:
+            return Purged(removed, None, last=True)
+        name, generation, stale = raised
+        self._reclaim_first(stale)
+        return Purged(removed, (name, generation))
+
+    def raise_generation(self, name: str, to: int) -> None:
+        """Another server's purge, read from a tier: the namespace named ``name`` goes to
+        generation ``to`` (above this cache's), its roots stale, as ``purge`` leaves them."""
+        self._reclaim_first(self.contexts.raise_generation(name, to))
+        self.invalid.record(GenerationRaised(name, self.config.seed))
+
+    def _reclaim_first(self, stale: list[Root]) -> None:
+        for root in stale:
+            self.stale.append(postorder(root))
 
     def purge_prefix(self, lookup: Lookup) -> int:
         n_tokens, bs = len(lookup.data) // 4, self.config.block_size
@@ -353,8 +389,7 @@ class Lifecycle:
         """A new epoch for ``model`` (or one adapter of it): the next one, or ``to`` (an
         epoch another server or a tier's record knows, above this one)."""
         epoch, stale = self.contexts.bump(model, adapter, to)
-        for root in stale:
-            self.stale.append(postorder(root))
+        self._reclaim_first(stale)
         self.counters.count_epoch_bump()
         self.invalid.record(EpochBumped(model, adapter))
         return epoch

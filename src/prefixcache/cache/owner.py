@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from prefixcache.cache import loadsteps, writesteps
 from prefixcache.cache.invalidations import Stamp
 from prefixcache.cache.ledger import Alive, Ledger
+from prefixcache.cache.lifecycle import Purged
 from prefixcache.cache.peek import Peek, in_tree
 from prefixcache.cache.plans import Chain, Found, LoadPlan, Matched, Probe, Probed, Promoted, Promotion, Written
 from prefixcache.cache.residency import Books
@@ -49,7 +50,7 @@ from prefixcache.storage.transfer import Loaded, Outcome
 __all__ = ["Owner"]
 
 Segments = Sequence[Segment] | None
-Epochs = tuple[int, int] | None  # a model's and its adapter's epochs, when a peek probes
+Epochs = tuple[int, int, int] | None  # a model's and its adapter's epochs and the generation, when a peek probes
 
 
 class Owner:
@@ -88,7 +89,7 @@ class Owner:
         ledger = self.ledger
         with self._lock:
             lookup: Lookup = probe.lookup
-            if any(root.stale for root in lookup.roots):  # an epoch bump meanwhile: what was probed is stale
+            if any(root.stale for root in lookup.roots):  # a bump or purge meanwhile: what was probed is stale
                 loadsteps.adopt(ledger, ctx, probe, Probed())
                 lookup, again = ledger.lookup(tokens, ctx, segments, probing=True), None
             else:
@@ -105,16 +106,17 @@ class Owner:
 
     def peek(self, tokens: object, ctx: CacheContext, segments: Segments) -> tuple[Peek, Probe | None, Epochs]:
         """What the tree holds (``peek.in_tree``), the probe to run when a tier may hold
-        more, and the epochs it was decided under (``peek_again`` compares them)."""
+        more, and the epochs and generation it was decided under (``peek_again`` compares
+        them)."""
         with self._lock:
             ahead, probe = in_tree(self.ledger, tokens, ctx, segments, probing=True)
-            return ahead, probe, self.ledger.contexts.epochs(ctx) if probe is not None else None
+            return ahead, probe, self._version(ctx) if probe is not None else None
 
     def peek_again(self, tokens: object, ctx: CacheContext, segments: Segments, epochs: Epochs) -> Peek | None:
-        """After a peek's probe: the tree's answer again when an epoch bump made what was
-        probed stale (a match then searches the new roots too); None when none did."""
+        """After a peek's probe: the tree's answer again when an epoch bump or a purge made
+        what was probed stale (a match then searches the new roots too); None when none did."""
         with self._lock:
-            if self.ledger.contexts.epochs(ctx) == epochs:
+            if self._version(ctx) == epochs:
                 return None
             return in_tree(self.ledger, tokens, ctx, segments, probing=False)[0]
 
@@ -178,6 +180,9 @@ class Owner:
                 return 0
             return self.ledger.insert(tokens, ctx, segments)
 
+    def _version(self, ctx: CacheContext) -> tuple[int, int, int]:
+        return self.ledger.contexts.version(ctx, self.ledger.tenancy.namespace(ctx.tenant))
+
     def _voided(self, seq: int, lookup: Lookup, ctx: CacheContext) -> bool:
         """Whether a purge or bump after ``seq`` covers a store of ``lookup`` (counted)."""
         ledger = self.ledger
@@ -216,7 +221,23 @@ class Owner:
         with self._lock:
             return self.ledger.contexts.known()
 
-    def purge(self, tenant: str) -> int:
+    def raise_generations(self, found: Mapping[str, int]) -> list[str]:
+        """Apply generations read from the tiers (``epochbook.py``: other servers' purges,
+        or this one's before a restart) that are above this cache's. Returns the names raised."""
+        raised = []
+        with self._lock:
+            contexts = self.ledger.contexts
+            for name, generation in found.items():
+                if generation > contexts.generation_of(name):
+                    self.ledger.life.raise_generation(name, generation)
+                    raised.append(name)
+        return raised
+
+    def generations(self) -> dict[str, int]:
+        with self._lock:
+            return self.ledger.contexts.generations()
+
+    def purge(self, tenant: str) -> Purged:
         with self._lock:
             return self.ledger.life.purge(tenant)
 

@@ -60,8 +60,8 @@ def peek(
         return ahead
     assert io is not None
     n = io.run_probe(probe).blocks
-    # NOTE: an epoch bump meanwhile made what was probed stale: a match then searches the
-    # tree again under the new roots, and so does a peek
+    # NOTE: an epoch bump or a purge meanwhile made what was probed stale: a match then
+    # searches the tree again under the new roots, and so does a peek
     again = owner.peek_again(tokens, ctx, segments, epochs)
     if again is not None:
         return again
