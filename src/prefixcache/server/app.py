@@ -283,7 +283,11 @@ def _operator_routes(app: FastAPI, server: Server) -> None:
         if body.prompt is None and body.messages is None:
             # NOTE: the blender counts the tenant's chunks before the cache's purge removes them
             chunks = {"removed_chunks": blender.purge(body.tenant)} if blender is not None else {}
-            return {"tenant": body.tenant, "removed_blocks": cache.purge(body.tenant)} | chunks
+            try:
+                removed = cache.purge(body.tenant)
+            except EpochNotKept as exc:  # NOTE: the purge holds here; a tier that outlives us did not keep it
+                raise APIError(503, str(exc), "server_error", "purge_not_kept") from None
+            return {"tenant": body.tenant, "removed_blocks": removed} | chunks
         if body.messages is not None:
             tokens = engine.tokenize_chat([{"role": m.role, "content": m.text()} for m in body.messages], False)
         else:
