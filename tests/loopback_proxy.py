@@ -21,6 +21,7 @@ class LoopbackProxy:
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.delay = 0.0
+        self.swallowed = 0  # the client's sends swallowed while stalled (a command each, on loopback)
         self._stalled = threading.Event()
         self._stopped = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -70,6 +71,7 @@ class LoopbackProxy:
                     dst.shutdown(socket.SHUT_WR)
                 return
             if self._stalled.is_set():
+                self.swallowed += not reply
                 continue
             if reply and self.delay:
                 self._stopped.wait(self.delay)

@@ -473,19 +473,17 @@ def test_redis_unreachable_at_start_still_serves_from_memory() -> None:
 
 @needs_redis
 def test_a_stalled_redis_read_is_abandoned_at_its_deadline(redis_server: RedisServer) -> None:
-    import time
-
     proxy = StallingProxy(redis_server.port)
     try:
         with redis_cache(proxy.url, read_timeout=0.2) as cache:
             store(cache, prompt(1))
             store(cache, prompt(2))
             proxy.stall()
-            started = time.monotonic()
             cached, loaded, _ = fetch(cache, prompt(1))
-            assert time.monotonic() - started < 2.0
             assert cached == 24 and loaded == 4
-            assert cache.stats().tiers[1].errors.get("timeout", 0) >= 1
+            # abandoned at its deadline: each command the stalled Redis swallowed was a timeout
+            timeouts = cache.stats().tiers[1].errors.get("timeout", 0)
+            assert timeouts >= 1 and timeouts == proxy.swallowed, (timeouts, proxy.swallowed)
     finally:
         proxy.stop()
 

@@ -165,11 +165,13 @@ def test_a_dead_master_is_a_shorter_exact_match_and_the_others_still_serve(redis
         assert any(0 < n < 24 for n in want)
         dead.kill()
 
-        # the process that wrote them: its tree says 24, the load stops at the dead node's block
+        # the process that wrote them: its tree says 24, the load stops at the dead node's block,
+        # having asked the dead node no more than its breaker allows (refused connections,
+        # counted, then none: no fetch waits on it)
         for tokens, n in zip(prompts, want, strict=True):
-            started = time.monotonic()
+            refused = rstore.stats.errors["connection"]
             cached, loaded, _ = fetch(writer, tokens)
-            assert time.monotonic() - started < 1.0
+            assert rstore.stats.errors["connection"] - refused <= rstore.breaker.failure_threshold
             assert cached == 24 and loaded >= n  # its 2 memory blocks may add a little
         for _ in range(3):  # failure_threshold reads that reach the dead node
             rstore.get_many([k for chain in chains for k in chain])
@@ -218,8 +220,8 @@ def test_a_killed_node_restarted_empty_is_misses_then_serves_again(redis_cluster
             assert all(f == frame_of(i) for i, f in enumerate(out) if f is not None)
         name = f"127.0.0.1:{dead.port}"
         assert rstore.node_breakers()[name].state == "open" and rstore.stats.errors["connection"] == 3
-        started = time.monotonic()
-        assert rstore.contains_prefix(keys) == 0 and time.monotonic() - started < 0.05  # no network to it
+        # no network to it: a call that tried the dead node would count a connection error
+        assert rstore.contains_prefix(keys) == 0 and rstore.stats.errors["connection"] == 3
         with pytest.raises(TierError):
             rstore.put(keys[0], frame_of(0))
         rstore.put(keys[on_dead.index(False)], frame_of(on_dead.index(False)))  # the others take writes
@@ -242,9 +244,9 @@ def test_a_stalled_node_is_misses_at_the_read_deadline_and_the_others_hit(redis_
         stalled.pause()  # SIGSTOP: its sockets stay open and nothing answers
         started = time.monotonic()
         out = rstore.get_many(keys)
-        assert 0.15 < time.monotonic() - started < 1.0  # one read deadline, not one per key
+        assert time.monotonic() - started > 0.15  # it waited for the read deadline ...
         assert out == [None if gone else frame_of(i) for i, gone in enumerate(on_stalled)]
-        assert rstore.stats.errors["timeout"] == 1
+        assert rstore.stats.errors["timeout"] == 1  # ... once, not once per key
 
 
 def test_flushall_on_every_node_is_misses_never_wrong_bytes(redis_cluster: LocalCluster) -> None:
@@ -298,12 +300,10 @@ def test_moved_slots_ask_for_a_new_map_and_never_serve_wrong_bytes(redis_cluster
 def test_unreachable_at_start_is_misses_not_exceptions() -> None:
     url = f"redis://127.0.0.1:{free_port()}"
     with RedisClusterStore(url, BIG, SEED, startup_nodes=[f"127.0.0.1:{free_port()}"]) as rstore:
-        started = time.monotonic()
         assert rstore.get_many([key_of(1)]) == [None] and rstore.contains_prefix([key_of(1)]) == 0
         with pytest.raises(TierError):
             rstore.put(key_of(1), frame_of(1))
-        assert time.monotonic() - started < 1.0
-        assert rstore.stats.errors["connection"] == 3 and rstore.breaker.state == "open"
+        assert rstore.stats.errors["connection"] == 3 and rstore.breaker.state == "open"  # one refusal a call
 
 
 def test_startup_nodes_find_the_cluster_when_the_url_node_is_down(redis_cluster: LocalCluster) -> None:

@@ -172,17 +172,16 @@ def test_killed_redis_opens_the_breaker_which_backs_off_and_recovers(
         store.put(key_of(1), frame_of(1))
         assert store.get_many([key_of(1)]) == [frame_of(1)]
         redis_server.kill()
-        for _ in range(3):  # failure_threshold
-            out, elapsed = timed(store.get_many, [key_of(1), key_of(2)])
-            assert out == [None, None] and elapsed < 1.0
-        assert store.stats.errors["connection"] == 3 and store.breaker.state == "open"
+        for i in range(3):  # failure_threshold: each call one refused connection, no retry
+            assert store.get_many([key_of(1), key_of(2)]) == [None, None]
+            assert store.stats.errors["connection"] == i + 1
+        assert store.breaker.state == "open"
         assert breaker_events(caplog) == ["event=tier_breaker_open"]  # once, not per call
         (error,) = [r.getMessage() for r in caplog.records if "event=tier_error" in r.getMessage()]  # one a minute
         assert f"store=redis:redis://127.0.0.1:{redis_server.port}/0 kind=connection total=1" in error, error
-        out, elapsed = timed(store.get_many, [key_of(1)])
-        assert out == [None] and elapsed < 0.005  # no network while open
-        _, elapsed = timed(store.contains_prefix, [key_of(1)])
-        assert elapsed < 0.005 and store.stats.errors["breaker_open"] == 2
+        # no network while open: a call that tried the dead server would count a connection error
+        assert store.get_many([key_of(1)]) == [None] and store.contains_prefix([key_of(1)]) == 0
+        assert store.stats.errors["breaker_open"] == 2 and store.stats.errors["connection"] == 3
         with pytest.raises(TierError):
             store.put(key_of(3), frame_of(3))
 
@@ -217,8 +216,7 @@ def test_the_log_lines_name_the_tier_without_its_credentials(caplog: pytest.LogC
 
 def test_unreachable_at_start_is_misses_not_exceptions() -> None:
     with store_at(f"redis://127.0.0.1:{free_port()}/0") as store:
-        out, elapsed = timed(store.get_many, [key_of(1)])
-        assert out == [None] and elapsed < 1.0
+        assert store.get_many([key_of(1)]) == [None] and store.stats.errors["connection"] == 1  # refused, once
         assert key_of(1) not in store and store.contains_prefix([key_of(1), key_of(2)]) == 0
         with pytest.raises(TierError):
             store.put(key_of(1), frame_of(1))
@@ -234,10 +232,10 @@ def test_stalled_redis_is_a_miss_at_the_read_deadline(redis_server: RedisServer)
             assert store.get_many([key_of(1)]) == [frame_of(1)]
             proxy.stall()
             out, elapsed = timed(store.get_many, [key_of(1)])
-            assert out == [None] and 0.15 < elapsed < 1.0
-            assert store.stats.errors["timeout"] == 1
-            _, elapsed = timed(store.__contains__, key_of(1))
-            assert elapsed < 1.0 and store.stats.errors["timeout"] == 2
+            assert out == [None] and elapsed > 0.15  # it waited for its read deadline ...
+            assert store.stats.errors["timeout"] == 1 and proxy.swallowed == 1  # ... once: the command, no retry
+            assert key_of(1) not in store
+            assert store.stats.errors["timeout"] == 2 and proxy.swallowed == 2
     finally:
         proxy.stop()
 
