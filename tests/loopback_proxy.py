@@ -14,7 +14,8 @@ __all__ = ["LoopbackProxy"]
 
 class LoopbackProxy:
     """Forwards 127.0.0.1:``port`` to 127.0.0.1:``target_port``, replies held ``delay``
-    seconds a chunk (0: at once), everything swallowed once ``stall()`` is called."""
+    seconds a chunk (0: at once) or until ``release()`` after ``hold()``, everything
+    swallowed once ``stall()`` is called."""
 
     POLL = 0.05  # seconds: how often the threads look at the stop flag
 
@@ -23,6 +24,8 @@ class LoopbackProxy:
         self.delay = 0.0
         self.swallowed = 0  # the client's sends swallowed while stalled (a command each, on loopback)
         self._stalled = threading.Event()
+        self._replying = threading.Event()  # cleared by ``hold()``: replies wait until ``release()``
+        self._replying.set()
         self._stopped = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(self.POLL)
@@ -33,6 +36,14 @@ class LoopbackProxy:
 
     def stall(self) -> None:
         self._stalled.set()
+
+    def hold(self) -> None:
+        """Keep every reply back until ``release()``: what a client waits for, it waits for
+        as long as the test says."""
+        self._replying.clear()
+
+    def release(self) -> None:
+        self._replying.set()
 
     def _spawn(self, target: object, *args: object) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
@@ -73,6 +84,8 @@ class LoopbackProxy:
             if self._stalled.is_set():
                 self.swallowed += not reply
                 continue
+            if reply:
+                self._replying.wait()
             if reply and self.delay:
                 self._stopped.wait(self.delay)
             with contextlib.suppress(OSError):
@@ -80,6 +93,7 @@ class LoopbackProxy:
 
     def stop(self) -> None:
         self._stopped.set()
+        self._replying.set()
         for thread in self._threads:
             thread.join(timeout=2)
         for sock in [self._listener, *self._sockets]:

@@ -33,7 +33,7 @@ from prefixcache.storage.breaker import CircuitBreaker
 from prefixcache.storage.s3 import S3StartError, S3Store
 from redis_server import free_port
 from s3_server import ENV, HAS_MOTO, DelayingProxy, MotoServer
-from support import SHAPE, TOKENS, Clock, frame_of, key_of, random_kv
+from support import SHAPE, TOKENS, Clock, frame_of, key_of, random_kv, wait_for
 from tier_worker import BLOCK, CTX, S3_BUCKET, S3_PREFIX, SEED, cache_with, kv_for, layout, prompt, s3_tier, store
 
 pytestmark = [pytest.mark.s3, pytest.mark.skipif(not HAS_MOTO, reason="moto[server] is not installed")]
@@ -197,10 +197,8 @@ def test_a_missing_bucket_or_refusing_endpoint_is_a_clear_error_at_start(s3: Mot
     with pytest.raises(S3StartError, match=r"bucket 'no-such-bucket' at http://127\.0\.0\.1:\d+: NoSuchBucket"):
         S3Store("no-such-bucket", BIG, SEED, endpoint=s3.endpoint)
     dead = f"http://127.0.0.1:{free_port()}"
-    started = time.perf_counter()
     with pytest.raises(S3StartError, match=f"at {dead}: unreachable") as refused:
-        S3Store(S3_BUCKET, BIG, SEED, endpoint=dead)
-    assert time.perf_counter() - started < 3.0
+        S3Store(S3_BUCKET, BIG, SEED, endpoint=dead)  # refused: said at once, no retry (the client has none)
     assert isinstance(refused.value, ValueError) and isinstance(refused.value, TierError)
 
 
@@ -243,12 +241,12 @@ def test_a_killed_server_opens_the_breaker_and_reads_become_immediate_misses(
     with store_at(s3.endpoint, breaker=CircuitBreaker(clock=clock), concurrency=1) as st:
         st.put(key_of(1), frame_of(1))
         s3.kill()
-        for _ in range(3):
-            out, elapsed = timed(st.get_many, [key_of(1)])
-            assert out == [None] and elapsed < 1.0
-        assert st.breaker.state == "open" and st.stats.errors["connection"] == 3
-        out, elapsed = timed(st.get_many, [key_of(i) for i in range(8)])
-        assert out == [None] * 8 and elapsed < 0.05 and st.stats.errors["breaker_open"] == 8
+        for i in range(3):  # each read one refused connection, no retry
+            assert st.get_many([key_of(1)]) == [None] and st.stats.errors["connection"] == i + 1
+        assert st.breaker.state == "open"
+        # immediate misses: a read that tried the dead server would count a connection error
+        assert st.get_many([key_of(i) for i in range(8)]) == [None] * 8
+        assert st.stats.errors["breaker_open"] == 8 and st.stats.errors["connection"] == 3
         with pytest.raises(TierError):
             st.put(key_of(2), frame_of(2))
     assert "testing" not in caplog.text  # the log names the bucket and endpoint, never a credential
@@ -259,9 +257,9 @@ def test_a_slow_endpoint_read_is_abandoned_at_its_deadline(s3: MotoServer) -> No
     try:
         with store_at(proxy.endpoint, read_timeout=0.3, connect_timeout=0.2) as st:
             st.put(key_of(1), frame_of(1))
-            proxy.delay = 2.0
+            proxy.hold()  # the reply never comes: only the deadline ends the read
             out, elapsed = timed(st.get_many, [key_of(1)])
-            assert out == [None] and 0.25 < elapsed < 1.5 and st.stats.errors["timeout"] == 1
+            assert out == [None] and elapsed > 0.25 and st.stats.errors["timeout"] == 1
     finally:
         proxy.stop()
 
@@ -359,12 +357,14 @@ def test_no_request_waits_on_a_slow_write_and_a_kill_mid_write_loses_only_writes
     proxy = DelayingProxy(s3.port)
     try:
         with s3_cache(proxy.endpoint, writer="background", read_timeout=0.5) as cache:
-            proxy.delay = 0.2  # each PUT's reply comes late
-            started = time.perf_counter()
+            proxy.hold()  # no PUT is answered until the stores are done
             for i in range(5):
                 store(cache, prompt(i))
-            assert time.perf_counter() - started < 0.5  # 25 writes queued, none waited for
-            time.sleep(0.3)
+            tier = cache.stats().tiers[1]
+            assert tier.bytes_written == 0 and tier.writes_pending > 0  # 25 writes queued, none waited for
+            proxy.delay = 0.2  # each PUT's reply comes late
+            proxy.release()
+            wait_for(lambda: cache.stats().tiers[1].bytes_written > 0)
             s3.kill()  # writes in flight and queued
             cache.flush(timeout=20)
             tier = cache.stats().tiers[1]
