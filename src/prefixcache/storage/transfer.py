@@ -97,7 +97,12 @@ class Transfer:
         self.trusts = list(trusts)  # per tier: a load may skip the payload checksum
         self.layout = layout
         self.queue = queue
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="prefixcache-io")
+        # NOTE: a pool per tier, so that a load's runs from a fast tier never queue behind
+        # runs that wait on a slow one (another tenant's, from a far bucket or a loaded
+        # Redis): a slow tier holds its own threads only (design invariant 16)
+        self._io = [
+            ThreadPoolExecutor(io_threads, thread_name_prefix=f"prefixcache-io-{i}") for i in range(len(self.stores))
+        ]
         self._copiers = max(1, min(io_threads, os.cpu_count() or 1))
 
     # ------------------------------------------------------------------ load
@@ -127,7 +132,9 @@ class Transfer:
             offsets.append(offsets[-1] + read.use)
         job = _Load(reads, out, offsets, [None] * len(reads), [None] * len(reads))
         runs = self._runs(reads)
-        futures: list[Future[tuple[int, float]]] = [self._io.submit(self._run, job, lo, hi) for lo, hi in runs[1:]]
+        futures: list[Future[tuple[int, float]]] = [
+            self._io[reads[lo].tier].submit(self._run, job, lo, hi) for lo, hi in runs[1:]
+        ]
         done = [self._run(job, *runs[0])] if runs else []
         done += [f.result() for f in futures]
         seconds: dict[int, float] = {}
@@ -290,6 +297,7 @@ class Transfer:
             self.stores[tier].delete(key)
 
     def close(self) -> None:
-        self._io.shutdown(wait=True)
+        for pool in self._io:
+            pool.shutdown(wait=True)
         for store in self.stores:
             store.close()
