@@ -76,10 +76,13 @@ def cache_with(
 ) -> PrefixCache:
     """A cache of ``tiers`` whose writes are done when each call returns (``inline``), so
     that what a test sees does not depend on a writer thread's timing; the tests of the
-    writer itself pass ``writer=``."""
+    writer itself pass ``writer=``. Nor on the epoch sync's: the shared tiers' epochs are
+    read at open and when a test calls ``sync_epochs`` (a stalled tier's test counts
+    every command it swallowed), unless it passes ``epoch_sync_s``."""
     kwargs.setdefault("writer", "inline")
+    sync = kwargs.pop("epoch_sync_s", None)
     config = CacheConfig(block_size=BLOCK, seed=SEED, kv_layout=layout(dtype), tiers=tiers, **kwargs)  # type: ignore[arg-type]
-    return PrefixCache(config, store_factory=store_factory)
+    return PrefixCache(config, store_factory=store_factory, epoch_sync_s=sync)  # type: ignore[arg-type]
 
 
 def store(cache: PrefixCache, tokens: list[int], dtype: str = "float16") -> int:
