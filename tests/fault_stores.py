@@ -1,4 +1,5 @@
-"""A store that wraps a real one to inject faults: slow writes and failing writes.
+"""A store that wraps a real one to inject faults: slow writes, failing writes, and
+calls that hang until the test lets them go.
 
 ``PrefixCache(config, store_factory=faulty(...))`` opens every tier's real store (a
 memory slab, a disk directory, Redis) and wraps the ones asked for; the cache sees the
@@ -7,6 +8,7 @@ wrapper exactly as it sees the store, sync-ness and all.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,8 +19,10 @@ from prefixcache.storage.open import open_store
 
 
 class Faulty(TierStore):
-    """``inner`` with every write taking ``delay`` seconds, and the next ``fail`` writes
-    raising ``TierError`` (a broken or full medium)."""
+    """``inner`` with every write taking ``delay`` seconds, the next ``fail`` writes
+    raising ``TierError`` (a broken or full medium), and, once ``hang(names)`` is called,
+    every call of those names waiting inside the store until ``release()`` (a medium that
+    stopped answering, for as long as the test says: ``parked`` tells how many wait)."""
 
     def __init__(self, inner: TierStore, delay: float = 0.0) -> None:
         super().__init__(inner.capacity_bytes)
@@ -26,6 +30,11 @@ class Faulty(TierStore):
         self.delay = delay
         self.fail = 0
         self.puts = 0
+        self.parked = 0
+        self._parking = threading.Lock()
+        self._hung: frozenset[str] = frozenset()
+        self._go = threading.Event()
+        self._go.set()
         self.kind = inner.kind  # type: ignore[misc]
         self.verifies_reads = inner.verifies_reads  # type: ignore[misc]
         self.private = inner.private  # type: ignore[misc]
@@ -36,7 +45,25 @@ class Faulty(TierStore):
     def used_bytes(self) -> int:
         return self.inner.used_bytes
 
+    def hang(self, *names: str) -> None:
+        self._hung = frozenset(names)
+        self._go.clear()
+
+    def release(self) -> None:
+        self._go.set()
+
+    def _wait(self, name: str) -> None:
+        if name in self._hung and not self._go.is_set():
+            with self._parking:
+                self.parked += 1
+            try:
+                self._go.wait()
+            finally:
+                with self._parking:
+                    self.parked -= 1
+
     def put(self, key: bytes, frame: Frame) -> None:
+        self._wait("put")
         if self.delay:
             time.sleep(self.delay)
         if self.fail:
@@ -47,6 +74,7 @@ class Faulty(TierStore):
         self.puts += 1
 
     def get_many(self, keys: Sequence[bytes]) -> list[Frame | None]:
+        self._wait("get_many")
         return self.inner.get_many(keys)
 
     def delete(self, key: bytes) -> bool:
@@ -56,6 +84,7 @@ class Faulty(TierStore):
         return self.inner.detach(key)
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        self._wait("contains_prefix")
         return self.inner.contains_prefix(keys)
 
     def room_for(self, frame_bytes: int) -> int:
