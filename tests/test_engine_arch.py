@@ -106,6 +106,8 @@ def test_a_prompt_past_a_static_rope_is_refused_and_the_start_log_says_why(
         with pytest.raises(ContextLengthError) as refused:
             engine.submit(Request(tokens(ORIGINAL, seed=3), "acme", ONE), lambda event: None)
         assert refused.value.status == 400 and f"{ORIGINAL} tokens" in refused.value.message
+        assert "'longrope' RoPE" in refused.value.message  # the 400 names the property, not only the number
+        assert "original_max_position_embeddings" in refused.value.message
         engine.check_length(ORIGINAL - 1, 1)  # the longest prompt it serves
     finally:
         engine.close()

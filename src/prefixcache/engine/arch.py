@@ -90,6 +90,16 @@ class Arch:
         """Positions served exactly: the model's, cut at its RoPE's static bound."""
         return min(self.max_positions, self.bound.positions) if self.bound is not None else self.max_positions
 
+    @property
+    def limit(self) -> str:
+        """Why the context served is below the model's own, for a client past it; "" when it is not."""
+        if self.bound is None or self.bound.positions >= self.max_positions:
+            return ""
+        return (
+            f"its {self.bound.rope_type!r} RoPE is computed exactly only up to its {self.bound.name} "
+            f"of {self.bound.positions} positions, below its max_position_embeddings of {self.max_positions}"
+        )
+
     def describe(self) -> str:
         """The start log's account of what is served, and what is not."""
         kinds = Counter("full attention" if w is None else f"sliding window {w}" for w in self.windows)

@@ -63,6 +63,7 @@ class LoadedModel:
     device: torch.device
     source: str  # the folder the weights were read from
     content: str  # the hash of its config.json and weight files by content (``weights.folder_content``)
+    limit: str = ""  # why ``context_length`` is below the model's own, said to a client past it (``Arch.limit``)
 
     @property
     def fingerprint(self) -> str:
@@ -231,4 +232,5 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     if folder_stamps(folder) != stamps:
         raise ModelError(f"the weights in {folder} changed while they were loaded; start again once they are written")
-    return LoadedModel(model, tokenizer, kv_layout(model.config, dtype), arch.context_length, dev, str(folder), content)
+    layout = kv_layout(model.config, dtype)
+    return LoadedModel(model, tokenizer, layout, arch.context_length, dev, str(folder), content, arch.limit)

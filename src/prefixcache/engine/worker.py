@@ -168,8 +168,9 @@ class Engine:
     def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
         """The model's context limit, as the error a client can act on."""
         if prompt_tokens + max_tokens > self.context_length:
+            why = f" ({self.loaded.limit})" if self.loaded.limit else ""
             raise ContextLengthError(
-                f"This model's maximum context length is {self.context_length} tokens. However, you requested "
+                f"This model's maximum context length is {self.context_length} tokens{why}. However, you requested "
                 f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
                 "completion). Please reduce the prompt or max_tokens.",
                 param="messages",
