@@ -297,7 +297,7 @@ def test_admission_settings_from_the_file_and_the_environment(tmp_path: Path) ->
     path = tmp_path / "prefixcache.toml"
     path.write_text(
         '[auth]\napi_keys = "sk-a=acme,sk-g=globex"\n'
-        "[admission]\nmax_concurrent = 4\nmax_queued_tokens = 32768\nprefill_chunk_tokens = 128\n"
+        "[admission]\nmax_concurrent = 4\nmax_queued_tokens = 32768\nprefill_chunk_tokens = 128\nio_workers = 6\n"
         "[admission.tenants.acme]\nmax_concurrent = 8\n"
     )
     admission = load_settings(path, env={}).admission
@@ -305,6 +305,7 @@ def test_admission_settings_from_the_file_and_the_environment(tmp_path: Path) ->
     assert admission.admission().limits("globex") == TenantLimits(4, 32768)
     args = admission.engine_args()
     assert (args["prefill_chunk_tokens"], args["max_active"], args["order"]) == (128, 32, Order.FAIR)
+    assert (args["io_workers"], args["io_per_tenant"]) == (6, 2)  # the file's, the default
     env = {
         "PREFIXCACHE_ADMISSION_MAX_CONCURRENT": "2",
         "PREFIXCACHE_ADMISSION_ORDER": "fifo",

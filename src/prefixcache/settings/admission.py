@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from prefixcache.engine.cacheio import IO_PER_TENANT, IO_WORKERS
 from prefixcache.engine.scheduler import Admission, Order, TenantLimits
 from prefixcache.engine.worker import PREFILL_CHUNK_TOKENS
 
@@ -53,6 +54,11 @@ class AdmissionSettings(BaseModel):
     # Which waiting request gets a free slot: "fair" takes the tenants in turn; "fifo"
     # takes them in arrival order, one queue for all (the behaviour before, to compare).
     order: Literal["fair", "fifo"] = "fair"
+    # The cache's match, load and stores run on io_workers threads (a thread waiting on a
+    # tier costs no CPU), a tenant on io_per_tenant of them at most: a tenant whose shared
+    # tier stalls holds that many, never another tenant's share (engine/ioqueue.py).
+    io_workers: int = Field(default=IO_WORKERS, ge=1)
+    io_per_tenant: int = Field(default=IO_PER_TENANT, ge=1)
 
     def admission(self) -> Admission:
         """The engine's ``Admission``: the defaults, and each listed tenant's with its own overrides."""
@@ -73,6 +79,8 @@ class AdmissionSettings(BaseModel):
             "max_active": self.max_active,
             "prefill_chunk_tokens": self.prefill_chunk_tokens,
             "order": Order(self.order),
+            "io_workers": self.io_workers,
+            "io_per_tenant": self.io_per_tenant,
         }
 
     def check_tenants(self, known: Iterable[str]) -> None:
