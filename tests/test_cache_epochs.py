@@ -18,45 +18,19 @@ from typing import Any
 import pytest
 import redis
 
+from book_support import TOKENS, cache_of, disk, matched, on_redis, store
 from guard_store import guard_stores  # noqa: F401  (autouse: no store call under a cache lock)
-from prefixcache.cache import PrefixCache
 from prefixcache.cache.epochbook import MAX_EPOCH, EpochNotKept, EpochRecord, decode, encode, record_name
-from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.hashing import CacheContext
 from prefixcache.storage.base import TierError
 from redis_cluster import LocalCluster
 from redis_server import RedisServer
 from s3_server import HAS_MOTO, MotoServer
 from test_tiers_s3 import _server, aws_env, client, s3  # noqa: F401  (moto's server, per module)
-from tier_worker import BLOCK, CTX, S3_BUCKET, S3_PREFIX, SEED, kv_for, layout, prompt, s3_tier
+from tier_worker import S3_BUCKET, S3_PREFIX, SEED, s3_tier
 
-BIG = 1 << 30
-TOKENS = prompt(1, 25)  # 100 tokens
 LORA = CacheContext(tenant="acme", model="m", adapter="lora")
 M = record_name("m", None)
-
-
-def cache_of(*tiers: TierConfig, sync_s: float | None = None) -> PrefixCache:
-    memory = TierConfig(kind="memory", capacity_bytes=BIG, write="through")
-    config = CacheConfig(block_size=BLOCK, seed=SEED, kv_layout=layout(), tiers=(memory, *tiers), writer="inline")
-    return PrefixCache(config, epoch_sync_s=sync_s)
-
-
-def disk(path: Path) -> TierConfig:
-    return TierConfig(kind="disk", capacity_bytes=BIG, path=str(path))
-
-
-def on_redis(url: str, **kwargs: Any) -> TierConfig:
-    return TierConfig(kind="redis", capacity_bytes=BIG, url=url, **kwargs)
-
-
-def store(cache: PrefixCache, ctx: CacheContext = CTX, tokens: list[int] = TOKENS) -> int:
-    return cache.insert(tokens, ctx, kv=kv_for(tokens))
-
-
-def matched(cache: PrefixCache, ctx: CacheContext = CTX, tokens: list[int] = TOKENS) -> int:
-    with cache.match(tokens, ctx) as m:
-        return m.cached_tokens
 
 
 def record(epoch: object, model: object = "m", adapter: object = None, **extra: object) -> bytes:
