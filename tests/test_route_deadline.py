@@ -3,14 +3,16 @@ behind the router, each serving one request at a time (``admission.max_active = 
 with a short deadline.
 
 A prompt far longer than its deadline allows gets the backend's 504 from the router,
-about a chunk past its deadline, and is never sent to the other backend; its backend
-takes the next request then; and meanwhile another tenant's short requests are served
-by the other backend, quickly."""
+stopped part way through its prefill, and is never sent to the other backend; its
+backend takes the next request then; and meanwhile another tenant's short requests are
+served by the other backend. (That a deadline stops a prefill within a chunk is the
+engine's test, on an injected clock: no verdict here reads a clock.)"""
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -37,9 +39,8 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 KEYS = {"sk-acme-0123456789": "acme", "sk-globex-0123456789": "globex"}
 ADMIN = "sk-admin-0123456789"
-DEADLINE_S = 6.0  # the backends' request_timeout_s
-SLACK_S = 3.0  # past the deadline: about a chunk (a fraction of a second), generously
-HEAVY_TOKENS = 6000  # prefilled alone, many times the deadline
+DEADLINE_S = 10.0  # the backends' request_timeout_s: many times a short request's run, loaded or not
+HEAVY_TOKENS = 8000  # prefilled alone, many times the deadline
 
 
 def config_text(port: int, redis_url: str, name: str) -> str:
@@ -146,17 +147,13 @@ def headers(key: str) -> dict[str, str]:
 class Answer:
     status: int
     backend: str
-    first_at: float  # when its first byte of body came
     body: bytes
 
 
 def post(url: str, path: str, body: dict[str, Any], key: str) -> Answer:
     with httpx.Client(timeout=120) as http, http.stream("POST", url + path, json=body, headers=headers(key)) as r:
-        chunks, first_at = [], 0.0
-        for chunk in r.iter_bytes():
-            first_at = first_at or time.monotonic()
-            chunks.append(chunk)
-        return Answer(r.status_code, r.headers.get("x-prefixcache-backend", ""), first_at, b"".join(chunks))
+        body = b"".join(r.iter_bytes())
+        return Answer(r.status_code, r.headers.get("x-prefixcache-backend", ""), body)
 
 
 def chat(question: str) -> dict[str, Any]:
@@ -189,9 +186,8 @@ def test_a_prompt_past_its_deadline_is_a_504_that_frees_its_backend(fleet: Fleet
     # another tenant's short requests, through the router, while the heavy prompt runs
     lights = []
     for question in ("Hi", "Name a tool.", "Say yes."):
-        asked = time.monotonic()
-        answer = post(fleet.url, "/v1/chat/completions", chat(question), "sk-globex-0123456789")
-        lights.append((answer, answer.first_at - asked, not heavy))  # (..., the heavy one still running)
+        running = busy.pending > 0  # the heavy one, on its backend
+        lights.append((post(fleet.url, "/v1/chat/completions", chat(question), "sk-globex-0123456789"), running))
     time.sleep(max(0.0, sent + DEADLINE_S / 2 - time.monotonic()))
     after.start()
     thread.join(120)
@@ -200,15 +196,14 @@ def test_a_prompt_past_its_deadline_is_a_504_that_frees_its_backend(fleet: Fleet
     (answer,) = heavy
     assert answer.status == 504, answer.body
     assert b"timeout_error" in answer.body and b"while prefilling" in answer.body  # the backend's reason
+    done, total = map(int, re.findall(rb"while prefilling its prompt \((\d+) of (\d+)\)", answer.body)[0])
+    assert 0 < done < total  # stopped part way, not after its whole prefill
     assert answer.backend == own.name
-    due = sent + DEADLINE_S
-    assert answer.first_at - due < SLACK_S  # about a chunk past its deadline, not its whole prefill
     (next_one,) = following
-    assert next_one.status == 200 and next_one.first_at - due < SLACK_S  # the slot went on, at once
-    assert lights[0][2]  # (at least) the first light request was served while the heavy one ran
-    for light, ttft, _ in lights:
+    assert next_one.status == 200  # the slot went on to the request behind it
+    assert lights[0][1]  # (at least) the first light request was sent while the heavy one ran
+    for light, _ in lights:
         assert light.status == 200 and light.backend == other.name
-        assert ttft < SLACK_S, lights
     # the 504 was never sent to the other backend: it timed out once, on its own backend
     after_stats = {b.name: b.stats() for b in fleet.backends}
     assert after_stats[own.name]["timed_out"] - before[own.name]["timed_out"] == 1
