@@ -46,10 +46,13 @@ def lcp(a: list[int], b: list[int]) -> int:
 
 
 class Clock:
-    """An injected clock the test moves by hand."""
+    """An injected clock the test moves by hand.
 
-    def __init__(self) -> None:
-        self.now = 0.0
+    NOTE: an engine's clock starts past 0 (``Clock(1000.0)``): the engine takes a 0.0
+    timestamp for one not taken yet (``started or clock()``)."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
 
     def __call__(self) -> float:
         return self.now

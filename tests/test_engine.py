@@ -318,7 +318,7 @@ def test_a_request_cancelled_while_queued_ends_without_work(lm: LoadedModel) -> 
 
 def test_queue_full_timeout_and_context_limit(lm: LoadedModel) -> None:
     """The engine's clock is the test's: it moves only when the test moves it."""
-    clock = Clock()
+    clock = Clock(1000.0)
     eng = engine(lm, max_queue=1, clock=clock)
     tokens = chat(lm, "Hi")
     long = SamplingParams(max_tokens=200, temperature=0.0)
@@ -339,11 +339,11 @@ def test_queue_full_timeout_and_context_limit(lm: LoadedModel) -> None:
             eng.submit(Request(tokens, "t", long), lambda e: None)
         assert full.value.status == 429 and full.value.retry_after >= 1
         assert decoding.wait(60)
-        clock.now = 0.1  # past the second's deadline, not the first's
+        clock.now += 0.1  # past the second's deadline, not the first's
         with pytest.raises(RequestTimeout, match="waiting in the queue"):
             second.result(60)  # ended while the first still runs, not when a slot freed ...
         assert not ended.is_set()
-        clock.now = 2.0
+        clock.now += 1.9
         assert ended.wait(60)  # ... which it still did: it ended at its own deadline, short of 200 tokens
         end = events[-1]
         assert isinstance(end, ErrorEvent) and isinstance(end.error, RequestTimeout)
@@ -385,7 +385,7 @@ def test_retry_after_is_when_a_place_in_the_queue_frees(lm: LoadedModel, monkeyp
     """A place frees when the running request ends: within one service time, not after the
     whole queue has drained (what the server advertised before: 83 s for an 8 s wait).
     The engine's clock moves a quarter second a worker step: service times are in steps."""
-    clock = Clock()
+    clock = Clock(1000.0)
     step = StepLoop._step
 
     def counted(loop: StepLoop, chunks: list[Any]) -> bool:

@@ -4,8 +4,10 @@ requests' prefills interleaved on one worker and sharing its load buffer."""
 
 from __future__ import annotations
 
+import threading
 from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,8 +16,11 @@ from transformers import DynamicCache
 
 from engine_support import engine, model, tiered_cache
 from prefixcache.engine import DoneEvent, Engine, LoadedModel, Request, SamplingParams
+from prefixcache.engine.job import Job
 from prefixcache.engine.kv import cut_cache, fill_cache, to_numpy
+from prefixcache.engine.loop import StepLoop
 from prefixcache.engine.runner import Chunk, Sequence, advance, full_logits
+from support import Clock
 
 pytestmark = pytest.mark.model  # the real model
 
@@ -99,19 +104,24 @@ def test_chunked_engine_answers_as_the_unchunked_one_cached_or_not(lm: LoadedMod
     assert all(d.usage.cached_tokens >= len(p) - 16 for d, p in zip(warm, prompts, strict=True))
 
 
-def test_interleaved_prefills_sharing_the_load_buffer_answer_as_alone(lm: LoadedModel, tmp_path: Path) -> None:
+def test_interleaved_prefills_sharing_the_load_buffer_answer_as_alone(
+    lm: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two tenants' requests in flight at once, each loading its own cached prefix into
     the worker's one load buffer while the other's prefill is not done: each answer is
-    the one it gets alone, without the cache."""
+    the one it gets alone, without the cache. The worker's first step waits until both
+    are staged, and the engine's clock counts its steps."""
     prompts = {t: prompt(lm, f"{t}: is the rake in stock?", repeats=6) for t in ("acme", "globex")}
     with closing(engine(lm)) as alone:
         plain = {t: _answers(alone, [p])[0].tokens for t, p in prompts.items()}
     cache = tiered_cache(lm, tmp_path, partial_blocks=True)
-    eng = engine(lm, cache, prefill_chunk_tokens=16, max_active=2)
+    clock = Clock(1000.0)
+    eng = engine(lm, cache, prefill_chunk_tokens=16, max_active=2, clock=clock)
     try:
         for tenant, tokens in prompts.items():  # each tenant's prefix is cached, in its own namespace
             eng.generate(Request(tokens[: len(tokens) // 2], tenant, SamplingParams(1, 0.0))).result(120)
         assert eng.wait_idle(60)
+        steps = both_staged_then_counted(monkeypatch, clock)
         handles = {t: eng.generate(Request(p, t, GREEDY)) for t, p in prompts.items()}
         done = {t: h.result(120) for t, h in handles.items()}
     finally:
@@ -123,6 +133,37 @@ def test_interleaved_prefills_sharing_the_load_buffer_answer_as_alone(lm: Loaded
     # both were in flight together: the first to start was not done before the second began
     first, second = sorted(done.values(), key=lambda d: d.usage.queue_s)
     assert second.usage.queue_s < first.usage.queue_s + first.usage.prefill_s
+    assert any({h.id for h in handles.values()} <= jobs for jobs in steps)  # in one step, even
+
+
+def both_staged_then_counted(monkeypatch: pytest.MonkeyPatch, clock: Clock) -> list[set[int]]:
+    """From now on: the worker's next step waits until two lookups have ended, and each
+    step moves ``clock`` by one and is recorded (the ids of its jobs)."""
+    lookup, step = Job.lookup, StepLoop._step
+    looked = threading.Semaphore(0)
+    opened = threading.Event()
+    steps: list[set[int]] = []
+
+    def counted_lookup(job: Job) -> Any:
+        try:
+            return lookup(job)
+        finally:
+            looked.release()
+
+    def gated_step(loop: StepLoop, chunks: list[tuple[Job, Chunk]]) -> bool:
+        if not opened.is_set():
+            assert looked.acquire(timeout=60) and looked.acquire(timeout=60)
+            opened.set()
+        jobs = {job.handle.id for job in [*loop._rows, *(job for job, _ in chunks)]}
+        try:
+            return step(loop, chunks)
+        finally:
+            steps.append(jobs)
+            clock.now += 1
+
+    monkeypatch.setattr(Job, "lookup", counted_lookup)
+    monkeypatch.setattr(StepLoop, "_step", gated_step)
+    return steps
 
 
 def _filled(lm: LoadedModel, tokens: list[int]) -> DynamicCache:

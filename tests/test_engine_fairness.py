@@ -167,7 +167,7 @@ def test_a_prompt_past_its_deadline_frees_the_engine_within_a_chunk(
 ) -> None:
     """The engine's clock moves 0.3 s a step of the late request: its 1 s deadline passes
     during its 4th chunk, and it ends there, before a 5th."""
-    clock = Clock()
+    clock = Clock(1000.0)
     cache = tiered_cache(lm, tmp_path, partial_blocks=True)
     eng = engine(lm, cache, prefill_chunk_tokens=CHUNK, max_active=1, clock=clock)  # one slot: the next waits
     prompt, late, following = heavy(1, 8 * CHUNK), Probe(), Probe()
