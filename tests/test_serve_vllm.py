@@ -306,8 +306,8 @@ def test_sigterm_stops_both_children_even_one_that_ignores_it(tmp_path: Path) ->
     assert all(c["STALE"] is None for c in children)  # unset from what the supervisor inherited
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(15) == 0
-    assert time.monotonic() - started < 10  # the deaf one killed after the grace period
+    assert proc.wait(60) == 0  # the deaf one killed ...
+    assert time.monotonic() - started >= 1.0  # ... after the grace period (1 s here)
     assert not any(alive(int(str(c["pid"]))) for c in children)
 
 

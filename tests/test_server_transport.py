@@ -50,7 +50,10 @@ def _open(live: LiveServer) -> socket.socket:
     return sock
 
 
-def _closed_within(sock: socket.socket, seconds: float) -> float:
+GUARD_S = 60.0  # a connection still open after it is one the server never closes
+
+
+def _closed_within(sock: socket.socket, seconds: float = GUARD_S) -> float:
     """Seconds until the server closes ``sock`` (reads until EOF), failing past ``seconds``."""
     started = time.monotonic()
     sock.settimeout(seconds)
@@ -77,16 +80,15 @@ def _closed_within(sock: socket.socket, seconds: float) -> float:
 def test_an_incomplete_request_is_closed_at_the_deadline(live: LiveServer, sent: bytes) -> None:
     sock = _open(live)
     sock.sendall(sent)
-    assert _closed_within(sock, 10 * DEADLINE) >= 0.8 * DEADLINE
+    assert _closed_within(sock) >= 0.8 * DEADLINE  # at its deadline, not before
 
 
 def test_three_hundred_half_open_connections_are_all_closed(live: LiveServer) -> None:
     socks = [_open(live) for _ in range(300)]
     for sock in socks[::2]:
         sock.sendall(b"GET / HTTP/1.1\r\n")
-    time.sleep(2 * DEADLINE)
     for sock in socks:
-        assert _closed_within(sock, 10 * DEADLINE) < 10 * DEADLINE
+        _closed_within(sock)
     assert httpx.post(live.url + "/echo", content=b"still serving").json() == {"bytes": 13}
 
 
