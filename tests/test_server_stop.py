@@ -84,7 +84,10 @@ def stop(proc: subprocess.Popen[str], sig: int) -> tuple[int, str]:
 
 def check_log(err: str) -> None:
     assert "event=cache_flushed" in err, err[-3000:]
-    assert "Traceback" not in err and "Error" not in err, err[-3000:]
+    # NOTE: the configured Redis at port 1 is unreachable on purpose: the tier and the epoch
+    # book say so at start (a warning); no other line names an error
+    unexpected = [line for line in err.splitlines() if "Error" in line and "127.0.0.1:1." not in line]
+    assert "Traceback" not in err and not unexpected, err[-3000:]
     started = [line for line in err.splitlines() if "event=serve_" in line or "event=tier_opened" in line]
     kinds = {line.split("event=")[1].split()[0] for line in started}
     assert {"serve_auth", "serve_tier", "serve_model", "serve_restart", "serve_ready"} <= kinds, started
