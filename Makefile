@@ -53,8 +53,14 @@ system-deps:
 	    echo "missing:$$missing; cannot install without root: apt-get install$$missing" >&2; exit 1; fi; \
 	  $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; fi
 
+# Two test processes (pytest-xdist), each file in one of them, each on one torch thread
+# (tests/conftest.py): on two cores the suite takes about half the time it takes in one
+# process. The model is converted first, once, for both (and for vllm-test).
+TEST_WORKERS ?= 2
+MODEL_READY := $(BIN)/python -c 'from pathlib import Path; from prefixcache.engine.model import resolve_model as r; r("smollm2-135m-instruct", Path(".prefixcache/models"))'
 test: lint system-deps
-	$(BIN)/python -m pytest
+	$(MODEL_READY)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 	$(MAKE) vllm-test
 
 # vLLM for CPU in a venv of its own (it pins torch, transformers and fastapi apart from
@@ -73,7 +79,7 @@ $(VLLM_STAMP): pyproject.toml setup.py
 
 # The connector inside real vLLM (SmolLM2 on CPU, converted once into .prefixcache/models).
 vllm-test: $(VLLM_STAMP) $(STAMP) system-deps
-	$(BIN)/python -c 'from pathlib import Path; from prefixcache.engine.model import resolve_model as r; r("smollm2-135m-instruct", Path(".prefixcache/models"))'
+	$(MODEL_READY)
 	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests_vllm
 
 # The fast loop: the tests that need only the venv (no model, Redis, S3 server or Chromium, nothing slow).

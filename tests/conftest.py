@@ -16,6 +16,14 @@ from redis_cluster import REDIS_CLI, LocalCluster
 from redis_server import REDIS_SERVER, RedisServer
 from support import CONVERSATION, SYNTHETIC
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # NOTE: one core's worth of torch per worker (and per server a test starts): two workers
+    # on two cores, each with its own OpenMP team, would wake each other's teams on every op
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("dev", print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")

@@ -3,9 +3,12 @@ server on a free port in a thread."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +17,31 @@ import uvicorn
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, KVLayout, TierConfig
 from prefixcache.engine import Engine, LoadedModel, load_model
+from prefixcache.engine.model import DEFAULT_MODEL, resolve_model
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / ".prefixcache" / "models"  # git-ignored, kept across runs
 MODEL_ID = "smollm2-135m-instruct"
 
 
+@contextlib.contextmanager
+def models_lock() -> Iterator[None]:
+    """The models folder to this process alone while it converts or builds a model there:
+    test workers (``pytest -n``) and runs side by side would otherwise write one folder
+    at once on a fresh clone."""
+    MODELS_DIR.mkdir(parents=True, exist_ok=True)
+    with (MODELS_DIR / ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @functools.cache
 def model() -> LoadedModel:
     """SmolLM2-135M-Instruct on CPU (converted from the GGUF on the first run only)."""
+    with models_lock():
+        resolve_model(DEFAULT_MODEL, MODELS_DIR)
     return load_model(models_dir=MODELS_DIR, device="cpu")
 
 

@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from engine_support import MODELS_DIR
+from engine_support import MODELS_DIR, models_lock
 from prefixcache.engine import LoadedModel, load_model
 from prefixcache.engine.model import DEFAULT_MODEL, resolve_model
 
@@ -29,6 +29,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.ji
 
 def standin_folder() -> Path:
     """The stand-in's folder under the git-ignored models dir, built on first use."""
+    with models_lock():
+        return _build()
+
+
+def _build() -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
