@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from prefixcache.engine.sampling import SamplingParams, TokenCounts, penalize, sample
 
@@ -131,15 +132,16 @@ def test_a_large_frequency_penalty_changes_the_greedy_answer_and_repeats_less() 
 
     def answer(penalty: float) -> list[int]:
         params = SamplingParams(max_tokens=40, temperature=0.0, frequency_penalty=penalty)
-        seen, ids, out = TokenCounts(prompt), list(prompt), []
+        seen, fed, out = TokenCounts(prompt), list(prompt), []
+        cache = DynamicCache()  # each step feeds its one new token over the KV of those before
         with torch.no_grad():
             for _ in range(params.max_tokens):
-                logits = lm.model(torch.tensor([ids], device=lm.device)).logits[0, -1].float()
-                token = sample(logits, params, torch.Generator(), seen)
+                step = lm.model(torch.tensor([fed], device=lm.device), cache=cache, use_cache=True)
+                token = sample(step.logits[0, -1].float(), params, torch.Generator(), seen)
                 if token in lm.eos_ids:
                     break
                 out.append(token)
-                ids.append(token)
+                fed = [token]
         return out
 
     plain, penalized = answer(0.0), answer(2.0)
