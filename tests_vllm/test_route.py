@@ -8,7 +8,8 @@ events published), the gateway's secret shared by both.
 - a request sent to vLLM directly (what a client must never be able to do) cannot
   claim the victim either: the connector verifies the claim against the salt;
 - ``prefixcache audit-timing`` through the router finds no leak, and its same-tenant
-  control finds the cache (p < 0.001).
+  control finds the cache (p < 0.001), on a clock that counts the prompt tokens vLLM
+  computed for each answer (its usage): no load moves the verdict.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from test_connector import BLOCK, MODEL, PROMPTS
 from test_serve import SERVE, free_port, metric
 
 from prefixcache.identity import PARAMS_KEY, SECRET_ENV
+from prefixcache.ops.audit import AuditConfig, audit
+from prefixcache.ops.audit_cli import to_json
 
 SECRET = "route-test-secret-0123456789"
 KEYS = {"sk-victim-0123456789": "victim", "sk-attacker-0123456789": "attacker"}
@@ -186,25 +189,50 @@ def test_a_request_to_vllm_directly_cannot_claim_a_tenant(topology: dict[str, st
         assert cached(vllm, "none", PROMPTS[name], cache_salt=salt, kv_transfer_params=claims) == 0
 
 
+class UsageClock(httpx.BaseTransport):
+    """The audit's transport and clock: each answer is read whole, and before the audit
+    sees its first byte the clock moves by the prompt tokens vLLM computed for it (its
+    usage: prompt tokens less cached ones, 1/1024 s each). The audit's time to first token
+    is then the prefill the answer cost, whatever else the machine runs."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        try:
+            body = response.read()
+        finally:
+            response.close()
+        for line in body.decode(errors="replace").splitlines():
+            usage = json.loads(line[5:]).get("usage") if line.startswith("data: {") else None
+            if usage:
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                self.now += (usage["prompt_tokens"] - cached) / 1024
+        headers = [(k, v) for k, v in response.headers.items() if k not in ("content-length", "transfer-encoding")]
+        return httpx.Response(response.status_code, headers=headers, content=body, request=request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def test_audit_timing_through_the_router_finds_no_leak_and_the_control_sees_the_cache(
     topology: dict[str, str],
 ) -> None:
-    audit = subprocess.run(
-        [
-            *(sys.executable, "-m", "prefixcache.cli", "audit-timing", topology["route"], "--json", "--completions"),
-            *("--victim-key", VICTIM, "--attacker-key", ATTACKER),
-            *("--samples", "30", "--prompt-tokens", "900", "--warmup", "2"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    clock = UsageClock()
+    config = AuditConfig(
+        topology["route"], ATTACKER, (VICTIM,), samples=12, prompt_words=400, endpoint="completions", warmup=2
     )
-    (Path(topology["tmp"]) / "audit.json").write_text(audit.stdout + audit.stderr)
-    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
-    result = json.loads(audit.stdout)
-    assert result["verdict"] == "no leak", result
-    assert all(run["test"]["p_value"] < 0.001 for run in result["control"]["runs"]), result["control"]
-    assert not result["cross"]["detected"]
+    result = audit(config, transport=clock, clock=clock)
+    (Path(topology["tmp"]) / "audit.json").write_text(json.dumps(to_json(result)))
+    assert result.verdict == "no leak", to_json(result)
+    assert all(run.test.p_value < 0.001 for run in result.control.runs), to_json(result)["control"]
+    assert not result.cross.detected
+    assert result.control.runs[0].median_cached("hit") >= BLOCK  # what the control found: whole vLLM blocks
 
 
 # Straight to vLLM's port, as a client that got past the network never should: salts and
