@@ -34,10 +34,15 @@ def test_quick_run_prints_every_figure() -> None:
         if dtype == "float32":
             assert drift[1] < 1e-3, section  # batch invariant within float32 rounding
         assert [int(n) for n, *_ in steps] == [1, 4], section
-        one_row_ms = float(steps[0][1])
+        one = float(steps[0][1])
         for n, ms, rate, gain in steps:
-            assert float(ms) > 0 and abs(float(rate) - 1000 * int(n) / float(ms)) < 0.2, section
-            assert abs(float(gain) - int(n) * one_row_ms / float(ms)) < 0.05, section  # one round: no spread
+            # NOTE: the figures agree within what their printing rounds off (ms to 0.05, a rate
+            # to 0.05, a gain to 0.005): the faster the machine, the more a rounded ms moves them
+            rows, step = int(n), float(ms)
+            assert step > 0.05 and one > 0.05, section
+            assert 1000 * rows / (step + 0.05) - 0.05 <= float(rate) <= 1000 * rows / (step - 0.05) + 0.05, section
+            low, high = rows * (one - 0.05) / (step + 0.05), rows * (one + 0.05) / (step - 0.05)
+            assert low - 0.005 <= float(gain) <= high + 0.005, section  # one round: no spread
         assert re.search(r"chunk of +32: +[\d.]+ ms; with 16 tokens more \+ *-?[\d.]+ ms", section), section
 
 
