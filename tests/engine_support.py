@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 
 from prefixcache.cache import PrefixCache
@@ -121,3 +122,27 @@ class WorkClock:
 
     def close(self) -> None:
         self._hook.remove()
+
+
+class Settled(httpx.BaseTransport):
+    """An audit's transport to a live server in this process: each answer is read whole,
+    then the engine settles (every store done) before the audit goes on. A tenant's next
+    request is then never a race with the store of the request before it, which the
+    engine orders only within a conversation."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.inner = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        try:
+            body = response.read()
+        finally:
+            response.close()
+        assert self.engine.wait_idle(600), "the engine never settled"
+        headers = [(k, v) for k, v in response.headers.items() if k not in ("content-length", "transfer-encoding")]
+        return httpx.Response(response.status_code, headers=headers, content=body, request=request)
+
+    def close(self) -> None:
+        self.inner.close()

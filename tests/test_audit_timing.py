@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scipy import special, stats
 
-from engine_support import LiveServer, WorkClock
+from engine_support import LiveServer, Settled, WorkClock
 from prefixcache import cli
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, TierConfig
@@ -293,9 +293,9 @@ LIVE_KEYS = {"sk-victim-0123": "victim", "sk-attacker-0123": "attacker"}
 
 
 @contextlib.contextmanager
-def serving(isolation: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, WorkClock]]:
+def serving(isolation: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, WorkClock, Settled]]:
     """A live server on the stand-in in ``isolation``; the audits the command runs meanwhile
-    keep time on its ``WorkClock``."""
+    keep time on its ``WorkClock``, each request after the one before it settled."""
     lm = standin()
     memory = (TierConfig(kind="memory", capacity_bytes=256 << 20),)
     cache = PrefixCache(
@@ -304,10 +304,10 @@ def serving(isolation: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[s
     auth = AuthSettings(api_keys=LIVE_KEYS, allow_cross_tenant_reuse=isolation == "shared")
     eng = Engine(lm, STANDIN_ID, cache=cache)
     server = LiveServer(create_app(eng, Settings(auth=auth), cache), eng).start()
-    clock = WorkClock(lm.model)
-    monkeypatch.setattr(audit_module, "audit", functools.partial(audit, clock=clock))
+    clock, settled = WorkClock(lm.model), Settled(eng)
+    monkeypatch.setattr(audit_module, "audit", functools.partial(audit, clock=clock, transport=settled))
     try:
-        yield server.url, clock
+        yield server.url, clock, settled
     finally:
         clock.close()
         server.stop()
@@ -322,7 +322,7 @@ def audit_argv(url: str, *extra: str) -> list[str]:
 
 @pytest.mark.model
 def test_namespace_isolation_shows_no_leak(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    with serving("namespace", monkeypatch) as (url, _):
+    with serving("namespace", monkeypatch) as (url, *_):
         rc = cli.main(audit_argv(url, "--json"))
     data = json.loads(capsys.readouterr().out)
     assert data["control"]["runs"][0]["test"]["p_value"] < 0.001
@@ -333,16 +333,16 @@ def test_namespace_isolation_shows_no_leak(capsys: pytest.CaptureFixture[str], m
 
 @pytest.mark.model
 def test_partitioned_isolation_shows_no_leak(monkeypatch: pytest.MonkeyPatch) -> None:
-    with serving("partitioned", monkeypatch) as (url, clock):
+    with serving("partitioned", monkeypatch) as (url, clock, settled):
         config = AuditConfig(url, "sk-attacker-0123", ("sk-victim-0123",), samples=SAMPLES, prompt_words=PROMPT_WORDS)
-        result = audit(config, clock=clock)
+        result = audit(config, clock=clock, transport=settled)
     assert result.control.runs[0].test.p_value < 0.001
     assert not result.cross.detected and result.verdict == "no leak"
 
 
 @pytest.mark.model
 def test_shared_isolation_leaks(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    with serving("shared", monkeypatch) as (url, _):
+    with serving("shared", monkeypatch) as (url, *_):
         rc = cli.main(audit_argv(url, "--json"))
     out = capsys.readouterr().out
     data = json.loads(out)
@@ -355,7 +355,7 @@ def test_shared_isolation_leaks(capsys: pytest.CaptureFixture[str], monkeypatch:
 
 @pytest.mark.model
 def test_wrong_key_is_the_servers_401(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    with serving("namespace", monkeypatch) as (url, _):
+    with serving("namespace", monkeypatch) as (url, *_):
         rc = cli.main(["audit-timing", url, "--victim-key", "sk-wrong-0123", "--attacker-key", "sk-attacker-0123"])
     err = capsys.readouterr().err
     assert rc == 3 and "the server refused the victim key's request: 401 Incorrect API key provided." in err

@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from engine_support import LiveServer, WorkClock
+from engine_support import LiveServer, Settled, WorkClock
 from prefixcache.cache import PrefixCache
 from prefixcache.config import PublishConfig
 from prefixcache.engine import Engine
@@ -130,7 +130,7 @@ def test_timing_audit_no_leak_before_k_reuse_after(served: Served) -> None:
         config = AuditConfig(served.url, KEY["tenant4"], keys, samples=12, prompt_words=120, seed=victims)
         clock = WorkClock(served.engine.loaded.model)  # time is the prefill work: no load moves a p-value
         try:
-            return audit(config, clock=clock)
+            return audit(config, clock=clock, transport=Settled(served.engine))  # each request after the last's stores
         finally:
             clock.close()
 
