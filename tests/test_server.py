@@ -55,8 +55,12 @@ def client(live: LiveServer, key: str = "sk-acme-0123456789") -> openai.OpenAI:
 
 
 def ask(live: LiveServer, question: str, key: str = "sk-acme-0123456789") -> Any:
+    """The answer, once the engine has settled: a chat that does not extend this one (another
+    question) would otherwise race its store (the engine orders stores per conversation)."""
     messages: Any = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-    return client(live, key).chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=10, temperature=0)
+    answer = client(live, key).chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=10, temperature=0)
+    assert live.engine is None or live.engine.wait_idle(60)
+    return answer
 
 
 def test_models_and_health(live: LiveServer) -> None:

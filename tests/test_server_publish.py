@@ -67,6 +67,7 @@ class Served:
         messages: Any = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         reply = client.chat.completions.create(model=STANDIN_ID, messages=messages, max_tokens=1)
         assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        assert self.engine.wait_idle(60)  # its stores done: the next chat (another one) never races them
         return reply.usage.prompt_tokens_details.cached_tokens or 0
 
     def common(self, a: tuple[str, str], b: tuple[str, str]) -> int:
