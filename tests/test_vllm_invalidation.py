@@ -29,11 +29,11 @@ def test_a_request_saving_across_an_invalidation_stores_nothing_after_it(tmp_pat
     w = worker(tmp_path, cpu_caches(5))
     hooks = WorkerHooks(w, async_load=False)
     hooks.start_loads([])  # step 1: the request's first block is computed and saved
-    hooks.save([SaveSpec("r", T, TOKENS[:N], (1,))])
-    assert w.lookup(list(TOKENS), T) == N
+    hooks.save([SaveSpec("r", T, TOKENS[:N], ((1,),))])
+    assert w.lookup(list(TOKENS), T).tokens == N
     INVALIDATIONS[how](w.cache)
     hooks.start_loads([])  # step 2: its next blocks, and the first ones of a request new in this step
-    hooks.save([SaveSpec("r", T, TOKENS, (1, 2, 3)), SaveSpec("q", T, TOKENS[: 2 * N], (4, 5))])
-    assert w.lookup(list(TOKENS), T) == 2 * N  # q's (a request of step 2) only: r's third block is not
+    hooks.save([SaveSpec("r", T, TOKENS, ((1, 2, 3),)), SaveSpec("q", T, TOKENS[: 2 * N], ((4, 5),))])
+    assert w.lookup(list(TOKENS), T).tokens == 2 * N  # q's (a request of step 2) only: r's third block is not
     assert w.cache.stats().voided_tokens == 3 * N
     hooks.close(5)

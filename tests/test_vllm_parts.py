@@ -25,6 +25,7 @@ from prefixcache.cache.facade import PrefixCache
 from prefixcache.config import CacheConfig, PublishConfig, TierConfig
 from prefixcache.hashing import KeyChain, Segments, get_hash, root_encoding, root_hasher, token_bytes
 from prefixcache.identity import PARAMS_KEY, Unverified, stamp, tenant_salt
+from prefixcache.integrations.vllm.groups import Found, MissReason
 from prefixcache.integrations.vllm.lookup import LookupClient, LookupServer, private_dir, socket_path
 from prefixcache.integrations.vllm.paged import Layout, PagedKV, PagedSource
 from prefixcache.integrations.vllm.scheduler import SchedulerState, StepPlan
@@ -102,21 +103,21 @@ def test_a_paged_source_reads_any_range_of_its_blocks() -> None:
 def test_lookups_travel_over_the_socket_and_a_dead_worker_is_a_miss(tmp_path: Path) -> None:
     asked: list[tuple[list[int], Scope]] = []
 
-    def lookup(tokens: np.ndarray, scope: Scope) -> int:
+    def lookup(tokens: np.ndarray, scope: Scope) -> Found:
         asked.append((tokens.tolist(), scope))
-        return len(tokens) // 2
+        return Found(len(tokens) // 2, MissReason.WINDOW)
 
     path = socket_path("engine-1", str(tmp_path))
     server = LookupServer(path, lookup)
     client = LookupClient(path, timeout=2.0)
     scope = Scope("acmé", "a@f00", (Media(3, 2, "img-1"),))
-    assert client.lookup([1, 2, 3, 4_000_000_000], scope) == 2
+    assert client.lookup([1, 2, 3, 4_000_000_000], scope) == Found(2, MissReason.WINDOW)
     assert asked == [([1, 2, 3, 4_000_000_000], scope)]
     with pytest.raises(ValueError, match="32 bits"):
         client.lookup([-1], Scope("a"))
     server.close()
-    assert client.lookup([1, 2], Scope("a")) == 0 and client.failures == 1
-    assert LookupClient(str(tmp_path / "none.sock")).lookup([1], Scope("a")) == 0
+    assert client.lookup([1, 2], Scope("a")) == Found(0) and client.failures == 1
+    assert LookupClient(str(tmp_path / "none.sock")).lookup([1], Scope("a")) == Found(0)
 
 
 def test_the_lookup_socket_is_0600_in_a_folder_only_its_user_may_enter(tmp_path: Path) -> None:
@@ -126,17 +127,17 @@ def test_the_lookup_socket_is_0600_in_a_folder_only_its_user_may_enter(tmp_path:
     assert path.parent.parent == tmp_path and path.parent.name == f"prefixcache-{os.getuid()}"
     old = os.umask(0)
     try:
-        server = LookupServer(str(path), lambda tokens, scope: 3)
+        server = LookupServer(str(path), lambda tokens, scope: Found(3))
     finally:
         os.umask(old)
     try:
         folder = path.parent.stat()
         assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == os.getuid()
         assert stat.S_ISSOCK(path.stat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o600
-        assert LookupClient(str(path)).lookup([1], Scope("t")) == 3
+        assert LookupClient(str(path)).lookup([1], Scope("t")).tokens == 3
     finally:
         server.close()
-    again = LookupServer(str(path), lambda tokens, scope: 4)  # the same folder, reused
+    again = LookupServer(str(path), lambda tokens, scope: Found(4))  # the same folder, reused
     again.close()
 
 
@@ -161,21 +162,21 @@ def test_a_socket_folder_not_ours_or_not_private_is_refused_with_what_to_do(tmp_
     path.mkdir(mode=0o777)
     path.chmod(0o777)
     with pytest.raises(PermissionError, match="open to group or others"):
-        LookupServer(str(path / "e.sock"), lambda tokens, scope: 0)
+        LookupServer(str(path / "e.sock"), lambda tokens, scope: Found(0))
     assert not (path / "e.sock").exists()
 
 
 def test_a_malformed_lookup_closes_that_connection_only(tmp_path: Path) -> None:
     path = socket_path("e", str(tmp_path))
-    server = LookupServer(path, lambda tokens, scope: 7)
+    server = LookupServer(path, lambda tokens, scope: Found(7))
     try:
-        for bad in (b"XXXX" + b"\0" * 8, b"PCL2" + (3).to_bytes(4, "little") + b"\0" * 4 + b"\xc1\xc1\xc1"):
+        for bad in (b"XXXX" + b"\0" * 8, b"PCL3" + (3).to_bytes(4, "little") + b"\0" * 4 + b"\xc1\xc1\xc1"):
             with socket.socket(socket.AF_UNIX) as raw:
                 raw.connect(path)
                 raw.sendall(bad)
                 raw.settimeout(2)
                 assert raw.recv(4) == b""  # closed, no answer
-        assert LookupClient(path).lookup([1], Scope("t")) == 7
+        assert LookupClient(path).lookup([1], Scope("t")).tokens == 7
     finally:
         server.close()
 
@@ -183,9 +184,9 @@ def test_a_malformed_lookup_closes_that_connection_only(tmp_path: Path) -> None:
 def test_a_slow_worker_costs_the_scheduler_its_timeout_only(tmp_path: Path) -> None:
     release = threading.Event()
     path = socket_path("slow", str(tmp_path))
-    server = LookupServer(path, lambda tokens, scope: 5 if release.wait(5) else 0)
+    server = LookupServer(path, lambda tokens, scope: Found(5 if release.wait(5) else 0))
     try:
-        assert LookupClient(path, timeout=0.2).lookup([1], Scope("t")) == 0
+        assert LookupClient(path, timeout=0.2).lookup([1], Scope("t")).tokens == 0
     finally:
         release.set()
         server.close()
@@ -212,15 +213,15 @@ def test_a_saved_prefix_loads_bit_exact_into_other_blocks_for_its_tenant_only(tm
     source = cpu_caches(3)
     tokens = tuple(range(100, 100 + 3 * N))
     w = worker(tmp_path, source)
-    assert w.save(SaveSpec("r1", ALICE, tokens, (4, 0, 9))) == 3 * N
-    assert w.lookup(list(tokens), ALICE) == 3 * N and w.lookup(list(tokens), Scope("bob")) == 0
-    assert w.lookup([*tokens[:N], 7, 7, 7, 7], ALICE) == N
+    assert w.save(SaveSpec("r1", ALICE, tokens, ((4, 0, 9),))) == 3 * N
+    assert w.lookup(list(tokens), ALICE).tokens == 3 * N and w.lookup(list(tokens), Scope("bob")).tokens == 0
+    assert w.lookup([*tokens[:N], 7, 7, 7, 7], ALICE).tokens == N
 
     target = cpu_caches(4)
     w2 = ConnectorWorker(w.cache.config, paged(target), "m@1")  # a second process on the same disk
     w.close(5)
-    assert w2.lookup(list(tokens), ALICE) == 3 * N
-    failed = w2.load(LoadSpec("r2", ALICE, tokens, 1, (6, 2)))  # block 0 is vLLM's own hit
+    assert w2.lookup(list(tokens), ALICE).tokens == 3 * N
+    failed = w2.load(LoadSpec("r2", ALICE, tokens, 1, ((6, 2),)))  # block 0 is vLLM's own hit
     assert failed == []
     assert np.array_equal(paged(target).gather([6, 2]), paged(source).gather([0, 9]))
     tally = w2.take_tally()
@@ -240,13 +241,13 @@ def test_the_connectors_tiers_store_in_their_codec_and_load_the_decoded_kv(tmp_p
         writer="inline",
     )
     w = ConnectorWorker(config, paged(source), "m@1")
-    assert w.save(SaveSpec("r1", ALICE, tokens, (4, 0, 9))) == 3 * N
+    assert w.save(SaveSpec("r1", ALICE, tokens, ((4, 0, 9),))) == 3 * N
     w.close(5)
     frames = sorted((tmp_path / "disk").rglob("*.blk"))
     assert len(frames) == 3 and {codec.peek_header(f.read_bytes()).codec for f in frames} == {"int8"}
     target = cpu_caches(7)
     w2 = ConnectorWorker(config, paged(target), "m@1")
-    assert w2.load(LoadSpec("r2", ALICE, tokens, 0, (6, 2, 3))) == []
+    assert w2.load(LoadSpec("r2", ALICE, tokens, 0, ((6, 2, 3),))) == []
     for got, block in zip((6, 2, 3), (4, 0, 9), strict=True):
         kv = paged(source).gather([block]).numpy()
         key = b"k" * 16
@@ -263,12 +264,12 @@ def test_a_load_beyond_vllms_hit_reads_only_the_blocks_vllm_lacks(tmp_path: Path
     """A prompt half held by vLLM's own cache reads half the bytes from the tiers."""
     tokens = tuple(range(8 * N))
     w = worker(tmp_path, cpu_caches(8))
-    w.save(SaveSpec("r", T, tokens, tuple(range(8))))
+    w.save(SaveSpec("r", T, tokens, (tuple(range(8)),)))
     w.close(5)
     reads = []
     for first in (0, 4):
         w2 = worker(tmp_path, cpu_caches(9))  # after a restart: the disk holds them
-        assert w2.load(LoadSpec("r", T, tokens, first, tuple(range(first, 8)))) == []
+        assert w2.load(LoadSpec("r", T, tokens, first, (tuple(range(first, 8)),))) == []
         reads.append(sum(t.bytes_read for t in w2.cache.stats().tiers))
         w2.close(5)
     assert reads[0] > 0 and reads[1] * 2 == reads[0]
@@ -277,7 +278,7 @@ def test_a_load_beyond_vllms_hit_reads_only_the_blocks_vllm_lacks(tmp_path: Path
 def test_a_corrupt_block_loads_the_blocks_before_it_and_reports_the_rest(tmp_path: Path) -> None:
     tokens = tuple(range(3 * N))
     w = worker(tmp_path, cpu_caches(5))
-    w.save(SaveSpec("r", T, tokens, (1, 2, 3)))
+    w.save(SaveSpec("r", T, tokens, ((1, 2, 3),)))
     with w.cache.match(tokens, w.context(T)) as m:
         keys = m.block_keys
     w.close(5)
@@ -288,7 +289,7 @@ def test_a_corrupt_block_loads_the_blocks_before_it_and_reports_the_rest(tmp_pat
     target = cpu_caches(6)
     before = paged(target).gather([7, 8])
     w2 = worker(tmp_path, target)
-    assert w2.load(LoadSpec("r", T, tokens, 0, (5, 7, 8))) == [7, 8]
+    assert w2.load(LoadSpec("r", T, tokens, 0, ((5, 7, 8),))) == [7, 8]
     assert np.array_equal(paged(target).gather([7, 8]), before)  # nothing wrong was written
     assert w2.tally.lost_tokens["t"] == 2 * N
     w2.close(5)
@@ -447,9 +448,9 @@ def test_a_collision_search_over_media_keys_finds_none() -> None:
 def test_the_scheduler_offers_whole_blocks_beyond_vllms_hit_never_the_last_token() -> None:
     asked: list[tuple[int, str]] = []
 
-    def lookup(tokens: list[int], scope: Scope) -> int:
+    def lookup(tokens: list[int], scope: Scope) -> Found:
         asked.append((len(tokens), scope.tenant))
-        return 100
+        return Found(100)
 
     state = SchedulerState(N, lookup, scoper())
     r = request("r", list(range(13)), "acme")  # 12 = 3 blocks may be offered, never token 13
@@ -461,24 +462,24 @@ def test_the_scheduler_offers_whole_blocks_beyond_vllms_hit_never_the_last_token
         req_id="r", prompt_token_ids=list(range(13)), block_ids=([10, 11, 12, 13],), num_computed_tokens=4
     )
     plan = state.step(output([new], scheduled={"r": 1}))
-    assert plan.loads == [LoadSpec("r", Scope("acme"), tuple(range(12)), 1, (11, 12))]
+    assert plan.loads == [LoadSpec("r", Scope("acme"), tuple(range(12)), 1, ((11, 12),))]
     assert plan.saves == []  # what it loads or had is in the cache already
     cached = SimpleNamespace(req_ids=["r"], new_block_ids=[([14],)], num_computed_tokens=[13], resumed_req_ids=set())
     assert state.step(output(cached=cached, scheduled={"r": 1})).saves == []  # decode: no new prompt block
 
 
 def test_the_scheduler_saves_each_prompt_block_once_as_chunks_complete() -> None:
-    state = SchedulerState(N, lambda tokens, scope: 0, scoper())
+    state = SchedulerState(N, lambda tokens, scope: Found(0), scoper())
     r = request("r", list(range(11)))
     state.seen(r)
     assert state.matched(r, 0) == 0
     state.allocated(r, 0)
     new = SimpleNamespace(req_id="r", prompt_token_ids=list(range(11)), block_ids=([3, 4],), num_computed_tokens=0)
     first = state.step(output([new], scheduled={"r": 6}))  # a chunk of 6: one full block
-    assert first.saves == [SaveSpec("r", Scope("d"), tuple(range(4)), (3,))]
+    assert first.saves == [SaveSpec("r", Scope("d"), tuple(range(4)), ((3,),))]
     cached = SimpleNamespace(req_ids=["r"], new_block_ids=[([9],)], num_computed_tokens=[6], resumed_req_ids=set())
     second = state.step(output(cached=cached, scheduled={"r": 5}))
-    assert second.saves == [SaveSpec("r", Scope("d"), tuple(range(8)), (3, 4))]
+    assert second.saves == [SaveSpec("r", Scope("d"), tuple(range(8)), ((3, 4),), since_block=1, computed=6)]
 
 
 # ---------------------------------------------------------------------------- settings
@@ -512,7 +513,7 @@ def test_the_model_key_changes_when_the_weights_or_dtype_change(tmp_path: Path) 
 
 
 def test_a_preempted_request_matched_again_loads_into_its_new_blocks() -> None:
-    state = SchedulerState(N, lambda tokens, scope: 8, scoper())
+    state = SchedulerState(N, lambda tokens, scope: Found(8), scoper())
     r = request("r", list(range(13)), "s")
     state.seen(r)
     state.allocated(r, 0)
@@ -526,20 +527,20 @@ def test_a_preempted_request_matched_again_loads_into_its_new_blocks() -> None:
         req_ids=["r"], new_block_ids=[([7, 6, 5, 9],)], num_computed_tokens=[8], resumed_req_ids={"r"}
     )
     plan = state.step(output(cached=cached, scheduled={"r": 5}))
-    assert plan.loads == [LoadSpec("r", Scope("s"), tuple(range(8)), 0, (7, 6))]
-    assert plan.saves == [SaveSpec("r", Scope("s"), tuple(range(12)), (7, 6, 5))]
+    assert plan.loads == [LoadSpec("r", Scope("s"), tuple(range(8)), 0, ((7, 6),))]
+    assert plan.saves == [SaveSpec("r", Scope("s"), tuple(range(12)), ((7, 6, 5),), since_block=2, computed=8)]
 
 
 def test_a_copy_into_vllm_that_fails_reports_every_block_to_recompute(tmp_path: Path) -> None:
     tokens = tuple(range(2 * N))
     w = worker(tmp_path, cpu_caches(7))
-    w.save(SaveSpec("r", T, tokens, (1, 2)))
+    w.save(SaveSpec("r", T, tokens, ((1, 2),)))
 
     def broken(kv: np.ndarray, block_ids: Any) -> None:
         raise RuntimeError("device lost")
 
-    w.paged.scatter = broken  # type: ignore[method-assign]
-    assert w.load(LoadSpec("r", T, tokens, 0, (5, 6))) == [5, 6]
+    w.paged[0].scatter = broken  # type: ignore[method-assign]
+    assert w.load(LoadSpec("r", T, tokens, 0, ((5, 6),))) == [5, 6]
     assert w.tally.errors["load"] == 1 and not w.tally.hit_tokens
     w.close(5)
 
@@ -561,7 +562,7 @@ class PrefillStats:
 
 
 def test_after_a_failed_load_the_cached_count_is_what_loaded_and_the_rest_is_saved_again() -> None:
-    state = SchedulerState(N, lambda tokens, scope: 12, scoper())
+    state = SchedulerState(N, lambda tokens, scope: Found(12), scoper())
     r = request("r", list(range(14)), "s")
     r.prefill_stats = PrefillStats()
     state.seen(r)
@@ -572,19 +573,19 @@ def test_after_a_failed_load_the_cached_count_is_what_loaded_and_the_rest_is_sav
         req_id="r", prompt_token_ids=list(range(14)), block_ids=([1, 2, 3, 4],), num_computed_tokens=0
     )
     plan = state.step(output([new], scheduled={"r": 2}))
-    assert plan.loads == [LoadSpec("r", Scope("s"), tuple(range(12)), 0, (1, 2, 3))] and plan.saves == []
+    assert plan.loads == [LoadSpec("r", Scope("s"), tuple(range(12)), 0, ((1, 2, 3),))] and plan.saves == []
     state.load_failed({2, 3, 99})  # the worker filled block 1 only; vLLM recomputes from block 2
     assert r.prefill_stats.num_cached_tokens == N
     cached = SimpleNamespace(req_ids=["r"], new_block_ids=[None], num_computed_tokens=[N], resumed_req_ids=set())
     again = state.step(output(cached=cached, scheduled={"r": 14 - N}))
-    assert again.saves == [SaveSpec("r", Scope("s"), tuple(range(12)), (1, 2, 3))]
+    assert again.saves == [SaveSpec("r", Scope("s"), tuple(range(12)), ((1, 2, 3),), since_block=1, computed=4)]
     state.load_failed({77})  # another request's block: this one's count stands
     assert r.prefill_stats.num_cached_tokens == N
 
 
 def test_a_request_that_bypasses_the_cache_is_neither_looked_up_nor_saved() -> None:
     asked: list[int] = []
-    state = SchedulerState(N, lambda tokens, scope: asked.append(1) or 8, scoper(b"0123456789abcdef-secret"))
+    state = SchedulerState(N, lambda tokens, scope: asked.append(1) or Found(8), scoper(b"0123456789abcdef-secret"))
     r = request("r", list(range(13)), "victim", {PARAMS_KEY: "victim"})
     state.seen(r)
     assert state.matched(r, 0) == 0 and asked == []
@@ -600,15 +601,15 @@ def test_an_async_load_is_planned_at_allocation_and_its_request_saved_from_its_f
     """With ``async_load`` vLLM parks the request while the worker loads: the load is
     decided when vLLM allocates its blocks (the request is not scheduled in that step),
     and a failed block is reported before the request runs (saved again from there)."""
-    state = SchedulerState(N, lambda tokens, scope: 12, scoper(), async_load=True)
+    state = SchedulerState(N, lambda tokens, scope: Found(12), scoper(), async_load=True)
     r = request("r", list(range(14)), "s")
     r.prefill_stats = PrefillStats()
     state.seen(r)
     assert state.matched(r, 4) == 8  # vLLM holds block 0
-    state.allocated(r, 8, [5, 6, 7, 8])
+    state.allocated(r, 8, ([5, 6, 7, 8],))
     r.prefill_stats.set(14, 4, 8)
     plan = state.step(output())  # the request waits: nothing of it is scheduled
-    assert plan.loads == [LoadSpec("r", Scope("s"), tuple(range(12)), 1, (6, 7))] and plan.saves == []
+    assert plan.loads == [LoadSpec("r", Scope("s"), tuple(range(12)), 1, ((6, 7),))] and plan.saves == []
     assert state.step(output()).loads == []  # planned once
     state.load_failed({7})
     assert r.prefill_stats.num_cached_tokens == 4 + N
@@ -616,15 +617,17 @@ def test_an_async_load_is_planned_at_allocation_and_its_request_saved_from_its_f
         req_id="r", prompt_token_ids=list(range(14)), block_ids=([5, 6, 7, 8],), num_computed_tokens=8
     )
     resumed = state.step(output([new], scheduled={"r": 6}))
-    assert resumed.loads == [] and resumed.saves == [SaveSpec("r", Scope("s"), tuple(range(12)), (5, 6, 7))]
+    assert resumed.loads == [] and resumed.saves == [
+        SaveSpec("r", Scope("s"), tuple(range(12)), ((5, 6, 7),), computed=8)
+    ]
 
 
 def test_an_async_fetch_counts_nothing_until_it_is_committed(tmp_path: Path) -> None:
     tokens = tuple(range(2 * N))
     w = worker(tmp_path, cpu_caches(10))
-    w.save(SaveSpec("r", T, tokens, (1, 2)))
+    w.save(SaveSpec("r", T, tokens, ((1, 2),)))
     w.take_tally()
-    loaded = w.fetch(LoadSpec("r", T, tokens, 0, (5, 6)))
+    loaded = w.fetch(LoadSpec("r", T, tokens, 0, ((5, 6),)))
     assert loaded.blocks == 2 and w.take_tally() is None
     assert w.commit(loaded) == []
     tally = w.take_tally()
@@ -636,13 +639,13 @@ def test_the_schedulers_lookup_changes_nothing_however_often_it_asks(tmp_path: P
     """vLLM asks again for a request that stays waiting: no stat, no event, no eviction order moves."""
     w = worker(tmp_path, cpu_caches(11))
     tokens = tuple(range(3 * N))
-    w.save(SaveSpec("r", T, tokens, (1, 2, 3)))
+    w.save(SaveSpec("r", T, tokens, ((1, 2, 3),)))
     w.cache.flush()
     w.cache.take_events()
     before = w.cache.stats()
     for _ in range(5):
-        assert w.lookup(list(tokens), T) == 3 * N
-        assert w.lookup([*tokens[:N], 9, 9, 9, 9], T) == N
+        assert w.lookup(list(tokens), T).tokens == 3 * N
+        assert w.lookup([*tokens[:N], 9, 9, 9, 9], T).tokens == N
     assert w.cache.stats() == before and w.cache.take_events() == []
     w.close(5)
 
@@ -665,9 +668,9 @@ def test_hot_prefixes_published_by_enough_verified_tenants_serve_every_tenant(tm
     )
     w = ConnectorWorker(config, paged(cpu_caches(12)), "m@1")
     system = tuple(range(500, 500 + 2 * N))
-    w.save(SaveSpec("a", vouched("acme"), system, (1, 2)))
-    assert w.lookup(list(system), vouched("initech")) == 0  # one tenant alone publishes nothing
-    w.save(SaveSpec("b", vouched("globex"), system, (3, 4)))
-    w.save(SaveSpec("c", vouched("globex"), system, (3, 4)))  # the next request after the count is met
-    assert w.lookup(list(system), vouched("initech")) == 2 * N
+    w.save(SaveSpec("a", vouched("acme"), system, ((1, 2),)))
+    assert w.lookup(list(system), vouched("initech")).tokens == 0  # one tenant alone publishes nothing
+    w.save(SaveSpec("b", vouched("globex"), system, ((3, 4),)))
+    w.save(SaveSpec("c", vouched("globex"), system, ((3, 4),)))  # the next request after the count is met
+    assert w.lookup(list(system), vouched("initech")).tokens == 2 * N
     w.close(5)

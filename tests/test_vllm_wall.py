@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixcache.integrations.vllm.groups import Found
 from prefixcache.integrations.vllm.scheduler import HOOK_FAILED, SchedulerState, StepPlan
 from prefixcache.integrations.vllm.scope import Scope
 from prefixcache.integrations.vllm.wall import Wall
@@ -86,7 +87,7 @@ def test_the_wall_lets_vllms_shutdown_through() -> None:
 
 def test_a_scope_that_raises_bypasses_the_request_and_is_counted() -> None:
     asked: list[int] = []
-    state = SchedulerState(N, lambda tokens, scope: asked.append(1) or 8, boom)
+    state = SchedulerState(N, lambda tokens, scope: asked.append(1) or Found(8), boom)
     r = request("r", list(range(13)), "acme")
     state.seen(r)
     assert state.matched(r, 0) == 0 and asked == []
@@ -101,10 +102,10 @@ def test_a_scope_that_raises_bypasses_the_request_and_is_counted() -> None:
 def test_a_lookup_that_raises_is_a_miss_and_that_request_is_never_cached() -> None:
     """A token id past 32 bits makes the socket's client raise (``LookupClient``)."""
 
-    def lookup(tokens: list[int], scope: Scope) -> int:
+    def lookup(tokens: list[int], scope: Scope) -> Found:
         if max(tokens) >= 1 << 32:
             raise ValueError("token ids must fit in 32 bits")
-        return 8
+        return Found(8)
 
     state = SchedulerState(N, lookup, scoper())
     bad, good = request("bad", [1 << 40, *range(12)], "s"), request("good", list(range(13)), "s")
@@ -129,7 +130,7 @@ def test_a_lookup_that_raises_is_a_miss_and_that_request_is_never_cached() -> No
 def test_a_sync_load_promised_then_unplannable_is_reported_failed_not_dropped() -> None:
     """vLLM counts the 8 promised tokens as computed: if no load fills their blocks, they
     must come back as load errors (vLLM recomputes them), never be served unfilled."""
-    state = SchedulerState(N, lambda tokens, scope: 8, scoper())
+    state = SchedulerState(N, lambda tokens, scope: Found(8), scoper())
     r, other = request("r", list(range(13)), "s"), request("o", list(range(13)), "t")
     for x in (r, other):
         state.seen(x)
@@ -150,7 +151,7 @@ def test_a_sync_load_promised_then_unplannable_is_reported_failed_not_dropped() 
 def test_an_async_load_whose_blocks_cannot_be_read_fails_as_a_whole() -> None:
     """vLLM parks the request until the worker reports it: a load that cannot be planned
     goes out as a void, which the worker reports as a failed receive."""
-    state = SchedulerState(N, lambda tokens, scope: 8, scoper(), async_load=True)
+    state = SchedulerState(N, lambda tokens, scope: Found(8), scoper(), async_load=True)
     r = request("r", list(range(13)), "s")
     state.seen(r)
     assert state.matched(r, 0) == 8
@@ -162,7 +163,7 @@ def test_an_async_load_whose_blocks_cannot_be_read_fails_as_a_whole() -> None:
 
 
 def test_a_step_that_raises_trusts_none_of_its_books_and_voids_its_promises() -> None:
-    state = SchedulerState(N, lambda tokens, scope: 8, scoper())
+    state = SchedulerState(N, lambda tokens, scope: Found(8), scoper())
     r, done = request("r", list(range(13)), "s"), request("d", list(range(13)), "s")
     state.seen(done)
     state.allocated(done, 0)
@@ -183,7 +184,7 @@ def test_a_step_that_raises_trusts_none_of_its_books_and_voids_its_promises() ->
 
 
 def test_a_cut_that_raises_bypasses_that_request_and_cuts_the_others() -> None:
-    state = SchedulerState(N, lambda tokens, scope: 8, scoper())
+    state = SchedulerState(N, lambda tokens, scope: Found(8), scoper())
     for req_id, blocks in (("a", [1, 2, 3, 4]), ("b", [5, 6, 7, 8])):
         r = request(req_id, list(range(13)), "s")
         r.prefill_stats = SimpleNamespace(
@@ -213,8 +214,8 @@ def test_whatever_fails_every_promised_load_is_answered_once(faults: list[str], 
     def scope_or_fail(r: Any) -> Any:
         return boom() if faults[int(r.request_id)] == "scope" else scoper()(r)
 
-    def lookup(tokens: list[int], scope: Scope) -> int:
-        return boom() if tokens[0] == 1000 else hit * N
+    def lookup(tokens: list[int], scope: Scope) -> Found:
+        return boom() if tokens[0] == 1000 else Found(hit * N)
 
     state = SchedulerState(N, lookup, scope_or_fail, async_load=async_load)
     promised: dict[str, int] = {}
@@ -257,12 +258,12 @@ def test_voided_loads_come_back_as_errors_or_failed_receives(tmp_path: Path) -> 
 def test_a_load_that_cannot_start_reports_its_request_done_and_its_blocks_failed(tmp_path: Path) -> None:
     """A load that arrives after the I/O threads stopped: ``submit`` raises."""
     hooks = WorkerHooks(worker(tmp_path, cpu_caches(2)), async_load=True)
-    hooks.start_loads([LoadSpec("a", Scope("t"), tuple(range(2 * N)), 0, (5, 6))])
+    hooks.start_loads([LoadSpec("a", Scope("t"), tuple(range(2 * N)), 0, ((5, 6),))])
     while hooks._loading:
         hooks.transfers()
     hooks.load_errors()
     hooks.close(5)
-    hooks.start_loads([LoadSpec("b", Scope("t"), tuple(range(2 * N)), 0, (7, 8))])
+    hooks.start_loads([LoadSpec("b", Scope("t"), tuple(range(2 * N)), 0, ((7, 8),))])
     assert hooks.transfers() == ({"b"}, set()) and hooks.load_errors() == {7, 8}
     tally = hooks.take_tally()
     assert tally is not None and tally.hook_failures == {("start_load_kv", "RuntimeError"): 1}
@@ -270,7 +271,7 @@ def test_a_load_that_cannot_start_reports_its_request_done_and_its_blocks_failed
 
 def test_a_commit_that_raises_still_reports_the_request_and_every_block(tmp_path: Path) -> None:
     hooks = WorkerHooks(worker(tmp_path, cpu_caches(3)), async_load=True)
-    hooks.start_loads([LoadSpec("a", None, (1, 2, 3, 4), 0, (5,))])  # type: ignore[arg-type]
+    hooks.start_loads([LoadSpec("a", None, (1, 2, 3, 4), 0, ((5,),))])  # type: ignore[arg-type]
     done: set[str] = set()
     while not done:
         done, _ = hooks.transfers()
@@ -284,8 +285,8 @@ def test_a_sync_load_and_a_save_that_raise_cost_their_own_blocks_only(tmp_path: 
     w = worker(tmp_path, cpu_caches(4))
     hooks = WorkerHooks(w, async_load=False)
     tokens = tuple(range(2 * N))
-    hooks.save([SaveSpec("x", None, tokens, (1, 2)), SaveSpec("y", Scope("t"), tokens, (1, 2))])  # type: ignore[arg-type]
-    hooks.start_loads([LoadSpec("a", None, tokens, 0, (5, 6)), LoadSpec("b", Scope("t"), tokens, 0, (7, 8))])  # type: ignore[arg-type]
+    hooks.save([SaveSpec("x", None, tokens, ((1, 2),)), SaveSpec("y", Scope("t"), tokens, ((1, 2),))])  # type: ignore[arg-type]
+    hooks.start_loads([LoadSpec("a", None, tokens, 0, ((5, 6),)), LoadSpec("b", Scope("t"), tokens, 0, ((7, 8),))])  # type: ignore[arg-type]
     assert hooks.load_errors() == {5, 6}  # b loaded what y saved
     tally = hooks.take_tally()
     assert tally is not None and tally.errors == {"save": 1, "load": 1} and tally.saved_tokens == {"t": 2 * N}

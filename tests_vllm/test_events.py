@@ -27,7 +27,7 @@ def test_stores_and_removals_become_vllm_events_with_the_tier_kind_as_medium(tmp
     connector = PrefixCacheConnector.__new__(PrefixCacheConnector)  # the worker half alone, without an engine
     connector.wall, connector.block_size = Wall(), N
     connector._hooks = WorkerHooks(worker, wall=connector.wall)
-    worker.save(SaveSpec("r", Scope("acme"), tuple(range(2 * N)), (0, 3)))
+    worker.save(SaveSpec("r", Scope("acme"), tuple(range(2 * N)), ((0, 3),)))
     worker.cache.purge("acme")
     events = connector.get_kv_connector_kv_cache_events()
     assert isinstance(events, PrefixCacheEvents)

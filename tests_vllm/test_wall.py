@@ -49,7 +49,7 @@ def broken_connector() -> PrefixCacheConnector:
     connector._state, connector._hooks = Broken(), Broken()  # type: ignore[assignment]
     connector._server = connector._client = Broken()  # type: ignore[assignment]
     connector._events = []
-    connector._connector_metadata = PrefixCacheMeta(loads=[LoadSpec("r", None, (1,), 0, (1,))])  # type: ignore[arg-type]
+    connector._connector_metadata = PrefixCacheMeta(loads=[LoadSpec("r", None, (1,), 0, ((1,),))])  # type: ignore[arg-type]
     return connector
 
 

@@ -43,14 +43,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from prefixcache.fleet import wire
+from prefixcache.integrations.vllm.groups import GroupKind, KVGroup, KVGroups
 from prefixcache.integrations.vllm.lookup import LookupClient, LookupServer, socket_path
 from prefixcache.integrations.vllm.metrics import PrefixCachePromMetrics, PrefixCacheStats
-from prefixcache.integrations.vllm.paged import PagedKV
+from prefixcache.integrations.vllm.paged import GroupedKV, PagedKV
 from prefixcache.integrations.vllm.scheduler import SchedulerState
-from prefixcache.integrations.vllm.scope import Fingerprints, scope_of
+from prefixcache.integrations.vllm.scope import Bypass, Fingerprints, scope_of
 from prefixcache.integrations.vllm.settings import model_key, parse_settings, read_secret
 from prefixcache.integrations.vllm.wall import Wall
 from prefixcache.integrations.vllm.worker import ConnectorWorker, LoadSpec, SaveSpec, VoidLoad
@@ -102,12 +104,20 @@ class PrefixCacheEvents(KVConnectorKVEvents):
         self._events.clear()
 
 
-class PrefixCacheConnector(KVConnectorBase_V1):
+class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.settings = parse_settings(transfer.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
+        self.groups = kv_groups(kv_cache_config, self.block_size, self.settings.boundary_every_tokens)
+        if isinstance(self.groups, Bypass):
+            log.warning("prefixcache: every request bypasses the cache: %s", self.groups.reason)
+        elif self.groups.hybrid:
+            self.block_size = self.groups.block_size
+            log.info("prefixcache: %d KV cache groups: %s", len(self.groups.groups), _describe(self.groups))
+        # NOTE: vLLM takes block-level load errors from one group only: a hybrid loads async
+        self.async_load = self.settings.async_load or (isinstance(self.groups, KVGroups) and self.groups.hybrid)
         self.socket = socket_path(transfer.engine_id or "engine", self.settings.socket_dir or None)
         self.wall = Wall()
         self._hooks: WorkerHooks | None = None
@@ -131,7 +141,11 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                 else "by cache_salt (no gateway secret)",
             )
 
+            groups = self.groups
+
             def scoper(request: Request) -> Any:
+                if isinstance(groups, Bypass):
+                    return groups
                 return scope_of(
                     request,
                     secret=secret,
@@ -141,33 +155,41 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                 )
 
             self._state = SchedulerState(
-                self.block_size, self._client.lookup, scoper, async_load=settings.async_load, wall=self.wall
+                self.block_size, self._client.lookup, scoper, async_load=self.async_load, wall=self.wall
             )
 
     # ================================================================ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        groups = self.groups
+        if isinstance(groups, Bypass):
+            return  # no hooks: every request bypasses (said at start)
         config = self._vllm_config
         model, parallel = config.model_config, config.parallel_config
-        paged = PagedKV(
-            kv_caches,
-            kv_heads=model.get_num_kv_heads(parallel),
-            head_dim=model.get_head_size(),
-            block_size=self.block_size,
-        )
+        geometry = {
+            "kv_heads": model.get_num_kv_heads(parallel),
+            "head_dim": model.get_head_size(),
+            "block_size": self.block_size,
+        }
+        if groups.hybrid:
+            paged: GroupedKV | PagedKV = GroupedKV(
+                [PagedKV({name: kv_caches[name] for name in g.layers}, **geometry) for g in groups.groups]
+            )
+        else:
+            paged = PagedKV(kv_caches, **geometry)
         # the model's key: only the worker matches (reading the model's files once, here)
         name = self.settings.model_id or str(model.served_model_name or model.model)
         self.model = model_key(name, model.model, str(model.dtype), model.revision)
-        worker = ConnectorWorker(self.settings.cache, paged, self.model)
+        worker = ConnectorWorker(self.settings.cache, paged, self.model, groups if groups.hybrid else None)
         settings = self.settings
         self._hooks = WorkerHooks(
-            worker, async_load=settings.async_load, load_threads=settings.load_threads, wall=self.wall
+            worker, async_load=self.async_load, load_threads=settings.load_threads, wall=self.wall
         )
         self._server = LookupServer(self.socket, worker.lookup)
         atexit.register(self.shutdown)  # vLLM may end a worker without calling shutdown: flush anyway
         log.info(
             "prefixcache: %d layers in the %s layout, model key %s, lookups on %s",
-            len(paged.views),
+            paged.layers if isinstance(paged, GroupedKV) else len(paged.views),
             paged.layout.value,
             self.model,
             self.socket,
@@ -254,7 +276,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         with self.wall.hold("get_num_new_matched_tokens"):
             tokens = self._state.matched(request, num_computed_tokens) if self._state is not None else 0
-            return tokens, tokens > 0 and self.settings.async_load
+            return tokens, tokens > 0 and self.async_load
         return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -274,6 +296,12 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             if self._state is not None:
                 self._state.finished(request)
         return False, None  # saves copy out of vLLM's blocks during the step: they may be freed now
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished`` with the hybrid manager on (one id list a group)."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def update_connector_output(self, connector_output: Any) -> None:
         with self.wall.hold("update_connector_output"):
@@ -318,3 +346,44 @@ def _vllm_event(event: wire.BlockStored | wire.BlockRemoved) -> KVCacheEvent:
             extra_keys=event.extra_keys,
         )
     return BlockRemoved(block_hashes=event.block_hashes, medium=event.medium)
+
+
+# vLLM's KV cache spec classes, by name, as the group kinds the connector stores
+_KINDS = {"FullAttentionSpec": GroupKind.FULL, "SlidingWindowSpec": GroupKind.SLIDING, "MambaSpec": GroupKind.STATE}
+
+
+def kv_groups(kv_cache_config: Any, block_size: int, stride_tokens: int | None) -> KVGroups | Bypass:
+    """vLLM's KV cache groups as the connector's (``groups.py``), or why the connector
+    cannot store this model (a layer kind it does not know: every request bypasses)."""
+    specs = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if not specs:
+        return KVGroups((KVGroup(0, GroupKind.FULL, ("all",)),), block_size)
+    groups = []
+    for index, spec in enumerate(specs):
+        kind_name = type(spec.kv_cache_spec).__name__
+        kind = _KINDS.get(kind_name)
+        if kind is None:
+            return Bypass(f"unsupported_layers:{kind_name}")
+        window = 0
+        if kind is GroupKind.SLIDING:
+            window = int(spec.kv_cache_spec.sliding_window) + int(
+                getattr(spec.kv_cache_spec, "extra_retained_tokens", 0)
+            )
+        groups.append(KVGroup(index, kind, tuple(spec.layer_names), window))
+    sizes = {int(spec.kv_cache_spec.block_size) for spec in specs}
+    if len(sizes) != 1:
+        return Bypass(f"unsupported_layers:block_sizes_{'_'.join(map(str, sorted(sizes)))}")
+    size = sizes.pop()
+    if stride_tokens is None:  # every 4 windows, at least 1,024 tokens: a window's share of a long prompt
+        stride_tokens = max([1024] + [4 * g.window for g in groups])
+    try:
+        return KVGroups(tuple(groups), size, -(-stride_tokens // size))
+    except ValueError as exc:
+        return Bypass(f"unsupported_layers:{exc}")
+
+
+def _describe(groups: KVGroups) -> str:
+    return ", ".join(
+        f"{g.index}: {g.kind.value}{f' window {g.window}' if g.window else ''} x {len(g.layers)} layers"
+        for g in groups.groups
+    )

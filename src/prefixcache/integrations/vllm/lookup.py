@@ -5,8 +5,9 @@ the cache (its ledger and its bytes) lives in the worker, beside the KV it fills
 scheduler's ``get_num_new_matched_tokens`` asks it over a Unix socket: one request,
 one answer, a fixed binary format (no pickle)::
 
-    request:  magic "PCL2", u32 scope bytes, u32 tokens, scope (msgpack), tokens (u32 LE)
-    answer:   u32 cached tokens
+    request:  magic "PCL3", u32 scope bytes, u32 tokens, scope (msgpack), tokens (u32 LE)
+    answer:   u32 cached tokens, u8 why fewer than the chain held (0: not fewer; else
+              1 + the index of the ``MissReason``)
 
 The scope (``scope.py``) is the request's tenant, adapter and media items: what keys
 its KV besides the tokens. A lookup is side-effect free (``PrefixCache.peek``: no
@@ -36,19 +37,21 @@ from pathlib import Path
 
 import numpy as np
 
+from prefixcache.integrations.vllm.groups import Found, MissReason
 from prefixcache.integrations.vllm.scope import Scope, decode_scope, encode_scope
 
 __all__ = ["LookupClient", "LookupServer", "private_dir", "socket_path"]
 
 log = logging.getLogger("prefixcache.vllm")
 
-MAGIC = b"PCL2"
+MAGIC = b"PCL3"
 _HEAD = struct.Struct("<4sII")
-_ANSWER = struct.Struct("<I")
+_ANSWER = struct.Struct("<IB")
+_REASONS = tuple(MissReason)
 MAX_TOKENS = 1 << 24
 MAX_SCOPE = 1 << 20  # bytes of a scope: a tenant, an adapter and the media items
 
-Lookup = Callable[[np.ndarray, Scope], int]  # (tokens, scope) -> cached tokens
+Lookup = Callable[[np.ndarray, Scope], Found]  # (tokens, scope) -> cached tokens, and why not more
 
 
 def socket_path(engine_id: str, directory: str | None = None) -> str:
@@ -142,12 +145,13 @@ class LookupServer:
             except (ConnectionError, OSError):
                 return
             try:
-                cached = self._lookup(tokens, scope)
+                found = self._lookup(tokens, scope)
+                answer = _ANSWER.pack(found.tokens, 0 if found.reason is None else 1 + _REASONS.index(found.reason))
             except Exception:  # a lookup that fails is a miss, never a dead scheduler
                 log.exception("prefixcache lookup failed")
-                cached = 0
+                answer = _ANSWER.pack(0, 0)
             try:
-                conn.sendall(_ANSWER.pack(cached))
+                conn.sendall(answer)
             except OSError:
                 return
 
@@ -162,8 +166,8 @@ class LookupServer:
 
 
 class LookupClient:
-    """The scheduler's side: ``lookup`` returns the cached tokens, 0 when the worker
-    cannot be asked (not up yet, gone, slower than ``timeout`` seconds)."""
+    """The scheduler's side: ``lookup`` returns the cached tokens (and why not more), 0
+    when the worker cannot be asked (not up yet, gone, slower than ``timeout`` seconds)."""
 
     def __init__(self, path: str, timeout: float = 1.0) -> None:
         self.path = path
@@ -172,7 +176,7 @@ class LookupClient:
         self._lock = threading.Lock()
         self.failures = 0
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray, scope: Scope) -> int:
+    def lookup(self, tokens: Sequence[int] | np.ndarray, scope: Scope) -> Found:
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= 1 << 32):
             raise ValueError("token ids must fit in 32 bits")
@@ -184,13 +188,13 @@ class LookupClient:
             try:
                 conn = self._connect()
                 conn.sendall(message)
-                (cached,) = _ANSWER.unpack(_recv_exact(conn, _ANSWER.size))
-                return int(cached)
+                cached, why = _ANSWER.unpack(_recv_exact(conn, _ANSWER.size))
+                return Found(int(cached), _REASONS[why - 1] if 0 < why <= len(_REASONS) else None)
             except OSError as exc:  # socket.timeout and ConnectionError are OSErrors
                 self.failures += 1
                 log.warning("prefixcache lookup unavailable (%s): counted as a miss", exc)
                 self._drop()
-                return 0
+                return Found(0)
 
     def _connect(self) -> socket.socket:
         if self._conn is None:

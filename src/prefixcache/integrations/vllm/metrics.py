@@ -51,6 +51,7 @@ class PrefixCacheStats(KVConnectorStats):
             "prefixcache_errors": sum(t.errors.values()),
             "prefixcache_hook_failures": sum(t.hook_failures.values()),
             "prefixcache_bypassed": sum(t.bypassed.values()),
+            "prefixcache_misses": sum(t.misses.values()),
         }
 
     def is_empty(self) -> bool:
@@ -97,6 +98,12 @@ class PrefixCachePromMetrics(KVConnectorPromMetrics):
             documentation="Requests served without the cache, by reason (hook_failed: one of its hooks raised)",
             labelnames=[*labelnames, "reason"],
         )
+        self.misses = counter(
+            name="prefixcache_vllm_miss_reasons",
+            documentation="Requests that hit less than the cache's chain held, or could not hit, by reason "
+            "(shorter_than_a_block, window_not_kept, state_not_kept: docs/vllm.md, hybrid models)",
+            labelnames=[*labelnames, "reason"],
+        )
         self.load_seconds = histogram(
             name="prefixcache_vllm_load_seconds",
             documentation="Time to match, load and place one request's cached prefix",
@@ -138,6 +145,8 @@ class PrefixCachePromMetrics(KVConnectorPromMetrics):
             self.hook_failures.labels(*labels, hook, kind).inc(n)
         for reason, n in t.bypassed.items():
             self.bypassed.labels(*labels, reason).inc(n)
+        for reason, n in t.misses.items():
+            self.misses.labels(*labels, reason).inc(n)
         for seconds in t.load_seconds:
             self.load_seconds.labels(*labels).observe(seconds)
         for seconds in t.save_seconds:

@@ -29,7 +29,7 @@ import torch
 from prefixcache.config import KVLayout
 from prefixcache.engine.kv import to_torch
 
-__all__ = ["Layout", "PagedKV", "PagedSource"]
+__all__ = ["GroupedKV", "Layout", "PagedKV", "PagedSource"]
 
 
 class Layout(Enum):
@@ -117,6 +117,43 @@ class PagedKV:
         ids = torch.as_tensor(list(block_ids), dtype=torch.long)
         for layer, view in enumerate(self.views):
             view.index_copy_(0, ids.to(view.device), source[layer].permute(2, 0, 1, 3, 4).to(view.device))
+
+
+class GroupedKV:
+    """vLLM's paged KV by KV cache group (``groups.py``): one ``PagedKV`` over each group's
+    layers, every group's frame the same layout (vLLM gives every group the same number
+    of layers and bytes a block), so that one cache holds them all."""
+
+    def __init__(self, groups: Sequence[PagedKV]) -> None:
+        if not groups:
+            raise ValueError("no KV cache groups to register")
+        first = groups[0]
+        for i, paged in enumerate(groups):
+            if paged.kv_layout != first.kv_layout or paged.block_size != first.block_size:
+                raise ValueError(
+                    f"KV cache group {i}: {paged.kv_layout} x {paged.block_size} tokens differs from group 0's "
+                    f"{first.kv_layout} x {first.block_size}: the connector stores groups of one frame layout"
+                )
+        self.groups = tuple(groups)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self.groups[0].kv_layout
+
+    @property
+    def block_size(self) -> int:
+        return self.groups[0].block_size
+
+    @property
+    def layout(self) -> Layout:
+        return self.groups[0].layout
+
+    @property
+    def layers(self) -> int:
+        return sum(len(p.views) for p in self.groups)
+
+    def __getitem__(self, group: int) -> PagedKV:
+        return self.groups[group]
 
 
 class PagedSource:

@@ -47,6 +47,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixcache.integrations.vllm.groups import Found, MissReason
 from prefixcache.integrations.vllm.scope import Bypass, Scope
 from prefixcache.integrations.vllm.wall import Wall
 from prefixcache.integrations.vllm.worker import LoadSpec, SaveSpec, Tally, VoidLoad
@@ -55,7 +56,7 @@ __all__ = ["HOOK_FAILED", "SchedulerState", "StepPlan"]
 
 log = logging.getLogger("prefixcache.vllm")
 
-Lookup = Callable[[Sequence[int], Scope], int]
+Lookup = Callable[[Sequence[int], Scope], Found]
 Scoper = Callable[[Any], Scope | Bypass]  # a vLLM Request -> its scope, or why it bypasses the cache
 HOOK_FAILED = "hook_failed"  # the bypass reason of a request one of whose hooks raised
 
@@ -64,14 +65,14 @@ HOOK_FAILED = "hook_failed"  # the bypass reason of a request one of whose hooks
 class _Tracked:
     scope: Scope
     prompt: tuple[int, ...]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # vLLM's block ids, by KV cache group
     saved: int  # prompt tokens already sent to be saved (or loaded from the cache)
 
 
 @dataclass(frozen=True, slots=True)
 class _Load:
     first: int  # the first block loaded (vLLM holds the ones before)
-    block_ids: tuple[int, ...]  # vLLM blocks the load fills, from ``first`` on
+    block_ids: tuple[int, ...]  # vLLM blocks the load fills, from ``first`` on (one group: see ``load_failed``)
 
 
 @dataclass
@@ -83,10 +84,11 @@ class StepPlan:
     voids: list[VoidLoad] = field(default_factory=list)
 
 
-def _first_group(blocks: Any) -> Sequence[int]:
-    """The block ids of vLLM's ``KVCacheBlocks`` (one KV cache group), or ``blocks`` as given."""
-    ids: Sequence[int] = blocks.get_block_ids()[0] if hasattr(blocks, "get_block_ids") else blocks
-    return ids
+def _by_group(blocks: Any) -> list[list[int]]:
+    """The block ids of vLLM's ``KVCacheBlocks``, by KV cache group (or ``blocks`` as given:
+    a sequence of groups' ids)."""
+    groups = blocks.get_block_ids() if hasattr(blocks, "get_block_ids") else blocks
+    return [list(ids) for ids in groups]
 
 
 class SchedulerState:
@@ -110,6 +112,8 @@ class SchedulerState:
         self._voids: list[VoidLoad] = []  # async loads voided at allocation, for the next step
         self.bypassed: Counter[str] = Counter()  # reason -> requests served without the cache
         self._new_bypassed: Counter[str] = Counter()  # the same, since ``take_tally``
+        self._missed: dict[str, MissReason] = {}  # req_id -> why it hits less (counted once a request)
+        self._new_misses: Counter[str] = Counter()  # reason -> requests, since ``take_tally``
 
     # ---------------------------------------------------------------- the hooks, walled
 
@@ -171,8 +175,8 @@ class SchedulerState:
 
     def take_tally(self) -> Tally | None:
         """The bypasses and hook failures since the last call, for vLLM's stats."""
-        tally = Tally(hook_failures=self.wall.take(), bypassed=self._new_bypassed)
-        self._new_bypassed = Counter()
+        tally = Tally(hook_failures=self.wall.take(), bypassed=self._new_bypassed, misses=self._new_misses)
+        self._new_bypassed, self._new_misses = Counter(), Counter()
         return None if tally.is_empty() else tally
 
     # ---------------------------------------------------------------- decisions
@@ -193,10 +197,14 @@ class SchedulerState:
             return 0
         n = self.block_size
         limit = (len(prompt) - 1) // n * n
+        if not limit:
+            self._missed_for(request.request_id, MissReason.SHORT)
         if limit <= num_computed_tokens or num_computed_tokens % n:
             return 0
-        cached = self._lookup(list(prompt[:limit]), scope)
-        extra = max(0, min(cached, limit) - num_computed_tokens)  # whole blocks: both ends are
+        found = self._lookup(list(prompt[:limit]), scope)
+        if found.reason is not None:
+            self._missed_for(request.request_id, found.reason)
+        extra = max(0, min(found.tokens, limit) - num_computed_tokens)  # whole blocks: both ends are
         self._asked[request.request_id] = (num_computed_tokens, extra)
         return extra
 
@@ -212,7 +220,7 @@ class SchedulerState:
             else:
                 prompt = request.prompt_token_ids
                 self._ready.append(
-                    self._plan_load(req_id, scope, prompt, _first_group(blocks), local, num_external_tokens)
+                    self._plan_load(req_id, scope, prompt, _by_group(blocks), local, num_external_tokens)
                 )
         self._asked.pop(req_id, None)
 
@@ -240,10 +248,10 @@ class SchedulerState:
             return
         if not new.prompt_token_ids:
             return
-        tracked = _Tracked(scope, tuple(new.prompt_token_ids), list(new.block_ids[0]), 0)
+        tracked = _Tracked(scope, tuple(new.prompt_token_ids), _by_group(new.block_ids), 0)
         self._tracked[new.req_id] = tracked
         self._load(plan, new.req_id, tracked)
-        self._save(plan, new.req_id, tracked, new.num_computed_tokens + scheduled)
+        self._save(plan, new.req_id, tracked, new.num_computed_tokens, scheduled)
 
     def _cached(self, plan: StepPlan, req_id: str, cached: Any, i: int, scheduled: int) -> None:
         new_ids = cached.new_block_ids[i]
@@ -255,12 +263,13 @@ class SchedulerState:
         if known is None:
             return
         if resumed:
-            known.block_ids = list(new_ids[0]) if new_ids else []
+            known.block_ids = _by_group(new_ids) if new_ids else [[] for _ in known.block_ids]
             known.saved = 0  # its blocks were freed: nothing of them is vouched for
             self._load(plan, req_id, known)  # preempted, then matched again on its return
         elif new_ids:
-            known.block_ids.extend(new_ids[0])
-        self._save(plan, req_id, known, cached.num_computed_tokens[i] + scheduled)
+            for ids, more in zip(known.block_ids, new_ids, strict=True):
+                ids.extend(more)
+        self._save(plan, req_id, known, cached.num_computed_tokens[i], scheduled)
 
     def _load(self, plan: StepPlan, req_id: str, tracked: _Tracked) -> None:
         pending = self._pending.pop(req_id, None)
@@ -272,23 +281,41 @@ class SchedulerState:
         tracked.saved = len(spec.tokens)
 
     def _plan_load(
-        self, req_id: str, scope: Scope, prompt: Sequence[int], block_ids: Sequence[int], local: int, external: int
+        self,
+        req_id: str,
+        scope: Scope,
+        prompt: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        local: int,
+        external: int,
     ) -> LoadSpec:
         """The load of the ``external`` tokens after vLLM's own ``local`` ones (both whole
-        blocks), remembered for ``load_failed``."""
+        blocks), remembered for ``load_failed``. Each group's ids from the first block
+        loaded on; a sliding group's skipped blocks are vLLM's null block."""
         n = self.block_size
         first, end = local // n, (local + external) // n
-        blocks = tuple(block_ids[first:end])
-        self._loaded[req_id] = _Load(first, blocks)
+        blocks = tuple(tuple(ids[first:end]) for ids in block_ids)
+        if len(blocks) == 1:  # NOTE: vLLM takes block-level load errors from one group only
+            self._loaded[req_id] = _Load(first, blocks[0])
         return LoadSpec(req_id, scope, tuple(prompt[: end * n]), first, blocks)
 
-    def _save(self, plan: StepPlan, req_id: str, tracked: _Tracked, computed: int) -> None:
+    def _save(self, plan: StepPlan, req_id: str, tracked: _Tracked, computed: int, scheduled: int) -> None:
+        """Send the prompt's blocks this step completes (``computed``: the tokens vLLM had
+        computed before it, whose window a sliding group still keeps)."""
         n = self.block_size
-        end = min(computed, len(tracked.prompt)) // n * n
-        end = min(end, len(tracked.block_ids) * n)
+        end = min(computed + scheduled, len(tracked.prompt)) // n * n
+        end = min(end, min(len(ids) for ids in tracked.block_ids) * n)
         if end > tracked.saved:
+            blocks = tuple(tuple(ids[: end // n]) for ids in tracked.block_ids)
             plan.saves.append(
-                SaveSpec(req_id, tracked.scope, tracked.prompt[:end], tuple(tracked.block_ids[: end // n]))
+                SaveSpec(
+                    req_id,
+                    tracked.scope,
+                    tracked.prompt[:end],
+                    blocks,
+                    since_block=tracked.saved // n,
+                    computed=computed,
+                )
             )
             tracked.saved = end
 
@@ -380,6 +407,12 @@ class SchedulerState:
         self._scopes[req_id] = Bypass(HOOK_FAILED)
         self._tracked.pop(req_id, None)
 
+    def _missed_for(self, req_id: str, reason: MissReason) -> None:
+        """Count why ``req_id`` hits less, once however often vLLM asks about it."""
+        if self._missed.get(req_id) is not reason:
+            self._missed[req_id] = reason
+            self._new_misses[reason.value] += 1
+
     def _count(self, reason: str) -> None:
         if not self.bypassed[reason]:
             log.warning("prefixcache: a request bypasses the cache (%s); counted from now on", reason)
@@ -387,6 +420,6 @@ class SchedulerState:
         self._new_bypassed[reason] += 1
 
     def _forget(self, req_id: str) -> None:
-        for book in (self._tracked, self._scopes, self._requests, self._loaded, self._pending):
+        for book in (self._tracked, self._scopes, self._requests, self._loaded, self._pending, self._missed):
             book.pop(req_id, None)
         self._voided.discard(req_id)

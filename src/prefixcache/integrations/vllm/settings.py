@@ -51,6 +51,10 @@ class ConnectorSettings(BaseModel):
     # (vLLM's async load); off, they run inside the step, before its forward pass.
     async_load: bool = True
     load_threads: int = Field(default=2, ge=1, le=64)  # concurrent async loads
+    # A hybrid model (sliding-window or recurrent layers beside full attention) resumes
+    # only where its other groups' blocks were kept: at each save's end and every this
+    # many tokens of a prompt (0: save ends only; default: 4 windows, at least 1,024).
+    boundary_every_tokens: int | None = Field(default=None, ge=0)
     socket_dir: str = ""  # where the worker's lookup socket lives; default $XDG_RUNTIME_DIR or /tmp
     flush_timeout_s: float = Field(default=30.0, ge=0)  # on shutdown: how long queued writes may take
     # A tier codec other than raw is lossy; the quality gate (``prefixcache gate-codec``)

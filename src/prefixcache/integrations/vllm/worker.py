@@ -30,8 +30,10 @@ import numpy as np
 from prefixcache.cache.facade import PrefixCache
 from prefixcache.cache.invalidations import Stamp
 from prefixcache.config import CacheConfig
-from prefixcache.hashing import CacheContext
-from prefixcache.integrations.vllm.paged import PagedKV, PagedSource
+from prefixcache.hashing import CacheContext, Segment
+from prefixcache.integrations.vllm.groups import NULL_BLOCK, Found, GroupKind, KVGroup, KVGroups, digests
+from prefixcache.integrations.vllm.hybrid import GroupBlocks
+from prefixcache.integrations.vllm.paged import GroupedKV, PagedKV, PagedSource
 from prefixcache.integrations.vllm.scope import Scope
 
 __all__ = ["ConnectorWorker", "LoadSpec", "SaveSpec", "Tally", "VoidLoad"]
@@ -42,14 +44,14 @@ log = logging.getLogger("prefixcache.vllm")
 @dataclass(frozen=True)
 class LoadSpec:
     """Load ``tokens`` (block-aligned, the prefix to reuse) for ``req_id``: its blocks
-    ``first_block ..`` go into vLLM blocks ``block_ids`` (the ones before are vLLM's own
-    prefix-cache hits)."""
+    ``first_block ..`` go into vLLM blocks ``block_ids`` (by KV cache group; the blocks
+    before are vLLM's own prefix-cache hits, a sliding group's skipped ones its null block)."""
 
     req_id: str
     scope: Scope
     tokens: tuple[int, ...]
     first_block: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -67,12 +69,17 @@ class VoidLoad:
 @dataclass(frozen=True)
 class SaveSpec:
     """Store the first ``len(tokens)`` (block-aligned) tokens of ``req_id``, whose KV is
-    in vLLM blocks ``block_ids`` (one per block of ``tokens``)."""
+    in vLLM blocks ``block_ids`` (by KV cache group, one per block of ``tokens``).
+    ``since_block``: the blocks before it were sent before; ``computed``: the tokens vLLM
+    had computed before this step (a sliding group's blocks before that window may be
+    freed and given to another request: never read)."""
 
     req_id: str
     scope: Scope
     tokens: tuple[int, ...]
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
+    since_block: int = 0
+    computed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +118,7 @@ class Tally:
     errors: Counter[str] = field(default_factory=Counter)  # "load" / "save" -> calls that raised
     hook_failures: Counter[tuple[str, str]] = field(default_factory=Counter)  # (hook, exception) -> calls (wall.py)
     bypassed: Counter[str] = field(default_factory=Counter)  # reason -> requests served without the cache
+    misses: Counter[str] = field(default_factory=Counter)  # ``MissReason`` value -> requests that hit less
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -122,6 +130,7 @@ class Tally:
             "errors": dict(self.errors),
             "hook_failures": [[hook, kind, n] for (hook, kind), n in self.hook_failures.items()],
             "bypassed": dict(self.bypassed),
+            "misses": dict(self.misses),
         }
 
     @classmethod
@@ -135,6 +144,7 @@ class Tally:
             errors=Counter(data.get("errors", {})),
             hook_failures=Counter({(hook, kind): n for hook, kind, n in data.get("hook_failures", ())}),
             bypassed=Counter(data.get("bypassed", {})),
+            misses=Counter(data.get("misses", {})),
         )
 
     def merge(self, other: Tally) -> Tally:
@@ -147,6 +157,7 @@ class Tally:
             self.errors + other.errors,
             self.hook_failures + other.hook_failures,
             self.bypassed + other.bypassed,
+            self.misses + other.misses,
         )
 
     def is_empty(self) -> bool:
@@ -159,18 +170,30 @@ class Tally:
             or self.errors
             or self.hook_failures
             or self.bypassed
+            or self.misses
         )
 
 
 class ConnectorWorker:
-    """Owns the ``PrefixCache`` of one vLLM worker and the view of its paged KV."""
+    """Owns the ``PrefixCache`` of one vLLM worker and the view of its paged KV, by KV
+    cache group (``groups.py``): a one-group model's blocks are keyed as they always were;
+    a hybrid's full groups are chains of their own, its sliding and state groups' blocks
+    kept at boundaries (``hybrid.py``)."""
 
-    def __init__(self, config: CacheConfig, paged: PagedKV, model: str) -> None:
+    def __init__(
+        self, config: CacheConfig, paged: GroupedKV | PagedKV, model: str, groups: KVGroups | None = None
+    ) -> None:
+        if isinstance(paged, PagedKV):
+            paged = GroupedKV([paged])
         self.paged = paged
         self.model = model
+        self.groups = groups or KVGroups((KVGroup(0, GroupKind.FULL, ("all",)),), paged.block_size)
+        if len(self.groups.groups) != len(paged.groups):
+            raise ValueError(f"{len(self.groups.groups)} KV cache groups described, {len(paged.groups)} registered")
         self.cache = PrefixCache(
             dataclasses.replace(config, block_size=paged.block_size, partial_blocks=False, kv_layout=paged.kv_layout)
         )
+        self.partial = GroupBlocks(self.cache, self.groups, paged)
         self.tally = Tally()
         self._contexts: dict[tuple[str, str | None], CacheContext] = {}
         self._closed = False
@@ -182,11 +205,20 @@ class ConnectorWorker:
             ctx = self._contexts[key] = scope.context(self.model)
         return ctx
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray, scope: Scope) -> int:
-        """How many leading tokens (whole blocks) the cache holds for this scope; asks
-        without side effects (vLLM may ask again for a request that stays waiting)."""
-        seen = self.cache.peek(tokens, self.context(scope), scope.segments(len(tokens)))
-        return seen.num_blocks * self.paged.block_size
+    def _digests(self, tokens: Sequence[int] | np.ndarray, scope: Scope) -> list[bytes]:
+        return digests(tokens, self.paged.block_size, [(m.offset, f"{m.key}:{m.length}") for m in scope.media])
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray, scope: Scope) -> Found:
+        """How many leading tokens (whole blocks) the cache can resume from for this scope,
+        and why fewer than the chain it holds; asks without side effects (vLLM may ask
+        again for a request that stays waiting)."""
+        base, n = self.context(scope), self.paged.block_size
+        segments = scope.segments(len(tokens))
+        full = min(self.cache.peek(tokens, self.groups.context(base, g), segments).num_blocks for g in self.groups.full)
+        if not self.groups.partial or not full:
+            return Found(full * n)
+        blocks, reason = self.partial.resumable(base, tokens, full, self._digests(tokens[: full * n], scope))
+        return Found(blocks * n, reason)
 
     def load(self, spec: LoadSpec) -> list[int]:
         """Fill the spec's vLLM blocks now; returns those it could not fill (for vLLM to recompute)."""
@@ -195,48 +227,85 @@ class ConnectorWorker:
     def fetch(self, spec: LoadSpec) -> Loaded:
         """Match, read and place the spec's blocks: the part of a load that may run on
         an I/O thread while vLLM's step goes on (it touches the cache, which has its own
-        lock, and only the vLLM blocks allocated to this request; not the tally)."""
+        lock, and only the vLLM blocks allocated to this request; not the tally). A
+        hybrid's load is whole or nothing: vLLM takes no block-level errors from it."""
         n = self.paged.block_size
         start = time.perf_counter()
         done, tiers, error = 0, {}, False  # blocks of the spec placed in vLLM's memory
         try:
+            base = self.context(spec.scope)
             segments = spec.scope.segments(len(spec.tokens))
-            with self.cache.match(spec.tokens, self.context(spec.scope), segments) as m:
-                if m.num_blocks > spec.first_block:
-                    got = self.cache.load(m, first_block=spec.first_block)  # vLLM holds the blocks before
-                    end = min(got.tokens // n, spec.first_block + len(spec.block_ids))
-                    if end > spec.first_block:
-                        kv = got.kv[:, :, :, : (end - spec.first_block) * n, :]
-                        self.paged.scatter(kv, spec.block_ids[: end - spec.first_block])
-                        done = end - spec.first_block  # only once placed: a failed copy is a miss
-                        tiers = _first_tokens(got.tier_tokens, done * n)
+            want = len(spec.block_ids[0])
+            for g in self.groups.full:
+                placed, got_tiers = self._fetch_chain(spec, g, base, segments)
+                done = placed if g is self.groups.full[0] else min(done, placed)
+                tiers = tiers or got_tiers
+            if self.groups.partial and (done < want or not self._fetch_partial(spec, base)):
+                done, tiers = 0, {}
         except Exception:  # a failed load is a miss for those blocks, never a failed request
             log.exception("prefixcache: load for request %s failed", spec.req_id)
-            error = True
-        return Loaded(spec, done, tiers, time.perf_counter() - start, error)
+            done, tiers, error = 0, {}, True
+        return Loaded(spec, done, _first_tokens(tiers, done * n), time.perf_counter() - start, error)
+
+    def _fetch_partial(self, spec: LoadSpec, base: CacheContext) -> bool:
+        digests = self._digests(spec.tokens, spec.scope)
+        return self.partial.load(base, spec.tokens, spec.first_block, spec.block_ids, digests)
+
+    def _fetch_chain(
+        self, spec: LoadSpec, group: KVGroup, base: CacheContext, segments: list[Segment]
+    ) -> tuple[int, dict[str, int]]:
+        """Load a full group's chain into its blocks: the leading blocks placed, and the tiers
+        they came from."""
+        n, ids = self.paged.block_size, spec.block_ids[group.index]
+        with self.cache.match(spec.tokens, self.groups.context(base, group), segments) as m:
+            if m.num_blocks <= spec.first_block:
+                return 0, {}
+            got = self.cache.load(m, first_block=spec.first_block)  # vLLM holds the blocks before
+            end = min(got.tokens // n, spec.first_block + len(ids))
+            if end <= spec.first_block:
+                return 0, {}
+            kv = got.kv[:, :, :, : (end - spec.first_block) * n, :]
+            self.paged[group.index].scatter(kv, ids[: end - spec.first_block])
+            return end - spec.first_block, dict(got.tier_tokens)  # only once placed: a failed copy is a miss
 
     def commit(self, loaded: Loaded) -> list[int]:
-        """Count a finished load; returns the vLLM blocks it could not fill."""
+        """Count a finished load; returns the vLLM blocks it could not fill (of every group)."""
         spec, n = loaded.spec, self.paged.block_size
         if loaded.error:
             self.tally.errors["load"] += 1
         for tier, tokens in loaded.tier_tokens.items():
             self.tally.hit_tokens[(spec.scope.tenant, tier)] += tokens
         self.tally.load_seconds.append(loaded.seconds)
-        failed = list(spec.block_ids[loaded.blocks :])
-        if failed:
-            self.tally.lost_tokens[spec.scope.tenant] += len(failed) * n
+        failed = [b for ids in spec.block_ids for b in ids[loaded.blocks :] if b != NULL_BLOCK]
+        lost = len(spec.block_ids[0]) - loaded.blocks
+        if lost > 0:
+            self.tally.lost_tokens[spec.scope.tenant] += lost * n
         return failed
 
     def save(self, spec: SaveSpec, since: Stamp | None = None) -> int:
-        """Store the spec's blocks; returns the tokens newly stored. ``since``: the stamp
-        of the request (``PrefixCache.insert``): nothing a purge or bump after it covers."""
+        """Store the spec's blocks; returns the tokens newly stored (of the first full
+        group's chain). ``since``: the stamp of the request (``PrefixCache.insert``):
+        nothing a purge or bump after it covers."""
         start = time.perf_counter()
         stored = 0
         try:
-            source = PagedSource(self.paged, spec.block_ids)
+            base = self.context(spec.scope)
             segments = spec.scope.segments(len(spec.tokens))
-            stored = self.cache.insert(spec.tokens, self.context(spec.scope), segments, kv=source, since=since)
+            for g in self.groups.full:
+                source = PagedSource(self.paged[g.index], spec.block_ids[g.index])
+                ctx = self.groups.context(base, g)
+                got = self.cache.insert(spec.tokens, ctx, segments, kv=source, since=since)
+                stored = got if g is self.groups.full[0] else stored
+            if self.groups.partial:
+                self.partial.save(
+                    base,
+                    spec.tokens,
+                    spec.block_ids,
+                    since_block=spec.since_block,
+                    computed=spec.computed,
+                    digests=self._digests(spec.tokens, spec.scope),
+                    since=since,
+                )
         except Exception:  # a failed save costs a future hit, never the request
             log.exception("prefixcache: save for request %s failed", spec.req_id)
             self.tally.errors["save"] += 1

@@ -23,6 +23,10 @@ get_kv_connector_kv_cache_events no events this step
 A ``VoidLoad`` (a load the scheduler promised vLLM but could not plan, ``scheduler.py``)
 is reported as failed: its blocks as load errors, or, async, the request as a failed
 receive (``failed_recving``), which vLLM recomputes from its start.
+
+A model of several KV cache groups (a hybrid, ``groups.py``) loads asynchronously only,
+and a load that did not fill every block is a failed receive: vLLM takes block-level
+load errors from one group only (its block ids are unique only within a group).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class WorkerHooks:
     def __init__(
         self, worker: ConnectorWorker, *, async_load: bool = True, load_threads: int = 2, wall: Wall | None = None
     ) -> None:
+        if worker.groups.hybrid and not async_load:
+            raise ValueError("a model of several KV cache groups loads asynchronously only (async_load)")
         self.worker = worker
         self.wall = wall or Wall()
         self.async_load = async_load
@@ -56,6 +62,7 @@ class WorkerHooks:
         self._load_errors: set[int] = set()
         self._done: set[str] = set()  # async loads that failed to start: reported finished next
         self._failed: set[str] = set()  # async loads voided whole: reported finished and failed next
+        self._failing: set[str] = set()  # loads of a hybrid that did not fill every block: failed now
         # NOTE: a request's saves carry the stamp of the first step that named it (its load,
         # or its first save), taken before that step's forward: a purge or epoch bump the
         # cache learns of while the request computes voids them (``cache/invalidations.py``).
@@ -78,7 +85,7 @@ class WorkerHooks:
             with self.wall.hold("start_load_kv"):
                 self._start(spec)
                 continue
-            self._load_errors.update(spec.block_ids)  # vLLM recomputes them
+            self._lost(spec)  # vLLM recomputes them
             if self.async_load and spec.req_id not in self._loading:
                 self._done.add(spec.req_id)  # vLLM waits for it: reported at once
 
@@ -102,10 +109,24 @@ class WorkerHooks:
             done.add(req_id)  # NOTE: first: a request vLLM waits for is never dropped
             del self._loading[req_id]
             with self.wall.hold("get_finished"):
-                self._load_errors.update(self.worker.commit(future.result()))  # fetch never raises: a miss
+                unfilled = self.worker.commit(future.result())  # fetch never raises: a miss
+                if unfilled:
+                    self._lost(spec, unfilled)
                 continue
-            self._load_errors.update(spec.block_ids)
-        return done, failed
+            self._lost(spec)
+        return done, failed | self._failed_now()
+
+    def _lost(self, spec: LoadSpec, blocks: Sequence[int] | None = None) -> None:
+        """``spec``'s load did not fill ``blocks`` (default: any): vLLM recomputes them, or,
+        for a hybrid, the whole request."""
+        if self.worker.groups.hybrid:
+            self._failing.add(spec.req_id)
+        else:
+            self._load_errors.update(spec.block_ids[0] if blocks is None else blocks)
+
+    def _failed_now(self) -> set[str]:
+        failing, self._failing = self._failing, set()
+        return failing
 
     def load_errors(self) -> set[int]:
         """vLLM's ``get_block_ids_with_load_errors``: the blocks to recompute."""
