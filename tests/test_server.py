@@ -50,8 +50,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     cache.close()
 
 
-def client(live: LiveServer, key: str = "sk-acme-0123456789") -> openai.OpenAI:
-    return openai.OpenAI(base_url=live.url + "/v1", api_key=key, max_retries=0, timeout=120)
+def client(live: LiveServer, key: str = "sk-acme-0123456789", timeout: float = 120) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.url + "/v1", api_key=key, max_retries=0, timeout=timeout)
 
 
 def ask(live: LiveServer, question: str, key: str = "sk-acme-0123456789") -> Any:
@@ -360,7 +360,7 @@ def stream_load(live: LiveServer, run: int) -> list[tuple[str, str | None]]:
 
     def one(i: int) -> tuple[str, str | None]:
         key = list(KEYS)[i % 2]
-        stream = client(live, key).chat.completions.create(
+        stream = client(live, key, timeout=600).chat.completions.create(  # a hang guard: 16 share 2 cores
             model=MODEL_ID,
             messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Run {run}, Q{i}?"}],
             max_tokens=6,
@@ -372,7 +372,7 @@ def stream_load(live: LiveServer, run: int) -> list[tuple[str, str | None]]:
         return text, chunks[-1].choices[0].finish_reason
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        return list(pool.map(one, range(16), timeout=240))
+        return list(pool.map(one, range(16), timeout=900))
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads RSS from /proc")
