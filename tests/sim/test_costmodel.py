@@ -138,7 +138,9 @@ def test_bad_request_names_the_field(length: int, cached: int, field: str) -> No
 
 
 def test_builtin_profiles() -> None:
-    assert set(MODELS) == {"llama-3-8b", "llama-3-70b", "smollm2-135m"}
+    assert set(MODELS) == {"llama-3-8b", "llama-3-70b", "smollm2-135m"} | {
+        "gemma-3-27b", "gpt-oss-120b", "qwen3-next-80b-a3b"  # layer groups: tests/sim/test_plan_groups.py
+    }  # fmt: skip
     assert set(GPUS) == {"h100", "h200", "a100", "l40s"}
     assert get_model("llama-3-70b") == ModelProfile(
         "llama-3-70b", 70.6e9, 80, 8192, 131072, KVLayout(80, 8, 128, "bfloat16")

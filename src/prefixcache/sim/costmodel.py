@@ -28,7 +28,9 @@ model could not have served it, so its "savings" would be fiction.
 
 A profile may also give its KV layout (KV heads, head size, dtype: ``KVLayout``), which
 says how many bytes of KV a cached token holds, so a capacity in bytes can be turned
-into tokens (``ModelProfile.kv_bytes_per_token``).
+into tokens (``ModelProfile.kv_bytes_per_token``). A model whose layers differ (sliding
+windows, recurrent state: ``kv_groups``) gives its ``groups`` instead; the FLOPs above
+still count every layer as full attention (a planning upper bound for such a model).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from types import MappingProxyType
 from typing import TypeVar
 
 from prefixcache.config import KV_DTYPES, KVLayout, check_int
+from prefixcache.kv_groups import GroupedLayout, LayerGroup, LayerKind
 from prefixcache.sim.results import ReplayResult
 
 _T = TypeVar("_T")
@@ -60,7 +63,8 @@ def _check_positive(field_name: str, value: object) -> None:
 @dataclass(frozen=True, slots=True)
 class ModelProfile:
     """The few numbers of a model that decide its prefill cost, and optionally its KV
-    layout (``kv``: the size of a cached token; its layers are the model's)."""
+    layout (``kv``: the size of a cached token; its layers are the model's), or for a
+    model whose layers differ its layer groups (``groups``, which add up to its layers)."""
 
     name: str
     params: float
@@ -68,6 +72,7 @@ class ModelProfile:
     hidden: int
     context_length: int
     kv: KVLayout | None = None
+    groups: GroupedLayout | None = None
 
     def __post_init__(self) -> None:
         _check_name("name", self.name)
@@ -77,11 +82,23 @@ class ModelProfile:
         check_int("context_length", self.context_length, 1)
         if self.kv is not None and (not isinstance(self.kv, KVLayout) or self.kv.layers != self.layers):
             raise ValueError(f"kv must be a KVLayout of the model's {self.layers} layers, got {self.kv!r}")
+        if self.groups is not None:
+            if self.kv is not None:
+                raise ValueError("give kv (a uniform layout) or groups (layer groups), not both")
+            if not isinstance(self.groups, GroupedLayout) or self.groups.layers != self.layers:
+                raise ValueError(
+                    f"groups must be a GroupedLayout of the model's {self.layers} layers, got {self.groups!r}"
+                )
 
     @property
     def kv_bytes_per_token(self) -> int | None:
         """Bytes of KV one cached token holds (K and V, every layer), ``None`` without a layout."""
         return None if self.kv is None else self.kv.bytes_per_token
+
+    @property
+    def layout(self) -> KVLayout | GroupedLayout | None:
+        """What the planner sizes with: the uniform ``kv``, else the ``groups``, else ``None``."""
+        return self.kv if self.kv is not None else self.groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +113,56 @@ class GPUProfile:
         _check_positive("peak_flops", self.peak_flops)
 
 
+_FULL, _SLIDING, _STATE = LayerKind.FULL, LayerKind.SLIDING, LayerKind.STATE
+
+# NOTE: from the models' published Hugging Face configs (config.json; field names given),
+# with vLLM's cache dtype default ("auto": the model's, bfloat16). Params are the ones a
+# token's prefill multiplies by (a mixture of experts: the active ones).
+HYBRID_MODELS = (
+    # google/gemma-3-27b-it, text_config: num_hidden_layers 62, hidden_size 5376,
+    # num_key_value_heads 16, head_dim 128, sliding_window 1024, sliding_window_pattern 6
+    # (layer i is full attention when (i + 1) % 6 == 0: 10 full, 52 sliding, the first
+    # sliding), max_position_embeddings 131072. Params: the text model's 27.0e9
+    # (embeddings 262208 x 5376 + 62 layers of attention and a 21504-wide MLP; the
+    # card's 27.4B includes the 0.4B vision tower).
+    ModelProfile(
+        "gemma-3-27b", 27.0e9, 62, 5376, 131072,
+        groups=GroupedLayout((
+            LayerGroup(_SLIDING, 52, 16, 128, "bfloat16", window=1024),
+            LayerGroup(_FULL, 10, 16, 128, "bfloat16"),
+        )),
+    ),
+    # openai/gpt-oss-120b: num_hidden_layers 36, layer_types alternating
+    # sliding_attention / full_attention (18 each, the first sliding), sliding_window 128,
+    # num_key_value_heads 8, head_dim 64, hidden_size 2880, max_position_embeddings 131072.
+    # Params: 5.1e9 active of 116.8e9 (the model card: 4 of 128 experts a token).
+    ModelProfile(
+        "gpt-oss-120b", 5.1e9, 36, 2880, 131072,
+        groups=GroupedLayout((
+            LayerGroup(_SLIDING, 18, 8, 64, "bfloat16", window=128),
+            LayerGroup(_FULL, 18, 8, 64, "bfloat16"),
+        )),
+    ),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct: num_hidden_layers 48, full_attention_interval 4
+    # (every 4th layer gated attention: 12 full, 36 Gated DeltaNet, the first linear),
+    # num_key_value_heads 2, head_dim 256, hidden_size 2048, max_position_embeddings
+    # 262144. A Gated DeltaNet layer's state (vLLM's gated_delta_net_state_shape):
+    # the recurrent state linear_num_value_heads 32 x linear_key_head_dim 128 x
+    # linear_value_head_dim 128 = 524,288 values, and the convolution's last
+    # linear_conv_kernel_dim - 1 = 3 inputs of conv_dim = 2 x 16 (linear_num_key_heads)
+    # x 128 + 32 x 128 = 8,192 channels = 24,576 values: 548,864 values x 2 bytes
+    # (bfloat16) = 1,097,728 bytes a layer. (A float32 recurrent state, as some
+    # deployments pick with mamba_ssm_cache_dtype, doubles its part.) Params: 3.0e9 active
+    # of 80e9 (the model card's "A3B").
+    ModelProfile(
+        "qwen3-next-80b-a3b", 3.0e9, 48, 2048, 262144,
+        groups=GroupedLayout((
+            LayerGroup(_STATE, 36, state_bytes=1_097_728),
+            LayerGroup(_FULL, 12, 2, 256, "bfloat16"),
+        )),
+    ),
+)  # fmt: skip
+
 MODELS: Mapping[str, ModelProfile] = MappingProxyType(
     {
         p.name: p
@@ -103,6 +170,7 @@ MODELS: Mapping[str, ModelProfile] = MappingProxyType(
             ModelProfile("llama-3-8b", 8.03e9, 32, 4096, 131072, KVLayout(32, 8, 128, "bfloat16")),
             ModelProfile("llama-3-70b", 70.6e9, 80, 8192, 131072, KVLayout(80, 8, 128, "bfloat16")),
             ModelProfile("smollm2-135m", 1.35e8, 30, 576, 8192, KVLayout(30, 3, 64, "bfloat16")),
+            *HYBRID_MODELS,
         )
     }
 )
