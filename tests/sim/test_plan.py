@@ -210,7 +210,7 @@ def test_cli_text_json_and_html(workload: Path, tmp_path: Path) -> None:
     [
         (["--target-hit-rate", "0"], "target hit rate must be in (0, 1]"),
         (["--target-hit-rate", "1.5"], "target hit rate must be in (0, 1]"),
-        (["--target-hit-rate", "0.5", "--model", "gpt-9"], "unknown model 'gpt-9'; valid: llama-3-70b, llama-3-8b"),
+        (["--target-hit-rate", "0.5", "--model", "gpt-9"], "unknown model 'gpt-9'; valid: gemma-3-27b, gpt-oss-120b"),
         (["--target-hit-rate", "0.5", "--tier", "memory:64G"], "expected NAME:SIZE:BANDWIDTH"),
         (["--target-hit-rate", "0.5", "--tier", "memory:64X:1GB/s"], "not a size: '64X'"),
         (["--target-hit-rate", "0.5", "--tier", "memory:64G:20GB"], "must end in /s"),

@@ -23,6 +23,11 @@ NOTE: the ratio is taken from whole frames, headers included, at the block size 
 trace is replayed at: small blocks carry more per-block overhead (the header, int8's
 per-channel key scales), so int8 stores fewer tokens per byte at 16-token blocks than at
 512-token ones, and the figures say so rather than quote one ratio for all.
+
+A model of layer groups (``kv_groups.GroupedLayout``) is sized raw: ``b`` is then its
+bytes per block over the block's tokens (``GroupedLayout.stored_bytes_per_token``);
+the codecs, which quantize one uniform layout's KV frames, are refused for it
+(``check_grouped_codecs``).
 """
 
 from __future__ import annotations
@@ -30,12 +35,13 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from prefixcache.config import KVLayout
+from prefixcache.kv_groups import AnyLayout, GroupedLayout
 from prefixcache.storage import codec
 
 RAW = "raw"
@@ -70,8 +76,22 @@ def stored_ratio(kv: KVLayout, block_tokens: int, name: str) -> float:
     return float(codec.stored_ratio(kv.shape(block_tokens), kv.dtype, name, key_len=KEY_LEN))
 
 
-def stored_bytes_per_token(kv: KVLayout, block_tokens: int, name: str) -> float:
-    """Stored bytes a token takes in ``name`` (raw: the layout's bytes per token, exactly)."""
+def check_grouped_codecs(layout: AnyLayout, names: Iterable[str], model: str = "the model") -> None:
+    """A ValueError when ``names`` (codecs) holds any but raw and ``layout`` has groups."""
+    others = sorted(set(names) - {RAW})
+    if isinstance(layout, GroupedLayout) and others:
+        raise ValueError(
+            f"codec(s) {', '.join(others)}: the codecs quantize the KV frames of a uniform layout, and "
+            f"{model} has layer groups ({layout.label()}); plan it raw"
+        )
+
+
+def stored_bytes_per_token(kv: AnyLayout, block_tokens: int, name: str) -> float:
+    """Stored bytes a token takes in ``name`` (raw: the layout's bytes per token, exactly;
+    a grouped layout's bytes per block over its tokens, raw only)."""
+    if isinstance(kv, GroupedLayout):
+        check_grouped_codecs(kv, [check_codec(name)])
+        return kv.stored_bytes_per_token(block_tokens)
     if check_codec(name) == RAW:
         return float(kv.bytes_per_token)
     return kv.bytes_per_token / stored_ratio(kv, block_tokens, name)

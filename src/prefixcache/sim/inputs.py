@@ -250,6 +250,12 @@ def capacities(args: argparse.Namespace, cost: CostModel | None) -> tuple[float 
     assert cost is not None  # static_errors: --capacity-bytes needs --model
     model = cost.model
     bpt = model.kv_bytes_per_token
+    if model.groups is not None:
+        raise ValueError(
+            f"--capacity-bytes: model {model.name!r} has layer groups ({model.groups.label()}), whose bytes per "
+            "token depend on the block size; give --capacity-tokens, or size it with 'prefixcache plan', which "
+            "stores the groups per block (docs/planner.md)"
+        )
     if bpt is None:
         raise ValueError(
             f"--capacity-bytes needs the KV layout of model {model.name!r}: give kv_heads=,head_dim= in its spec"

@@ -24,6 +24,12 @@ isolation, block size) on the trace:
    the capacity in stored bytes of each, a codec tier's tokens per byte, the decode
    time its hits add to their transfer, and the savings net of loading the hits the
    tiers serve. Without a codec the plan and its outputs are what they always were.
+6. Layer groups (``kv_groups``), for a model whose layers differ (sliding windows,
+   recurrent state): bytes per token are its bytes per block at the plan's block size
+   over the block's tokens, the bytes a cache that can hit at every block boundary
+   stores; the plan also gives the full-KV equivalent and what one prompt of the
+   trace's mean length needs resumed at its end alone. A uniform model's plan and its
+   outputs are what they always were.
 
 The curve comes from a ``CurveSource``. ``ExactCurve``, the default, replays the trace
 at each capacity asked for (the compiled kernel where it models the configuration;
@@ -43,7 +49,17 @@ from types import MappingProxyType
 from typing import Protocol
 
 from prefixcache.config import CacheConfig, KVLayout
-from prefixcache.sim.codec_sizing import RAW, DecodeRate, Measure, check_codec, codecs, decode_rate, measure_decode_rate
+from prefixcache.kv_groups import AnyLayout
+from prefixcache.sim.codec_sizing import (
+    RAW,
+    DecodeRate,
+    Measure,
+    check_codec,
+    check_grouped_codecs,
+    codecs,
+    decode_rate,
+    measure_decode_rate,
+)
 from prefixcache.sim.costmodel import CostModel
 from prefixcache.sim.forks import fork_map, processes
 from prefixcache.sim.held import hold
@@ -88,7 +104,7 @@ class PlanInputs:
 
     target: float
     cost: CostModel
-    kv: KVLayout
+    kv: AnyLayout  # a uniform model's KVLayout, or the GroupedLayout of one whose layers differ
     policy: str = CacheConfig().policy  # the library's default
     isolation: str = CacheConfig().isolation
     block_size: int = 16  # token traces; a pre-hashed trace uses its own
@@ -111,6 +127,8 @@ class PlanInputs:
         object.__setattr__(self, "tiers", check_tiers(self.tiers))
         object.__setattr__(self, "codecs", tuple(dict.fromkeys(check_codec(c, "--codec") for c in self.codecs)))
         object.__setattr__(self, "decode_rates", decode_rates(self.decode_rates))
+        named = [*self.codecs, *(t.codec for t in self.tiers), *(name for name, _ in self.decode_rates)]
+        check_grouped_codecs(self.kv, named, repr(self.cost.model.name))
         idle = sorted({name for name, _ in self.decode_rates} - set(self.sized_codecs))
         if idle:
             raise ValueError(f"decode rate given for {', '.join(idle)}, which no tier stores and --codec does not name")
@@ -207,6 +225,7 @@ class Plan:
     lookup_tokens: int = 0  # counted prompt tokens looked up (the tiers' hit rates are shares of them)
     decode: Mapping[str, DecodeRate] = field(default_factory=lambda: MappingProxyType({}))  # by codec: rates used
     sizes: tuple[CodecSize, ...] = ()  # the capacity in each codec's stored bytes (codec-aware plans)
+    mean_prompt_tokens: float = 0.0  # of the counted prompts (what a grouped layout's prefix figure is at)
 
     @property
     def reachable(self) -> bool:
@@ -289,18 +308,22 @@ class TraceFacts:
     upper_bound: float  # tokens of every prompt, in whole blocks: a cache this big never evicts
     traffic_seconds: float  # trace time from the first counted request to the last request
     over_context: int  # counted prompts longer than the model's context
+    mean_prompt_tokens: float = 0.0  # of the counted prompts
 
 
 def trace_facts(source: TraceSource, summary: TraceSummary, inputs: PlanInputs, skip: int) -> TraceFacts:
     size = summary.native_block_size or inputs.block_size
     context = inputs.cost.model.context_length
-    upper, first, over = 0, summary.last_timestamp, 0
+    upper, first, over, prompts, counted = 0, summary.last_timestamp, 0, 0, 0
     for i, req in enumerate(source()):
         upper += -(-req.input_length // size) * size
         if i == skip:
             first = req.timestamp
         over += i >= skip and req.input_length > context
-    return TraceFacts(float(max(upper, size)), max(summary.last_timestamp - first, 0.0), over)
+        if i >= skip:
+            prompts, counted = prompts + req.input_length, counted + 1
+    mean = prompts / counted if counted else 0.0
+    return TraceFacts(float(max(upper, size)), max(summary.last_timestamp - first, 0.0), over, mean)
 
 
 def make_plan(
@@ -348,12 +371,18 @@ def make_plan(
     (at,) = exact.measure([math.inf if capacity is None else capacity])
     if capacity is not None:
         points.append(CurvePoint(capacity, at.token_hit_rate))
-    bpt = inputs.kv.bytes_per_token
+    kv, given = inputs.kv, dict(inputs.decode_rates)
+    decode: Mapping[str, DecodeRate] = MappingProxyType({})
+    sizes: tuple[CodecSize, ...] = ()
+    if isinstance(kv, KVLayout):
+        bpt: float = kv.bytes_per_token
+        decode = MappingProxyType({c: decode_rate(c, kv, granule, given, measure) for c in inputs.sized_codecs})
+        sizes = codec_sizes(inputs.sized_codecs, capacity, kv, granule)
+    else:  # layer groups: raw only (PlanInputs refuses codecs for them)
+        bpt = kv.stored_bytes_per_token(granule)
     saved_gpu_s = inputs.cost.gpu_seconds(at.prefill_flops_saved or 0.0)
     per_hit = saved_gpu_s / at.hit_tokens if at.hit_tokens else None
-    given = dict(inputs.decode_rates)
-    decode = MappingProxyType({c: decode_rate(c, inputs.kv, granule, given, measure) for c in inputs.sized_codecs})
-    shares, tiers_hold = split(curve.hit_rates, inputs.tiers, inputs.kv, granule, capacity, per_hit, points, decode)
+    shares, tiers_hold = split(curve.hit_rates, inputs.tiers, kv, granule, capacity, per_hit, points, decode)
     curve_points = _dedupe(points)
     rates = [p.token_hit_rate for p in curve_points]
     return Plan(
@@ -379,7 +408,8 @@ def make_plan(
         over_context=facts.over_context,
         lookup_tokens=at.lookup_tokens,
         decode=decode,
-        sizes=codec_sizes(inputs.sized_codecs, capacity, inputs.kv, granule),
+        sizes=sizes,
+        mean_prompt_tokens=facts.mean_prompt_tokens,
     )
 
 

@@ -24,11 +24,12 @@ from prefixcache.sim.plan_inputs import (
     CODEC_TIER_EXAMPLE,
     TIER_EXAMPLE,
     Tier,
-    kv_layout,
     load_decode_rates_toml,
+    load_groups_toml,
     load_tiers_toml,
     parse_decode_rate,
     parse_tier,
+    plan_layout,
 )
 from prefixcache.sim.tracefile import HASHED_BLOCKS
 from prefixcache.sim.traces import FORMATS, Request, read_trace
@@ -44,6 +45,7 @@ examples:
       --kv-layout kv_heads=8,head_dim=128,dtype=float16 --target-hit-rate 0.6 --json
   prefixcache plan trace.jsonl --model llama-3-8b --target-hit-rate 0.8 --tier memory:64G:20GB/s \\
       --tier disk:2T:2GB/s:int8 --codec int4 --decode-rate int8=8GB/s
+  prefixcache plan trace.jsonl --model gemma-3-27b --target-hit-rate 0.8 --tier memory:512G:20GB/s
 
 The capacity is the smallest at which the policy's token hit rate on the counted requests
 (after --warmup) reaches the target, found by replaying the trace at the capacities a
@@ -82,6 +84,14 @@ def add_plan_parser(sub: Any) -> None:
         metavar="SPEC",
         help="the model's KV layout or a change to it: kv_heads=8,head_dim=128,dtype=float16 (any subset; "
         "needed for a model without a built-in layout)",
+    )
+    p.add_argument(
+        "--kv-groups",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the model's layer groups (full, sliding windows, recurrent state) from a TOML file of [[group]] "
+        "tables, for a model whose layers differ (docs/planner.md, 'Models whose layers differ')",
     )
     p.add_argument("--gpu", default="h100", help=f"GPU profile: {', '.join(sorted(GPUS))} or 'name:peak=500e12'")
     p.add_argument(
@@ -176,7 +186,7 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
     return PlanInputs(
         target=args.target_hit_rate,
         cost=CostModel(model, get_gpu(args.gpu), args.utilization),
-        kv=kv_layout(model, args.kv_layout),
+        kv=plan_layout(model, args.kv_layout, None if args.kv_groups is None else load_groups_toml(args.kv_groups)),
         policy=args.policy,
         isolation=args.isolation,
         block_size=args.block_size,

@@ -9,6 +9,9 @@ Bytes per token of KV, for a model of ``n`` layers storing ``h`` key/value heads
 The layout is the model profile's own where it has one, else the built-in one of the
 cost model's built-in profiles (``costmodel.MODELS``) by name; a user model without one
 needs ``--kv-layout`` to say its heads. Dtypes are the codec's (``config.KV_DTYPES``).
+A model whose layers differ (sliding windows, recurrent state) has layer groups
+(``kv_groups``): a built-in profile's own, or a ``--kv-groups`` TOML file of
+``[[group]]`` tables, one per group, whose keys are ``LayerGroup``'s fields.
 
 Sizes and bandwidths take a number with an optional unit. ``K``, ``M``, ``G``, ``T``
 alone or with ``iB`` are powers of 1024 (``64G`` = ``64GiB`` = 64 x 2^30 bytes, as
@@ -32,6 +35,7 @@ from types import MappingProxyType
 from typing import Any
 
 from prefixcache.config import KVLayout
+from prefixcache.kv_groups import AnyLayout, GroupedLayout
 from prefixcache.sim.codec_sizing import RAW, check_codec
 from prefixcache.sim.costmodel import ModelProfile
 
@@ -78,6 +82,56 @@ def kv_layout(model: ModelProfile, spec: str | None = None) -> KVLayout:
     except ValueError:
         raise ValueError(f"KV layout {spec!r}: kv_heads and head_dim must be integers") from None
     return KVLayout(model.layers, heads, dims, values.get("dtype", base.dtype))
+
+
+def plan_layout(model: ModelProfile, spec: str | None = None, groups: GroupedLayout | None = None) -> AnyLayout:
+    """What the planner sizes ``model`` with: ``groups`` (a ``--kv-groups`` file) where
+    given, else the profile's own groups, else its uniform ``kv_layout`` with ``spec``.
+    Groups that are one full group are its ``KVLayout`` (a uniform model, planned as
+    it always was)."""
+    if groups is not None:
+        if spec:
+            raise ValueError("give --kv-layout (a uniform layout) or --kv-groups (layer groups), not both")
+        if groups.layers != model.layers:
+            raise ValueError(
+                f"the layer groups add up to {groups.layers} layers; model {model.name!r} has {model.layers}"
+            )
+        return groups.uniform or groups
+    if model.groups is not None:
+        if spec:
+            raise ValueError(
+                f"--kv-layout changes a uniform layout; model {model.name!r} has layer groups "
+                f"({model.groups.label()}): give them changed in a --kv-groups file"
+            )
+        return model.groups.uniform or model.groups
+    return kv_layout(model, spec)
+
+
+def load_groups_toml(path: str | Path) -> GroupedLayout:
+    """Layer groups from a TOML file of ``[[group]]`` tables and nothing else, each with
+    ``kind`` (full, sliding, state) and ``layers``, an attention group's ``kv_heads``,
+    ``head_dim``, ``dtype`` and a sliding one's ``window``, a state group's
+    ``state_bytes`` (per layer)::
+
+        [[group]]
+        kind = "sliding"
+        layers = 52
+        kv_heads = 16
+        head_dim = 128
+        dtype = "bfloat16"
+        window = 1024
+
+        [[group]]
+        kind = "full"
+        layers = 10
+        kv_heads = 16
+        head_dim = 128
+        dtype = "bfloat16"
+    """
+    data = _read_toml(path, "layer groups file")
+    if set(data) != {"group"}:
+        raise ValueError(f"layer groups file {path}: expected one or more [[group]] tables and nothing else")
+    return GroupedLayout.from_tables(data["group"], f"layer groups file {path}")
 
 
 def layout_label(kv: KVLayout) -> str:
@@ -222,13 +276,13 @@ def load_decode_rates_toml(path: str | Path) -> list[tuple[str, float]]:
     return [parse_decode_rate(f"{name}={rate}") for name, rate in table.items()]
 
 
-def _read_toml(path: str | Path) -> dict[str, Any]:
+def _read_toml(path: str | Path, what: str = "tiers file") -> dict[str, Any]:
     try:
         return tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
-        raise ValueError(f"cannot read tiers file {path}: {exc.strerror or exc}") from None
+        raise ValueError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"tiers file {path}: invalid TOML: {exc}") from None
+        raise ValueError(f"{what} {path}: invalid TOML: {exc}") from None
 
 
 def check_tiers(tiers: Sequence[Tier]) -> tuple[Tier, ...]:

@@ -15,8 +15,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from prefixcache.config import KVLayout
 from prefixcache.sim.codec_sizing import MEASURE_MAX_BYTES, MEASURE_MAX_TOKENS
 from prefixcache.sim.plan import DEFAULT_PRICE_PER_GPU_HOUR, Plan
+from prefixcache.sim.plan_groups import group_json, group_lines
 from prefixcache.sim.plan_inputs import layout_label
 from prefixcache.sim.report import format_tokens
 
@@ -65,7 +67,10 @@ def render_text(plan: Plan) -> str:
         headline(plan),
     ]
     kv = inp.kv
-    lines.append(f"  KV of {cost.model.name}: {layout_label(kv)} = {kv.bytes_per_token:,} bytes/token")
+    if isinstance(kv, KVLayout):
+        lines.append(f"  KV of {cost.model.name}: {layout_label(kv)} = {kv.bytes_per_token:,} bytes/token")
+    else:
+        lines += group_lines(plan, kv)
     lines += _size_lines(plan)
     if plan.capacity_tokens is not None:
         lines.append(f"  hit rate at {plan.capacity_tokens:,.0f} tokens: {_pct(plan.hit_rate, 2)} (replayed)")
@@ -237,12 +242,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "requests": plan.requests,
         "warmup_requests": plan.warmup_requests,
         "model": cost.model.name,
-        "kv_layout": {
-            "layers": inp.kv.layers,
-            "kv_heads": inp.kv.kv_heads,
-            "head_dim": inp.kv.head_dim,
-            "dtype": inp.kv.dtype,
-        },
+        "kv_layout": None,  # below: a uniform layout's fields, or the groups
         "bytes_per_token": plan.bytes_per_token,
         "gpu": cost.gpu.name,
         "utilization": cost.utilization,
@@ -273,6 +273,11 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "engine": plan.engine,
         "curve": [{"capacity_tokens": cap(p.capacity_tokens), "token_hit_rate": p.token_hit_rate} for p in plan.curve],
     }
+    if isinstance(inp.kv, KVLayout):
+        kv = inp.kv
+        out["kv_layout"] = {"layers": kv.layers, "kv_heads": kv.kv_heads, "head_dim": kv.head_dim, "dtype": kv.dtype}
+    else:
+        out |= group_json(plan, inp.kv)
     return _codec_json(plan, out) if inp.codec_aware else out
 
 

@@ -9,6 +9,9 @@ the counted prompt tokens (an exclusive LRU hierarchy: the most recent in the fa
 A token it serves costs ``load = transfer + decode`` (stored bytes over its bandwidth,
 decoded bytes over its codec's decode rate); it is worth it when that is less than the
 prefill GPU time a hit token saves on average.
+
+A model of layer groups (``kv_groups``) stores, raw, its bytes per block over the
+block's tokens a token: ``GroupedLayout.stored_bytes_per_token`` at the plan's block size.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from prefixcache.config import KVLayout
+from prefixcache.kv_groups import AnyLayout
 from prefixcache.sim.codec_sizing import RAW, DecodeRate, stored_bytes_per_token, stored_ratio
 from prefixcache.sim.plan_inputs import Tier
 
@@ -48,7 +52,7 @@ class CodecSize:
     kv_bytes: float | None  # None when the target is out of reach
 
 
-def tier_bounds(tiers: Sequence[Tier], capacity: float | None, kv: KVLayout, block_tokens: int) -> list[float]:
+def tier_bounds(tiers: Sequence[Tier], capacity: float | None, kv: AnyLayout, block_tokens: int) -> list[float]:
     """Cumulative tokens of tiers ``1..k``, fastest first, up to ``capacity`` (all they hold
     when it is ``None``: the target is out of reach)."""
     need = math.inf if capacity is None else capacity
@@ -64,7 +68,7 @@ def tier_shares(
     tiers: Sequence[Tier],
     bounds: Sequence[float],
     rate: Mapping[float, float],
-    kv: KVLayout,
+    kv: AnyLayout,
     block_tokens: int,
     per_hit: float | None,
     decode: Mapping[str, DecodeRate],
@@ -74,7 +78,10 @@ def tier_shares(
     for tier, bound in zip(tiers, bounds, strict=True):
         per_token = stored_bytes_per_token(kv, block_tokens, tier.codec)
         transfer = per_token / tier.bandwidth
-        decoding = 0.0 if tier.codec == RAW else decode[tier.codec].seconds_per_token(kv)
+        decoding = 0.0
+        if tier.codec != RAW:
+            assert isinstance(kv, KVLayout)  # NOTE: codecs are refused for layer groups (PlanInputs)
+            decoding = decode[tier.codec].seconds_per_token(kv)
         load = transfer + decoding
         shares.append(
             TierShare(
@@ -109,7 +116,7 @@ P = TypeVar("P", bound=Point)
 def split(
     hit_rates: Callable[[list[float]], Sequence[P]],
     tiers: Sequence[Tier],
-    kv: KVLayout,
+    kv: AnyLayout,
     block_tokens: int,
     capacity: float | None,
     per_hit: float | None,
