@@ -12,6 +12,7 @@ here (``tiny_support``), loaded as the server loads them."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +141,7 @@ def test_a_hybrid_model_is_refused_naming_its_layer_kinds(model_type: str) -> No
 def test_a_hybrid_model_is_refused_at_start_before_its_weights(tmp_path: Path) -> None:
     config = AutoConfig.for_model("lfm2", **{**SMALL, "full_attn_idxs": [1]})
     folder = save(tmp_path / "lfm2", config)
-    with pytest.raises(ModelError, match=r"hybrid model \(layers: conv x 1, full_attention x 1\)"):
+    with pytest.raises(ModelError, match=r"hybrid model \(layers: conv x 1, full_attention x 1\).*serve-vllm"):
         load(folder)
 
 
@@ -181,3 +182,23 @@ def test_a_model_transformers_runs_on_eager_attention_is_refused_at_load(tmp_pat
     gemma2 = Gemma2Config(**(SMALL | {"sliding_window": 8}))
     with pytest.raises(ModelError, match="'eager' attention"):
         load(save(tmp_path / "gemma2", gemma2))
+
+
+def test_the_quality_gates_refuse_a_hybrid_model_with_the_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The codec and blend gates measure our engine: a model it refuses, they refuse, naming
+    why and where such a model is served (issue 40)."""
+    from prefixcache.blend import gate_cli
+    from prefixcache.cli import main
+
+    config = AutoConfig.for_model("lfm2", **{**SMALL, "full_attn_idxs": [1]})
+    folder = save(tmp_path / "lfm2", config)
+    for run in (
+        lambda: main(["gate-codec", "--model", str(folder), "--out", str(tmp_path / "gate.json")]),
+        lambda: gate_cli.main(["--model", str(folder), "--store", str(tmp_path / "blend.json")]),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            run()
+        assert exited.value.code == 2
+        assert re.search(r"hybrid model .*serve-vllm", capsys.readouterr().err)

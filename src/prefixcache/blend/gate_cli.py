@@ -23,7 +23,7 @@ import torch
 
 from prefixcache.blend.gate import prepare, run_gate
 from prefixcache.blend.plan import CacheBlend, Epic, EpicBlend, RecomputePlan
-from prefixcache.engine.model import load_model
+from prefixcache.engine.model import ModelError, load_model
 from prefixcache.quality.evalset import load_eval_set
 from prefixcache.quality.verdict import GateStore, GateThresholds, cheapest_passing
 
@@ -77,7 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     plans = [parse_plan(text) for text in (args.plan or DEFAULT_PLANS)]
     torch.set_num_threads(args.threads)
     extra = {"name": args.model} if args.model else {}
-    loaded = load_model(models_dir=Path(args.models_dir), device=args.device, **extra)
+    try:
+        loaded = load_model(models_dir=Path(args.models_dir), device=args.device, **extra)
+    except ModelError as exc:  # a model the engine cannot serve: the gate cannot measure it either
+        parser.error(str(exc))
     eval_set = load_eval_set(args.eval_set)
     start = time.perf_counter()
     blend = prepare(loaded, eval_set)

@@ -141,7 +141,8 @@ def _windows(config: Any) -> tuple[int | None, ...]:
         if recurrent:
             raise ArchError(
                 f"a hybrid model (layers: {listed}): its {', '.join(recurrent)} layers carry a recurrent state,"
-                " not a prefix's KV, which the packed step and the prefix cache do not serve"
+                " not a prefix's KV, which the packed step and the prefix cache do not serve; serve it with"
+                " vLLM and the prefixcache connector: `prefixcache serve-vllm` (docs/vllm.md, hybrid models)"
             )
         unknown = sorted(found.keys() - known)
         raise ArchError(

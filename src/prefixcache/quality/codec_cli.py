@@ -42,7 +42,7 @@ def run_gate_codec(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     # NOTE: torch, transformers and the codecs load here, not when `prefixcache` starts
     import torch
 
-    from prefixcache.engine.model import load_model
+    from prefixcache.engine.model import ModelError, load_model
     from prefixcache.quality.codec_gate import codec_key
     from prefixcache.quality.codecs import BLOCK_TOKENS, CACHED_SHARE, evaluate_codec
     from prefixcache.quality.evalset import load_eval_set
@@ -59,7 +59,10 @@ def run_gate_codec(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error("--threads and --limit must be >= 1")
     torch.set_num_threads(args.threads)
     extra = {"name": args.model} if args.model else {}
-    loaded = load_model(models_dir=Path(args.models_dir), device=args.device, **extra)
+    try:
+        loaded = load_model(models_dir=Path(args.models_dir), device=args.device, **extra)
+    except ModelError as exc:  # a model the engine cannot serve: the gate cannot measure it either
+        parser.error(str(exc))
     eval_set = load_eval_set(args.eval_set)
     if args.limit is not None:
         eval_set = eval_set.subset([item.id for item in eval_set.items[: args.limit]])
