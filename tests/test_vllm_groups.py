@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,7 +16,7 @@ from hypothesis import strategies as st
 
 from prefixcache.config import CacheConfig, TierConfig
 from prefixcache.integrations.vllm.groups import NULL_BLOCK, Found, GroupKind, KVGroup, KVGroups, MissReason, digests
-from prefixcache.integrations.vllm.paged import GroupedKV, PagedKV
+from prefixcache.integrations.vllm.paged import GroupedKV, PagedKV, StatePages
 from prefixcache.integrations.vllm.scheduler import SchedulerState
 from prefixcache.integrations.vllm.scope import Media, Scope
 from prefixcache.integrations.vllm.worker import ConnectorWorker, LoadSpec, SaveSpec
@@ -188,7 +187,7 @@ def test_the_scheduler_sends_every_groups_blocks_and_counts_why_a_request_hits_l
         req_id="r", prompt_token_ids=list(range(13)), block_ids=([0, 6, 7, 8], [5, 6, 7, 8]), num_computed_tokens=8
     )
     assert state.step(output([new], scheduled={"r": 5})).saves == [
-        SaveSpec("r", Scope("acme"), tuple(range(12)), ((0, 6, 7), (5, 6, 7)), since_block=0, computed=8)
+        SaveSpec("r", Scope("acme"), tuple(range(12)), ((0, 6, 7), (5, 6, 7)), since_block=0, computed=8, reached=13)
     ]
 
 
@@ -218,3 +217,50 @@ def test_what_a_lookup_promises_the_load_delivers(
         loaded = w.fetch(LoadSpec("q", T, base[: j * N], 0, tuple(vllm_ids(g, 0, j, into) for g in groups.groups)))
         assert loaded.blocks == j
     assert (found.reason is None) == (j == chain)
+
+
+def state_tensors(seed: int, real: int = 100) -> dict[str, torch.Tensor]:
+    """Two Mamba layers as vLLM's CPU backend registers them: int8 ``[blocks, 1, 1, real]``
+    views whose blocks are an attention page apart (the state padded to the page)."""
+    page = 2 * H * N * D * 4  # float32 attention page of one layer
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(-128, 127, (2, BLOCKS * page), dtype=torch.int8, generator=g)
+    return {f"layers.{i}.mixer": raw[i].as_strided((BLOCKS, 1, 1, real), (page, real, real, 1)) for i in range(2)}
+
+
+def state_worker(tmp_path: Path, seed: int) -> tuple[ConnectorWorker, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    groups = KVGroups(
+        (KVGroup(0, GroupKind.STATE, ("layers.0.mixer", "layers.1.mixer")), KVGroup(1, GroupKind.FULL, ("a0", "a1"))), N
+    )
+    g = torch.Generator().manual_seed(seed)
+    attn = {f"a{i}": torch.randn(BLOCKS, H, N, 2 * D, generator=g) for i in range(2)}
+    full = PagedKV(attn, kv_heads=H, head_dim=D, block_size=N)
+    states = state_tensors(seed)
+    paged = GroupedKV([StatePages(states, full.kv_layout, N), full])
+    config = CacheConfig(tiers=(TierConfig(kind="memory", capacity_bytes=1 << 20, write="through"),), writer="inline")
+    return ConnectorWorker(config, paged, "m@1", groups), states, attn
+
+
+def test_a_recurrent_state_is_kept_where_a_step_ended_and_loads_byte_exact(tmp_path: Path) -> None:
+    w, states, _ = state_worker(tmp_path, 9)
+    tokens = tuple(range(5 * N))
+    ids = (tuple(range(1, 6)), tuple(range(1, 6)))
+    # a step from 0 to 4.5 blocks: no state at a boundary (the running state is mid-block)
+    w.save(SaveSpec("r", T, tokens[: 4 * N], ids, computed=0, reached=4 * N + 2))
+    assert w.lookup(tokens[: 4 * N], T) == Found(0, MissReason.STATE)
+    # a step that ended at block 5: the state after block 4 is in block 5's page
+    w.save(SaveSpec("r", T, tokens, ids, since_block=4, computed=4 * N, reached=5 * N))
+    assert w.lookup(tokens, T) == Found(5 * N)
+    before = {k: v.clone() for k, v in states.items()}
+    loaded = w.fetch(LoadSpec("q", T, tokens, 0, ((0, 0, 0, 0, 9), (20, 21, 22, 23, 24))))
+    assert loaded.blocks == 5
+    for name, view in states.items():
+        assert torch.equal(view[9], before[name][5])  # the page's state bytes, in the block vLLM gave
+        assert torch.equal(torch.cat([view[:9], view[10:]]), torch.cat([before[name][:9], before[name][10:]]))
+
+
+def test_a_state_page_of_another_size_is_refused_at_start() -> None:
+    full = PagedKV({"a": torch.zeros(BLOCKS, H, N, 2 * D)}, kv_heads=H, head_dim=D, block_size=N)
+    odd = torch.zeros(BLOCKS * 100, dtype=torch.int8).as_strided((BLOCKS, 1, 1, 60), (100, 60, 60, 1))
+    with pytest.raises(ValueError, match="100 bytes apart, an attention block's page 256"):
+        StatePages({"m": odd}, full.kv_layout, N)

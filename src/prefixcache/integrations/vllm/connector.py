@@ -50,7 +50,7 @@ from prefixcache.fleet import wire
 from prefixcache.integrations.vllm.groups import GroupKind, KVGroup, KVGroups
 from prefixcache.integrations.vllm.lookup import LookupClient, LookupServer, socket_path
 from prefixcache.integrations.vllm.metrics import PrefixCachePromMetrics, PrefixCacheStats
-from prefixcache.integrations.vllm.paged import GroupedKV, PagedKV
+from prefixcache.integrations.vllm.paged import GroupedKV, PagedKV, StatePages
 from prefixcache.integrations.vllm.scheduler import SchedulerState
 from prefixcache.integrations.vllm.scope import Bypass, Fingerprints, scope_of
 from prefixcache.integrations.vllm.settings import model_key, parse_settings, read_secret
@@ -111,6 +111,12 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = parse_settings(transfer.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         self.groups = kv_groups(kv_cache_config, self.block_size, self.settings.boundary_every_tokens)
+        if isinstance(self.groups, KVGroups) and any(g.kind is GroupKind.STATE for g in self.groups.groups):
+            lossy = [t.label for t in self.settings.cache.tiers if t.codec != "raw"]
+            if lossy:  # NOTE: a state page is opaque bytes: a lossy codec would corrupt it
+                raise ValueError(
+                    f"a recurrent-state model's pages need lossless tiers: tiers {', '.join(lossy)} use a lossy codec"
+                )
         if isinstance(self.groups, Bypass):
             log.warning("prefixcache: every request bypasses the cache: %s", self.groups.reason)
         elif self.groups.hybrid:
@@ -172,8 +178,18 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
             "block_size": self.block_size,
         }
         if groups.hybrid:
+            attention = {
+                g.index: PagedKV({name: kv_caches[name] for name in g.layers}, **geometry)
+                for g in groups.groups
+                if g.kind is not GroupKind.STATE
+            }
+            layout = next(iter(attention.values())).kv_layout
             paged: GroupedKV | PagedKV = GroupedKV(
-                [PagedKV({name: kv_caches[name] for name in g.layers}, **geometry) for g in groups.groups]
+                [
+                    attention.get(g.index)
+                    or StatePages({name: kv_caches[name] for name in g.layers}, layout, self.block_size)
+                    for g in groups.groups
+                ]
             )
         else:
             paged = PagedKV(kv_caches, **geometry)

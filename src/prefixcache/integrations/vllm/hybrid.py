@@ -99,18 +99,21 @@ class GroupBlocks:
         *,
         since_block: int,
         computed: int,
+        reached: int,
         digests: Sequence[bytes],
         since: Stamp | None,
     ) -> int:
         """Store the partial blocks of each boundary this save completes (its end and the
         stride's multiples after ``since_block``), when vLLM still holds every one of them:
-        a sliding group's blocks before the window of the ``computed`` tokens may already
-        belong to another request. Returns the blocks newly stored."""
+        a sliding group's blocks before the window of the ``computed`` tokens (those before
+        the step) may already belong to another request, and a state block holds the state
+        at its boundary only when the step ended there (``reached``). Returns the blocks
+        newly stored."""
         groups, n = self.groups, self.groups.block_size
         stored = 0
         for j in groups.boundaries(since_block, len(tokens) // n):
             needed = [(g, i) for g in groups.partial for i in g.needed(j, n)]
-            if not all(self._alive(g, i, block_ids[g.index], computed) for g, i in needed):
+            if not all(self._alive(g, i, block_ids[g.index], computed, reached) for g, i in needed):
                 continue
             for g, i in needed:
                 source = PagedSource(self.paged[g.index], [block_ids[g.index][i]])
@@ -118,10 +121,10 @@ class GroupBlocks:
                 stored += self.cache.insert(self._block(tokens, i), ctx, kv=source, since=since) // n
         return stored
 
-    def _alive(self, group: KVGroup, i: int, ids: Sequence[int], computed: int) -> bool:
+    def _alive(self, group: KVGroup, i: int, ids: Sequence[int], computed: int, reached: int) -> bool:
+        n = self.groups.block_size
         if i >= len(ids) or ids[i] == NULL_BLOCK:
             return False
         if group.kind is GroupKind.SLIDING:
-            n = self.groups.block_size
             return i >= max(0, computed - group.window + 1) // n
-        return True
+        return (i + 1) * n == reached  # STATE: the state after block i, if the step ended there

@@ -19,6 +19,7 @@ Layouts known:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -29,7 +30,7 @@ import torch
 from prefixcache.config import KVLayout
 from prefixcache.engine.kv import to_torch
 
-__all__ = ["GroupedKV", "Layout", "PagedKV", "PagedSource"]
+__all__ = ["GroupedKV", "Layout", "PagedKV", "PagedSource", "StatePages"]
 
 
 class Layout(Enum):
@@ -119,12 +120,73 @@ class PagedKV:
             view.index_copy_(0, ids.to(view.device), source[layer].permute(2, 0, 1, 3, 4).to(view.device))
 
 
+class StatePages:
+    """A recurrent (Mamba, linear-attention) group's blocks: each layer's state for a block
+    is one page of bytes (vLLM gives every group's block the same bytes a layer: a state is
+    padded to an attention block's page). A page is carried as an attention frame of the
+    same bytes (``kv_layout``), opaque: only a lossless codec may hold it, and it goes back
+    into a page of this group only (its key names the group)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], kv_layout: KVLayout, block_size: int) -> None:
+        if not tensors:
+            raise ValueError("no state tensors to register")
+        self.names = tuple(tensors)
+        self.geometry = _Geometry(kv_layout.kv_heads, kv_layout.head_dim, block_size)
+        self.dtype = next(d for d, name in _DTYPES.items() if name == kv_layout.dtype)
+        self.page = 2 * kv_layout.kv_heads * block_size * kv_layout.head_dim * self.dtype.itemsize
+        self.views: list[torch.Tensor] = []
+        for name, tensor in tensors.items():
+            first = tensor[0] if isinstance(tensor, list | tuple) else tensor
+            stride = first.stride(0) * first.element_size()
+            if stride != self.page:
+                raise ValueError(
+                    f"state layer {name}: a block is {stride} bytes apart, an attention block's page {self.page}: "
+                    "the connector stores groups of one page size"
+                )
+            blocks = first.shape[0]
+            raw = first.view(torch.uint8)  # a page's bytes, whatever dtype vLLM viewed them as
+            self.views.append(raw.as_strided((blocks, self.page), (self.page, 1), raw.storage_offset()))
+        self.kv_layout = dataclasses.replace(kv_layout, layers=len(self.views))
+
+    @property
+    def block_size(self) -> int:
+        return self.geometry.block_size
+
+    @property
+    def layout(self) -> Layout:
+        return Layout.CPU
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The pages of these blocks as ``[layers, 2, kv_heads, len * block_size, head_dim]``."""
+        g, n = self.geometry, len(block_ids)
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+        pages = torch.stack([view.index_select(0, ids) for view in self.views])  # [layers, n, page]
+        shaped = (
+            pages.view(len(self.views), n, -1)
+            .view(self.dtype)
+            .view(len(self.views), n, 2, g.kv_heads, g.block_size, g.head_dim)
+        )
+        return shaped.permute(0, 2, 3, 1, 4, 5).reshape(len(self.views), 2, g.kv_heads, n * g.block_size, g.head_dim)
+
+    def scatter(self, kv: np.ndarray, block_ids: Sequence[int]) -> None:
+        """Copy pages (as ``gather`` gives them) into these blocks."""
+        g, n = self.geometry, len(block_ids)
+        expected = (len(self.views), 2, g.kv_heads, n * g.block_size, g.head_dim)
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"scatter of {tuple(kv.shape)} into {n} state blocks: expected {expected}")
+        source = to_torch(kv, self.dtype).reshape(len(self.views), 2, g.kv_heads, n, g.block_size, g.head_dim)
+        pages = source.permute(0, 3, 1, 2, 4, 5).contiguous().view(torch.uint8).view(len(self.views), n, self.page)
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+        for layer, view in enumerate(self.views):
+            view.index_copy_(0, ids, pages[layer])
+
+
 class GroupedKV:
     """vLLM's paged KV by KV cache group (``groups.py``): one ``PagedKV`` over each group's
     layers, every group's frame the same layout (vLLM gives every group the same number
     of layers and bytes a block), so that one cache holds them all."""
 
-    def __init__(self, groups: Sequence[PagedKV]) -> None:
+    def __init__(self, groups: Sequence[PagedKV | StatePages]) -> None:
         if not groups:
             raise ValueError("no KV cache groups to register")
         first = groups[0]
@@ -152,7 +214,7 @@ class GroupedKV:
     def layers(self) -> int:
         return sum(len(p.views) for p in self.groups)
 
-    def __getitem__(self, group: int) -> PagedKV:
+    def __getitem__(self, group: int) -> PagedKV | StatePages:
         return self.groups[group]
 
 

@@ -315,6 +315,7 @@ class SchedulerState:
                     blocks,
                     since_block=tracked.saved // n,
                     computed=computed,
+                    reached=computed + scheduled,
                 )
             )
             tracked.saved = end

@@ -72,7 +72,8 @@ class SaveSpec:
     in vLLM blocks ``block_ids`` (by KV cache group, one per block of ``tokens``).
     ``since_block``: the blocks before it were sent before; ``computed``: the tokens vLLM
     had computed before this step (a sliding group's blocks before that window may be
-    freed and given to another request: never read)."""
+    freed and given to another request: never read); ``reached``: after it (a state group
+    holds the state at a boundary only where a step ended)."""
 
     req_id: str
     scope: Scope
@@ -80,6 +81,7 @@ class SaveSpec:
     block_ids: tuple[tuple[int, ...], ...]
     since_block: int = 0
     computed: int = 0
+    reached: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +305,7 @@ class ConnectorWorker:
                     spec.block_ids,
                     since_block=spec.since_block,
                     computed=spec.computed,
+                    reached=spec.reached,
                     digests=self._digests(spec.tokens, spec.scope),
                     since=since,
                 )
