@@ -184,3 +184,22 @@ def test_prefill_saved_is_not_measured_until_the_engine_timed_a_prefill() -> Non
 
     assert lines(0.0, 4.0, 0.0) == ["prefill time saved: not measured (the engine has not timed a prefill yet)"]
     assert lines(0.0002, 4.0, 1.0) == ["prefill time saved 20.0% (1.0 s saved, 4.0 s spent)"]
+
+
+def test_vllm_miss_reasons_and_an_unsupported_model_are_named() -> None:
+    """Issue 40: a hybrid that hits less than its chain says why, on vLLM's /metrics and in
+    `diagnose`; a model whose layer kinds the connector does not store is a warning."""
+    text = (
+        'prefixcache_vllm_miss_reasons_total{engine="0",reason="window_not_kept"} 7\n'
+        'prefixcache_vllm_miss_reasons_total{engine="0",reason="state_not_kept"} 0\n'
+        'prefixcache_vllm_bypassed_requests_total{engine="0",reason="unsupported_layers:MLAAttentionSpec"} 3\n'
+    )
+    found = diagnose(Window(Scrape.parse(text)))
+    problems = [(f.severity, f.problem) for f in found]
+    assert problems[0] == (
+        "warning",
+        "the connector does not store this model's layers (MLAAttentionSpec): no request hits",
+    )
+    assert ("info", "a hybrid's sliding-window blocks were not kept at the boundary a shared prefix ends") in problems
+    assert not any("state" in p for _, p in problems)
+    assert any("boundary_every_tokens" in f.action for f in found)

@@ -13,7 +13,9 @@ Checks, each a small function over a ``Window`` of counter deltas:
 - one tenant crowding the others out: most of the new (computed) tokens while the cache evicts;
 - writes dropped or failing: a tier slower than the traffic written to it (what is not
   written is lost to a restart and to the other servers sharing the tier);
-- a low hit rate with none of the above: block size, hashing, epochs.
+- a low hit rate with none of the above: block size, hashing, epochs;
+- inside vLLM, why requests hit less than the cache held (hybrid models' boundaries, prompts
+  shorter than a block) and models whose layer kinds the connector does not store.
 
 Exit status: 0 nothing needs action, 1 something does, 2 the input could not be read.
 """
@@ -246,7 +248,55 @@ def check_hit_rate(w: Window, t: Thresholds, found: list[Finding]) -> list[Findi
     ]
 
 
+# Why requests in vLLM hit less than the cache held (the connector's miss reasons, and the
+# bypass of a model whose layer kinds it does not store): the finding a user reads for each.
+VLLM_REASONS: dict[str, tuple[str, str, str]] = {
+    "shorter_than_a_block": (
+        "info",
+        "prompts shorter than one vLLM block (and a token) cannot hit",
+        "vLLM's block size decides the smallest prefix that can hit; hybrid models get large blocks (vLLM sizes "
+        "them to hold a Mamba state): a smaller --block-size, or accept that short prompts are computed",
+    ),
+    "window_not_kept": (
+        "info",
+        "a hybrid's sliding-window blocks were not kept at the boundary a shared prefix ends",
+        "the connector keeps each sliding window at save ends and every kv_connector_extra_config "
+        "boundary_every_tokens: lower it to hit shared prefixes more finely (more bytes: docs/vllm.md)",
+    ),
+    "state_not_kept": (
+        "info",
+        "a hybrid's recurrent state was not kept at the boundary a shared prefix ends",
+        "a Mamba or linear-attention state exists only where a step of vLLM ended on a block boundary: "
+        "shared prefixes hit at the last such boundary (docs/vllm.md, hybrid models)",
+    ),
+}
+
+
+def check_vllm(w: Window, t: Thresholds) -> list[Finding]:
+    """The connector's miss reasons and unsupported models, from vLLM's ``/metrics``."""
+    found = []
+    for reason, n in sorted(w.delta_by("prefixcache_vllm_miss_reasons_total", "reason").items()):
+        if n <= 0:
+            continue
+        severity, problem, action = VLLM_REASONS.get(reason, ("info", f"requests hit less ({reason})", "docs/vllm.md"))
+        found.append(Finding(severity, problem, f"{n:,.0f} requests {w.span()} (reason {reason})", action))
+    bypassed = w.delta_by("prefixcache_vllm_bypassed_requests_total", "reason")
+    for reason, n in sorted(bypassed.items()):
+        if n > 0 and reason.startswith("unsupported_layers"):
+            found.append(
+                Finding(
+                    "warning",
+                    f"the connector does not store this model's layers ({reason.split(':', 1)[-1]}): no request hits",
+                    f"{n:,.0f} requests bypassed the cache {w.span()}",
+                    "docs/vllm.md lists the layer kinds stored (full attention, sliding windows, Mamba states); "
+                    "run without the connector or open an issue with the model's config",
+                )
+            )
+    return found
+
+
 CHECKS: tuple[Callable[[Window, Thresholds], list[Finding]], ...] = (
+    check_vllm,
     check_pressure,
     check_tier_health,
     check_invalidation,
