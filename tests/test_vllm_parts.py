@@ -479,7 +479,9 @@ def test_the_scheduler_saves_each_prompt_block_once_as_chunks_complete() -> None
     assert first.saves == [SaveSpec("r", Scope("d"), tuple(range(4)), ((3,),), reached=6)]
     cached = SimpleNamespace(req_ids=["r"], new_block_ids=[([9],)], num_computed_tokens=[6], resumed_req_ids=set())
     second = state.step(output(cached=cached, scheduled={"r": 5}))
-    assert second.saves == [SaveSpec("r", Scope("d"), tuple(range(8)), ((3, 4),), since_block=1, computed=6, reached=11)]
+    assert second.saves == [
+        SaveSpec("r", Scope("d"), tuple(range(8)), ((3, 4),), since_block=1, computed=6, reached=11)
+    ]
 
 
 # ---------------------------------------------------------------------------- settings
@@ -528,7 +530,9 @@ def test_a_preempted_request_matched_again_loads_into_its_new_blocks() -> None:
     )
     plan = state.step(output(cached=cached, scheduled={"r": 5}))
     assert plan.loads == [LoadSpec("r", Scope("s"), tuple(range(8)), 0, ((7, 6),))]
-    assert plan.saves == [SaveSpec("r", Scope("s"), tuple(range(12)), ((7, 6, 5),), since_block=2, computed=8, reached=13)]
+    assert plan.saves == [
+        SaveSpec("r", Scope("s"), tuple(range(12)), ((7, 6, 5),), since_block=2, computed=8, reached=13)
+    ]
 
 
 def test_a_copy_into_vllm_that_fails_reports_every_block_to_recompute(tmp_path: Path) -> None:
@@ -578,7 +582,9 @@ def test_after_a_failed_load_the_cached_count_is_what_loaded_and_the_rest_is_sav
     assert r.prefill_stats.num_cached_tokens == N
     cached = SimpleNamespace(req_ids=["r"], new_block_ids=[None], num_computed_tokens=[N], resumed_req_ids=set())
     again = state.step(output(cached=cached, scheduled={"r": 14 - N}))
-    assert again.saves == [SaveSpec("r", Scope("s"), tuple(range(12)), ((1, 2, 3),), since_block=1, computed=4, reached=14)]
+    assert again.saves == [
+        SaveSpec("r", Scope("s"), tuple(range(12)), ((1, 2, 3),), since_block=1, computed=4, reached=14)
+    ]
     state.load_failed({77})  # another request's block: this one's count stands
     assert r.prefill_stats.num_cached_tokens == N
 

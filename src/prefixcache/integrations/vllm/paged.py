@@ -222,7 +222,7 @@ class PagedSource:
     """A ``KVSource`` over some of a request's vLLM blocks (block ``i`` holds its tokens
     ``i * block_size ..``): ``PrefixCache.insert`` reads from it only the range it stores."""
 
-    def __init__(self, paged: PagedKV, block_ids: Sequence[int]) -> None:
+    def __init__(self, paged: PagedKV | StatePages, block_ids: Sequence[int]) -> None:
         self.paged = paged
         self.block_ids = list(block_ids)
 

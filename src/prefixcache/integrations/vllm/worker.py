@@ -233,7 +233,8 @@ class ConnectorWorker:
         hybrid's load is whole or nothing: vLLM takes no block-level errors from it."""
         n = self.paged.block_size
         start = time.perf_counter()
-        done, tiers, error = 0, {}, False  # blocks of the spec placed in vLLM's memory
+        done, error = 0, False  # blocks of the spec placed in vLLM's memory
+        tiers: dict[str, int] = {}
         try:
             base = self.context(spec.scope)
             segments = spec.scope.segments(len(spec.tokens))
