@@ -2,10 +2,12 @@
 its engine: this runs as ``python scenario.py JOB.json OUT.json``, not under pytest).
 
 The job names the engine (``connector``: prefixcache's tiers, or none; vLLM's own
-prefix cache on or off; ``loras``: adapters by name, to serve with ``--enable-lora``)
-and its steps: ``generate`` (prompts with their cache salts and adapters, greedy),
-``kill`` (SIGKILL a process, e.g. the Redis under a tier). The result has,
-per generated prompt, its token counts, ``num_cached_tokens`` and the output tokens.
+prefix cache on or off; ``loras``: adapters by name, to serve with ``--enable-lora``;
+``engine``: more of vLLM's engine arguments) and its steps: ``generate`` (prompts, as text
+or token ids, with their cache salts and adapters, greedy), ``kill`` (SIGKILL a process,
+e.g. the Redis under a tier), ``reset`` (vLLM lets its own prefix cache go). The result
+has, per generated prompt, its token counts, ``num_cached_tokens``, the output tokens and
+their log-probabilities.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def engine(job: dict[str, Any]) -> Any:
     )
     if job.get("loras"):
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=2)
+    kwargs.update(job.get("engine", {}))
     if job.get("connector") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="PrefixCacheConnector",
@@ -59,9 +62,16 @@ def main(job_path: str, out_path: str) -> None:
             os.kill(step["kill"], signal.SIGKILL)
             results.append({"killed": step["kill"]})
             continue
-        params = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 12), ignore_eos=True)
+        if step.get("reset"):
+            results.append({"reset": llm.reset_prefix_cache()})
+            continue
+        params = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 12), ignore_eos=True, logprobs=1)
         prompts = [
-            {"prompt": p["prompt"], **({"cache_salt": p["salt"]} if p.get("salt") else {})} for p in step["generate"]
+            {
+                **({"prompt_token_ids": p["ids"]} if "ids" in p else {"prompt": p["prompt"]}),
+                **({"cache_salt": p["salt"]} if p.get("salt") else {}),
+            }
+            for p in step["generate"]
         ]
         adapters = [loras[p["lora"]] if p.get("lora") else None for p in step["generate"]]
         start = time.perf_counter()
@@ -74,6 +84,10 @@ def main(job_path: str, out_path: str) -> None:
                     "prompt_tokens": len(out.prompt_token_ids),
                     "cached": out.num_cached_tokens,
                     "output": list(out.outputs[0].token_ids),
+                    "logprobs": [
+                        lp[t].logprob
+                        for t, lp in zip(out.outputs[0].token_ids, out.outputs[0].logprobs or [], strict=False)
+                    ],
                     "seconds": elapsed,
                 }
             )
