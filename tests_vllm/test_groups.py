@@ -18,8 +18,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from prefixcache.integrations.vllm.connector import kv_groups
-from prefixcache.integrations.vllm.groups import GroupKind, KVGroup, KVGroups
+from prefixcache.integrations.vllm.groups import GroupKind, KVGroup, KVGroups, kv_groups
 from prefixcache.integrations.vllm.scope import Bypass
 
 F32 = torch.float32

@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from prefixcache.fleet import wire
-from prefixcache.integrations.vllm.groups import GroupKind, KVGroup, KVGroups
+from prefixcache.integrations.vllm.groups import GroupKind, KVGroups, describe, kv_groups
 from prefixcache.integrations.vllm.lookup import LookupClient, LookupServer, socket_path
 from prefixcache.integrations.vllm.metrics import PrefixCachePromMetrics, PrefixCacheStats
 from prefixcache.integrations.vllm.paged import GroupedKV, PagedKV, StatePages
@@ -121,7 +121,7 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("prefixcache: every request bypasses the cache: %s", self.groups.reason)
         elif self.groups.hybrid:
             self.block_size = self.groups.block_size
-            log.info("prefixcache: %d KV cache groups: %s", len(self.groups.groups), _describe(self.groups))
+            log.info("prefixcache: %d KV cache groups: %s", len(self.groups.groups), describe(self.groups))
         # NOTE: vLLM takes block-level load errors from one group only: a hybrid loads async
         self.async_load = self.settings.async_load or (isinstance(self.groups, KVGroups) and self.groups.hybrid)
         self.socket = socket_path(transfer.engine_id or "engine", self.settings.socket_dir or None)
@@ -362,44 +362,3 @@ def _vllm_event(event: wire.BlockStored | wire.BlockRemoved) -> KVCacheEvent:
             extra_keys=event.extra_keys,
         )
     return BlockRemoved(block_hashes=event.block_hashes, medium=event.medium)
-
-
-# vLLM's KV cache spec classes, by name, as the group kinds the connector stores
-_KINDS = {"FullAttentionSpec": GroupKind.FULL, "SlidingWindowSpec": GroupKind.SLIDING, "MambaSpec": GroupKind.STATE}
-
-
-def kv_groups(kv_cache_config: Any, block_size: int, stride_tokens: int | None) -> KVGroups | Bypass:
-    """vLLM's KV cache groups as the connector's (``groups.py``), or why the connector
-    cannot store this model (a layer kind it does not know: every request bypasses)."""
-    specs = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
-    if not specs:
-        return KVGroups((KVGroup(0, GroupKind.FULL, ("all",)),), block_size)
-    groups = []
-    for index, spec in enumerate(specs):
-        kind_name = type(spec.kv_cache_spec).__name__
-        kind = _KINDS.get(kind_name)
-        if kind is None:
-            return Bypass(f"unsupported_layers:{kind_name}")
-        window = 0
-        if kind is GroupKind.SLIDING:
-            window = int(spec.kv_cache_spec.sliding_window) + int(
-                getattr(spec.kv_cache_spec, "extra_retained_tokens", 0)
-            )
-        groups.append(KVGroup(index, kind, tuple(spec.layer_names), window))
-    sizes = {int(spec.kv_cache_spec.block_size) for spec in specs}
-    if len(sizes) != 1:
-        return Bypass(f"unsupported_layers:block_sizes_{'_'.join(map(str, sorted(sizes)))}")
-    size = sizes.pop()
-    if stride_tokens is None:  # every 4 windows, at least 1,024 tokens: a window's share of a long prompt
-        stride_tokens = max([1024] + [4 * g.window for g in groups])
-    try:
-        return KVGroups(tuple(groups), size, -(-stride_tokens // size))
-    except ValueError as exc:
-        return Bypass(f"unsupported_layers:{exc}")
-
-
-def _describe(groups: KVGroups) -> str:
-    return ", ".join(
-        f"{g.index}: {g.kind.value}{f' window {g.window}' if g.window else ''} x {len(g.layers)} layers"
-        for g in groups.groups
-    )

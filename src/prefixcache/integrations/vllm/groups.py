@@ -27,12 +27,14 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
 from prefixcache.hashing import CacheContext
+from prefixcache.integrations.vllm.scope import Bypass
 
-__all__ = ["NULL_BLOCK", "Found", "GroupKind", "KVGroup", "KVGroups", "MissReason", "digests"]
+__all__ = ["NULL_BLOCK", "Found", "GroupKind", "KVGroup", "KVGroups", "MissReason", "describe", "digests", "kv_groups"]
 
 NULL_BLOCK = 0  # vLLM's null block (``BlockPool.null_block``): a skipped block, never read or written
 
@@ -162,3 +164,45 @@ def digests(tokens: Sequence[int] | np.ndarray, block_size: int, media: Sequence
         out.append(h.copy().digest())
         h.update(ids[i * block_size : end].tobytes())
     return out
+
+
+# vLLM's KV cache spec classes, by name, as the group kinds the connector stores
+_KINDS = {"FullAttentionSpec": GroupKind.FULL, "SlidingWindowSpec": GroupKind.SLIDING, "MambaSpec": GroupKind.STATE}
+
+
+def kv_groups(kv_cache_config: Any, block_size: int, stride_tokens: int | None) -> KVGroups | Bypass:
+    """vLLM's ``KVCacheConfig`` groups as the connector's (read by class and field names,
+    no vLLM import), or why the connector cannot store this model (a layer kind it does
+    not know, groups of several block sizes: every request bypasses)."""
+    specs = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if not specs:
+        return KVGroups((KVGroup(0, GroupKind.FULL, ("all",)),), block_size)
+    groups = []
+    for index, spec in enumerate(specs):
+        kind_name = type(spec.kv_cache_spec).__name__
+        kind = _KINDS.get(kind_name)
+        if kind is None:
+            return Bypass(f"unsupported_layers:{kind_name}")
+        window = 0
+        if kind is GroupKind.SLIDING:
+            window = int(spec.kv_cache_spec.sliding_window) + int(
+                getattr(spec.kv_cache_spec, "extra_retained_tokens", 0)
+            )
+        groups.append(KVGroup(index, kind, tuple(spec.layer_names), window))
+    sizes = {int(spec.kv_cache_spec.block_size) for spec in specs}
+    if len(sizes) != 1:
+        return Bypass(f"unsupported_layers:block_sizes_{'_'.join(map(str, sorted(sizes)))}")
+    size = sizes.pop()
+    if stride_tokens is None:  # every 4 windows, at least 1,024 tokens: a window's share of a long prompt
+        stride_tokens = max([1024] + [4 * g.window for g in groups])
+    try:
+        return KVGroups(tuple(groups), size, -(-stride_tokens // size))
+    except ValueError as exc:
+        return Bypass(f"unsupported_layers:{exc}")
+
+
+def describe(groups: KVGroups) -> str:
+    return ", ".join(
+        f"{g.index}: {g.kind.value}{f' window {g.window}' if g.window else ''} x {len(g.layers)} layers"
+        for g in groups.groups
+    )
