@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.config import CacheConfig, TierConfig
-from prefixcache.integrations.vllm.groups import NULL_BLOCK, Found, GroupKind, KVGroup, KVGroups, MissReason, digests
+from prefixcache.integrations.vllm.groups import NULL_BLOCK, Found, KVGroup, KVGroups, LayerKind, MissReason, digests
 from prefixcache.integrations.vllm.paged import GroupedKV, PagedKV, StatePages
 from prefixcache.integrations.vllm.scheduler import SchedulerState
 from prefixcache.integrations.vllm.scope import Media, Scope
@@ -31,9 +31,9 @@ T = Scope("acme")
 def kv_groups(stride: int = 0, window: int = WINDOW) -> KVGroups:
     return KVGroups(
         (
-            KVGroup(0, GroupKind.SLIDING, ("layers.0.attn",), window),
-            KVGroup(1, GroupKind.FULL, ("layers.1.attn",)),
-            KVGroup(2, GroupKind.SLIDING, ("layers.2.attn",), window),
+            KVGroup(0, LayerKind.SLIDING, ("layers.0.attn",), window),
+            KVGroup(1, LayerKind.FULL, ("layers.1.attn",)),
+            KVGroup(2, LayerKind.SLIDING, ("layers.2.attn",), window),
         ),
         N,
         stride,
@@ -134,7 +134,7 @@ def test_a_prompt_resumes_at_the_last_boundary_its_chain_reaches(tmp_path: Path)
 def test_a_group_block_never_loads_into_another_group_or_for_another_tenant(tmp_path: Path) -> None:
     a = kv_groups()
     b = KVGroups(
-        (a.groups[0], a.groups[1], KVGroup(2, GroupKind.SLIDING, ("layers.2.attn",), 2 * WINDOW)), N
+        (a.groups[0], a.groups[1], KVGroup(2, LayerKind.SLIDING, ("layers.2.attn",), 2 * WINDOW)), N
     )  # another window: another group
     assert len({g.signature for g in a.groups + b.groups}) == 4
     w = worker(tmp_path, caches(6), a)
@@ -230,7 +230,7 @@ def state_tensors(seed: int, real: int = 100) -> dict[str, torch.Tensor]:
 
 def state_worker(tmp_path: Path, seed: int) -> tuple[ConnectorWorker, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     groups = KVGroups(
-        (KVGroup(0, GroupKind.STATE, ("layers.0.mixer", "layers.1.mixer")), KVGroup(1, GroupKind.FULL, ("a0", "a1"))), N
+        (KVGroup(0, LayerKind.STATE, ("layers.0.mixer", "layers.1.mixer")), KVGroup(1, LayerKind.FULL, ("a0", "a1"))), N
     )
     g = torch.Generator().manual_seed(seed)
     attn = {f"a{i}": torch.randn(BLOCKS, H, N, 2 * D, generator=g) for i in range(2)}

@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from prefixcache.integrations.vllm.groups import GroupKind, KVGroup, KVGroups, kv_groups
+from prefixcache.integrations.vllm.groups import KVGroup, KVGroups, LayerKind, kv_groups
 from prefixcache.integrations.vllm.scope import Bypass
 
 F32 = torch.float32
@@ -43,7 +43,7 @@ def full(block: int = 32) -> FullAttentionSpec:
 def test_a_gemma_like_model_is_five_sliding_groups_and_a_full_one() -> None:
     groups = kv_groups(config(*[sliding(extra=2)] * 5, full()), 32, None)
     assert isinstance(groups, KVGroups) and groups.hybrid
-    assert [g.kind for g in groups.groups] == [GroupKind.SLIDING] * 5 + [GroupKind.FULL]
+    assert [g.kind for g in groups.groups] == [LayerKind.SLIDING] * 5 + [LayerKind.FULL]
     assert {g.window for g in groups.partial} == {34}  # vLLM keeps the extra retained tokens too
     assert groups.block_size == 32 and groups.stride == 1024 // 32  # 4 windows is less than 1,024 tokens
     wide = kv_groups(config(*[sliding(window=512)] * 5, full()), 32, None)
@@ -54,7 +54,7 @@ def test_a_mamba_hybrid_is_a_state_group_and_a_full_one() -> None:
     mamba = MambaSpec(block_size=64, shapes=((3, 160), (4, 32, 16)), dtypes=(F32, F32), mamba_cache_mode="align")
     groups = kv_groups(config(mamba, full(64)), 64, 0)
     assert isinstance(groups, KVGroups)
-    assert [g.kind for g in groups.groups] == [GroupKind.STATE, GroupKind.FULL] and groups.stride == 0
+    assert [g.kind for g in groups.groups] == [LayerKind.STATE, LayerKind.FULL] and groups.stride == 0
 
 
 def test_a_one_group_model_keys_as_it_always_did() -> None:
@@ -90,7 +90,7 @@ def test_a_sliding_group_needs_exactly_the_blocks_vllm_keeps() -> None:
     for window in range(1, 300, 7):
         for extra in (0, 1, 5, 31):
             manager = SimpleNamespace(sliding_window=window, extra_retained_tokens=extra)
-            group = KVGroup(0, GroupKind.SLIDING, ("l",), window + extra)
+            group = KVGroup(0, LayerKind.SLIDING, ("l",), window + extra)
             for block in (16, 32, 64, 128):
                 for boundary in range(1, 40):
                     skipped = SlidingWindowManager.get_num_skipped_tokens(manager, boundary * block)  # type: ignore[arg-type]

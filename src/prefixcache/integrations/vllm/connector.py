@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from prefixcache.fleet import wire
-from prefixcache.integrations.vllm.groups import GroupKind, KVGroups, describe, kv_groups
+from prefixcache.integrations.vllm.groups import KVGroups, LayerKind, describe, kv_groups
 from prefixcache.integrations.vllm.lookup import LookupClient, LookupServer, socket_path
 from prefixcache.integrations.vllm.metrics import PrefixCachePromMetrics, PrefixCacheStats
 from prefixcache.integrations.vllm.paged import GroupedKV, PagedKV, StatePages
@@ -111,7 +111,7 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = parse_settings(transfer.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         self.groups = kv_groups(kv_cache_config, self.block_size, self.settings.boundary_every_tokens)
-        if isinstance(self.groups, KVGroups) and any(g.kind is GroupKind.STATE for g in self.groups.groups):
+        if isinstance(self.groups, KVGroups) and any(g.kind is LayerKind.STATE for g in self.groups.groups):
             lossy = [t.label for t in self.settings.cache.tiers if t.codec != "raw"]
             if lossy:  # NOTE: a state page is opaque bytes: a lossy codec would corrupt it
                 raise ValueError(
@@ -181,7 +181,7 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
             attention = {
                 g.index: PagedKV({name: kv_caches[name] for name in g.layers}, **geometry)
                 for g in groups.groups
-                if g.kind is not GroupKind.STATE
+                if g.kind is not LayerKind.STATE
             }
             layout = next(iter(attention.values())).kv_layout
             paged: GroupedKV | PagedKV = GroupedKV(

@@ -33,16 +33,11 @@ import numpy as np
 
 from prefixcache.hashing import CacheContext
 from prefixcache.integrations.vllm.scope import Bypass
+from prefixcache.kv_groups import LayerKind  # the planner's kinds: one description of a layer group
 
-__all__ = ["NULL_BLOCK", "Found", "GroupKind", "KVGroup", "KVGroups", "MissReason", "describe", "digests", "kv_groups"]
+__all__ = ["NULL_BLOCK", "Found", "KVGroup", "KVGroups", "LayerKind", "MissReason", "describe", "digests", "kv_groups"]
 
 NULL_BLOCK = 0  # vLLM's null block (``BlockPool.null_block``): a skipped block, never read or written
-
-
-class GroupKind(Enum):
-    FULL = "full"
-    SLIDING = "sliding"
-    STATE = "state"
 
 
 class MissReason(Enum):
@@ -65,14 +60,14 @@ class Found:
 @dataclass(frozen=True)
 class KVGroup:
     index: int  # vLLM's group index (the position of its block ids)
-    kind: GroupKind
+    kind: LayerKind
     layers: tuple[str, ...]
     window: int = 0  # tokens, SLIDING only
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise ValueError(f"KV cache group {self.index} has no layers")
-        if (self.kind is GroupKind.SLIDING) != (self.window > 0):
+        if (self.kind is LayerKind.SLIDING) != (self.window > 0):
             raise ValueError(f"KV cache group {self.index}: a window belongs to sliding groups only")
 
     @property
@@ -84,9 +79,9 @@ class KVGroup:
 
     def needed(self, boundary: int, block_size: int) -> range:
         """The block indices of this group a prefix of ``boundary`` blocks needs."""
-        if self.kind is GroupKind.FULL:
+        if self.kind is LayerKind.FULL:
             return range(0, boundary)
-        if self.kind is GroupKind.STATE:
+        if self.kind is LayerKind.STATE:
             return range(boundary - 1, boundary) if boundary > 0 else range(0)
         skipped = max(0, boundary * block_size - self.window + 1)
         return range(skipped // block_size, boundary)
@@ -104,7 +99,7 @@ class KVGroups:
     def __post_init__(self) -> None:
         if not self.groups:
             raise ValueError("no KV cache groups")
-        if not any(g.kind is GroupKind.FULL for g in self.groups):
+        if not any(g.kind is LayerKind.FULL for g in self.groups):
             raise ValueError("no full-attention KV cache group: the connector needs one to chain a prefix")
         if [g.index for g in self.groups] != list(range(len(self.groups))):
             raise ValueError("KV cache groups must be numbered 0.. in order")
@@ -116,12 +111,12 @@ class KVGroups:
 
     @property
     def full(self) -> tuple[KVGroup, ...]:
-        return tuple(g for g in self.groups if g.kind is GroupKind.FULL)
+        return tuple(g for g in self.groups if g.kind is LayerKind.FULL)
 
     @property
     def partial(self) -> tuple[KVGroup, ...]:
         """The groups that keep only some blocks of a prefix (sliding, state)."""
-        return tuple(g for g in self.groups if g.kind is not GroupKind.FULL)
+        return tuple(g for g in self.groups if g.kind is not LayerKind.FULL)
 
     def boundaries(self, before: int, end: int) -> list[int]:
         """The boundaries a save of blocks ``before .. end`` keeps: ``end`` and the
@@ -167,7 +162,7 @@ def digests(tokens: Sequence[int] | np.ndarray, block_size: int, media: Sequence
 
 
 # vLLM's KV cache spec classes, by name, as the group kinds the connector stores
-_KINDS = {"FullAttentionSpec": GroupKind.FULL, "SlidingWindowSpec": GroupKind.SLIDING, "MambaSpec": GroupKind.STATE}
+_KINDS = {"FullAttentionSpec": LayerKind.FULL, "SlidingWindowSpec": LayerKind.SLIDING, "MambaSpec": LayerKind.STATE}
 
 
 def kv_groups(kv_cache_config: Any, block_size: int, stride_tokens: int | None) -> KVGroups | Bypass:
@@ -176,7 +171,7 @@ def kv_groups(kv_cache_config: Any, block_size: int, stride_tokens: int | None) 
     not know, groups of several block sizes: every request bypasses)."""
     specs = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     if not specs:
-        return KVGroups((KVGroup(0, GroupKind.FULL, ("all",)),), block_size)
+        return KVGroups((KVGroup(0, LayerKind.FULL, ("all",)),), block_size)
     groups = []
     for index, spec in enumerate(specs):
         kind_name = type(spec.kv_cache_spec).__name__
@@ -184,7 +179,7 @@ def kv_groups(kv_cache_config: Any, block_size: int, stride_tokens: int | None) 
         if kind is None:
             return Bypass(f"unsupported_layers:{kind_name}")
         window = 0
-        if kind is GroupKind.SLIDING:
+        if kind is LayerKind.SLIDING:
             window = int(spec.kv_cache_spec.sliding_window) + int(
                 getattr(spec.kv_cache_spec, "extra_retained_tokens", 0)
             )

@@ -18,7 +18,7 @@ import numpy as np
 from prefixcache.cache.facade import PrefixCache
 from prefixcache.cache.invalidations import Stamp
 from prefixcache.hashing import CacheContext
-from prefixcache.integrations.vllm.groups import NULL_BLOCK, GroupKind, KVGroup, KVGroups, MissReason
+from prefixcache.integrations.vllm.groups import NULL_BLOCK, KVGroup, KVGroups, LayerKind, MissReason
 from prefixcache.integrations.vllm.paged import GroupedKV, PagedSource
 
 __all__ = ["GroupBlocks"]
@@ -63,7 +63,7 @@ class GroupBlocks:
             )
             if missing is None:
                 return j, (reason if j < full else None)
-            reason = reason or (MissReason.STATE if missing.kind is GroupKind.STATE else MissReason.WINDOW)
+            reason = reason or (MissReason.STATE if missing.kind is LayerKind.STATE else MissReason.WINDOW)
         return 0, reason
 
     def load(
@@ -125,6 +125,6 @@ class GroupBlocks:
         n = self.groups.block_size
         if i >= len(ids) or ids[i] == NULL_BLOCK:
             return False
-        if group.kind is GroupKind.SLIDING:
+        if group.kind is LayerKind.SLIDING:
             return i >= max(0, computed - group.window + 1) // n
         return (i + 1) * n == reached  # STATE: the state after block i, if the step ended there
