@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-test
 
-.PHONY: test unit serve serve-vllm lint bench setup clean system-deps vllm-test bench-lmcache-venv bench-vllm bench-fairness bench-serve-load bench-io-isolation
+.PHONY: test unit serve serve-vllm lint bench setup clean system-deps vllm-test bench-lmcache-venv bench-vllm bench-fairness bench-serve-load bench-io-isolation bench-vllm-hybrid
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -123,6 +123,10 @@ bench-serve-load: $(STAMP)
 # against one I/O thread, the engine before (needs redis-server; about 7 minutes).
 bench-io-isolation: $(STAMP)
 	$(BIN)/python benchmarks/bench_io_isolation.py
+
+bench-vllm-hybrid: $(VLLM_STAMP) $(STAMP)
+	$(MODEL_READY)
+	$(VLLM_VENV)/bin/python benchmarks/bench_vllm_hybrid.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

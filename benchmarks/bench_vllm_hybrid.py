@@ -9,8 +9,9 @@ The model is the tiny random Gemma-3 text model of ``tests_vllm/tiny_hybrid.py``
 sliding-window layers of window 32 tokens to one full-attention layer, SmolLM2's
 tokenizer), every setup ``vllm.LLM`` on CPU, float32, vLLM's prefix cache on. Printed:
 
-1. **KV capacity**: the concurrent 2,048-token requests vLLM's KV space holds (vLLM's own
-   figure, from its start log), with ``VLLM_CPU_KVCACHE_SPACE`` = 1 GiB in each setup:
+1. **KV capacity**: the concurrent 32,768-token requests vLLM's KV space holds (vLLM's own
+   figure, from its start log; chunks of 2,048 tokens, blocks of 32), with
+   ``VLLM_CPU_KVCACHE_SPACE`` = 1 GiB in each setup:
    vLLM alone, vLLM + prefixcache (the hybrid manager on), and vLLM with the hybrid
    manager off, what any connector without ``SupportsHMA`` gets (this connector before
    issue 40). Target: the connector's equal to vLLM alone's.
@@ -20,9 +21,10 @@ tokenizer), every setup ``vllm.LLM`` on CPU, float32, vLLM's prefix cache on. Pr
    i.e. close to the full layer's bytes on prompts much longer than the window.
 3. **Hits at equal memory**: ``conversations`` multi-turn chats whose prompts exceed the
    window many times, each turn appending about 150 tokens, sent one request at a time
-   with one output token (latency = TTFT). vLLM alone gets ``blocks`` KV blocks (vLLM's
-   ``num_gpu_blocks_override``); with the connector vLLM gets half and prefixcache a
-   memory tier of the other half's bytes. Token hit rate (vLLM's cached prompt tokens
+   with one output token (latency = TTFT), chunks of 256 tokens. vLLM alone gets
+   ``blocks`` KV blocks (vLLM's ``num_gpu_blocks_override``; a block is one layer's 32
+   tokens); with the connector vLLM gets half and prefixcache a memory tier of the other
+   half's bytes (and a disk tier beside it, as users run it). Token hit rate (vLLM's cached prompt tokens
    over prompt tokens) and mean TTFT, each setup ``--runs`` times, the order alternated,
    every run printed; the ratio is vLLM alone's mean TTFT over the connector's.
 """
@@ -59,7 +61,6 @@ def child(job_path: str) -> None:
     kwargs: dict[str, Any] = dict(
         model=job["model"],
         dtype="float32",
-        max_model_len=2048,
         enforce_eager=True,
         enable_prefix_caching=True,
         seed=0,
@@ -132,8 +133,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--blocks", type=int, default=192, help="vLLM alone's KV blocks in (3)")
-    parser.add_argument("--conversations", type=int, default=6)
+    parser.add_argument("--blocks", type=int, default=256, help="vLLM alone's KV blocks in (3)")
+    parser.add_argument("--conversations", type=int, default=12)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="one run, 3 conversations of 3 turns")
     args = parser.parse_args()
@@ -145,11 +146,12 @@ def main() -> None:
     from tiny_hybrid import build_gemma3
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-hybrid-"))
-    model = str(build_gemma3(tmp / "model", TEXT_MODEL))
+    model = str(build_gemma3(tmp / "model", TEXT_MODEL, max_position_embeddings=32768))
     print(f"model: tiny Gemma-3 text ({LAYERS} layers, 5 sliding of window 32, 1 full), block {BLOCK} tokens")
 
-    print("\n1. KV capacity (VLLM_CPU_KVCACHE_SPACE=1 GiB): concurrent 2,048-token requests")
-    base = {"model": model}
+    print("\n1. KV capacity (VLLM_CPU_KVCACHE_SPACE=1 GiB): concurrent 32,768-token requests")
+    long = {"block_size": BLOCK, "max_model_len": 32768, "max_num_batched_tokens": 2048}
+    base = {"model": model, "engine": long}
     alone = concurrency(run(tmp, "cap-alone", base)[1])
     with_pc = concurrency(run(tmp, "cap-pc", {**base, "connector": connector(tmp / "cap-disk", 1 << 26)})[1])
     hma_off = concurrency(
@@ -159,7 +161,7 @@ def main() -> None:
             {
                 **base,
                 "connector": connector(tmp / "cap-disk-off", 1 << 26),
-                "engine": {"disable_hybrid_kv_cache_manager": True},
+                "engine": {**long, "disable_hybrid_kv_cache_manager": True},
             },
         )[1]
     )
@@ -174,16 +176,18 @@ def main() -> None:
     print(f"   vLLM alone {args.blocks} blocks; with prefixcache {half} blocks + a memory tier of {half} blocks' bytes")
     figures: dict[str, list[tuple[float, float]]] = {"alone": [], "prefixcache": []}
     stored: list[float] = []
+    base = {"model": model}
+    short = {"block_size": BLOCK, "max_model_len": 1024, "max_num_batched_tokens": 256}
     for r in range(args.runs):
         order = ["alone", "prefixcache"] if r % 2 == 0 else ["prefixcache", "alone"]
         for setup in order:
             if setup == "alone":
-                job = {**base, "engine": {"num_gpu_blocks_override": args.blocks}, "requests": requests}
+                job = {**base, "engine": {**short, "num_gpu_blocks_override": args.blocks}, "requests": requests}
             else:
                 disk = tmp / f"disk-{r}"
                 job = {
                     **base,
-                    "engine": {"num_gpu_blocks_override": args.blocks // 2},
+                    "engine": {**short, "num_gpu_blocks_override": args.blocks // 2},
                     "connector": connector(disk, args.blocks // 2 * PAGE),
                     "requests": requests,
                 }
