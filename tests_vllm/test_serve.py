@@ -116,13 +116,19 @@ def test_tenants_by_cache_salt_and_prefixcache_series_on_vllms_metrics(server: s
         cached.append(details.cached_tokens if details else 0)
         full = (reply.usage.prompt_tokens - 1) // BLOCK * BLOCK
     assert cached == [0, full, 0]
+    # a prompt with no whole block before its last token cannot hit: counted under its reason
+    client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, temperature=0)
     alice, bob = salt_label("alice"), salt_label("bob")  # without a secret a salt is a key: never a label
+    short = {"reason": "shorter_than_a_block"}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # vLLM records connector stats as its engine reports them
         text = httpx.get(f"{server}/metrics").text
-        if metric(text, "prefixcache_vllm_hit_tokens_total", tenant=alice):
+        if metric(text, "prefixcache_vllm_hit_tokens_total", tenant=alice) and metric(
+            text, "prefixcache_vllm_miss_reasons_total", **short
+        ):
             break
         time.sleep(0.5)
+    assert metric(text, "prefixcache_vllm_miss_reasons_total", **short) >= 1
     assert metric(text, "prefixcache_vllm_hit_tokens_total", tenant=alice, tier="memory") == full
     assert metric(text, "prefixcache_vllm_hit_tokens_total", tenant=bob) == 0
     assert metric(text, "prefixcache_vllm_saved_tokens_total", tenant=bob) == full
