@@ -44,11 +44,11 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from prefixcache.integrations.vllm.groups import Found, MissReason
 from prefixcache.integrations.vllm.scope import Bypass, Scope
+from prefixcache.integrations.vllm.steps import LoadMade, StepPlan, Tracked, by_group
 from prefixcache.integrations.vllm.wall import Wall
 from prefixcache.integrations.vllm.worker import LoadSpec, SaveSpec, Tally, VoidLoad
 
@@ -59,36 +59,6 @@ log = logging.getLogger("prefixcache.vllm")
 Lookup = Callable[[Sequence[int], Scope], Found]
 Scoper = Callable[[Any], Scope | Bypass]  # a vLLM Request -> its scope, or why it bypasses the cache
 HOOK_FAILED = "hook_failed"  # the bypass reason of a request one of whose hooks raised
-
-
-@dataclass
-class _Tracked:
-    scope: Scope
-    prompt: tuple[int, ...]
-    block_ids: list[list[int]]  # vLLM's block ids, by KV cache group
-    saved: int  # prompt tokens already sent to be saved (or loaded from the cache)
-
-
-@dataclass(frozen=True, slots=True)
-class _Load:
-    first: int  # the first block loaded (vLLM holds the ones before)
-    block_ids: tuple[int, ...]  # vLLM blocks the load fills, from ``first`` on (one group: see ``load_failed``)
-
-
-@dataclass
-class StepPlan:
-    """What the worker does this step (vLLM's connector metadata)."""
-
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
-    voids: list[VoidLoad] = field(default_factory=list)
-
-
-def _by_group(blocks: Any) -> list[list[int]]:
-    """The block ids of vLLM's ``KVCacheBlocks``, by KV cache group (or ``blocks`` as given:
-    a sequence of groups' ids)."""
-    groups = blocks.get_block_ids() if hasattr(blocks, "get_block_ids") else blocks
-    return [list(ids) for ids in groups]
 
 
 class SchedulerState:
@@ -103,11 +73,11 @@ class SchedulerState:
         self._asked: dict[str, tuple[int, int]] = {}  # req_id -> (vLLM's own hit, ours beyond it)
         self._pending: dict[str, tuple[int, int]] = {}  # req_id -> (vLLM's own hit, tokens to load)
         self._voided: set[str] = set()  # of ``_pending``: promised sync loads to report failed, not to make
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
         # vLLM's NewRequestData carries no salt, adapter path or media: read by ``seen``
         self._scopes: dict[str, Scope | Bypass] = {}
         self._requests: dict[str, Any] = {}  # req_id -> vLLM's Request, until it finishes
-        self._loaded: dict[str, _Load] = {}  # req_id -> its last load, as far as it succeeded
+        self._loaded: dict[str, LoadMade] = {}  # req_id -> its last load, as far as it succeeded
         self._ready: list[LoadSpec] = []  # async loads decided at allocation, for the next step
         self._voids: list[VoidLoad] = []  # async loads voided at allocation, for the next step
         self.bypassed: Counter[str] = Counter()  # reason -> requests served without the cache
@@ -219,9 +189,7 @@ class SchedulerState:
                 self._pending[req_id] = (local, num_external_tokens)
             else:
                 prompt = request.prompt_token_ids
-                self._ready.append(
-                    self._plan_load(req_id, scope, prompt, _by_group(blocks), local, num_external_tokens)
-                )
+                self._ready.append(self._plan_load(req_id, scope, prompt, by_group(blocks), local, num_external_tokens))
         self._asked.pop(req_id, None)
 
     def _step(self, plan: StepPlan, output: Any) -> None:
@@ -248,7 +216,7 @@ class SchedulerState:
             return
         if not new.prompt_token_ids:
             return
-        tracked = _Tracked(scope, tuple(new.prompt_token_ids), _by_group(new.block_ids), 0)
+        tracked = Tracked(scope, tuple(new.prompt_token_ids), by_group(new.block_ids), 0)
         self._tracked[new.req_id] = tracked
         self._load(plan, new.req_id, tracked)
         self._save(plan, new.req_id, tracked, new.num_computed_tokens, scheduled)
@@ -263,7 +231,7 @@ class SchedulerState:
         if known is None:
             return
         if resumed:
-            known.block_ids = _by_group(new_ids) if new_ids else [[] for _ in known.block_ids]
+            known.block_ids = by_group(new_ids) if new_ids else [[] for _ in known.block_ids]
             known.saved = 0  # its blocks were freed: nothing of them is vouched for
             self._load(plan, req_id, known)  # preempted, then matched again on its return
         elif new_ids:
@@ -271,7 +239,7 @@ class SchedulerState:
                 ids.extend(more)
         self._save(plan, req_id, known, cached.num_computed_tokens[i], scheduled)
 
-    def _load(self, plan: StepPlan, req_id: str, tracked: _Tracked) -> None:
+    def _load(self, plan: StepPlan, req_id: str, tracked: Tracked) -> None:
         pending = self._pending.pop(req_id, None)
         if pending is None:
             return
@@ -296,10 +264,10 @@ class SchedulerState:
         first, end = local // n, (local + external) // n
         blocks = tuple(tuple(ids[first:end]) for ids in block_ids)
         if len(blocks) == 1:  # NOTE: vLLM takes block-level load errors from one group only
-            self._loaded[req_id] = _Load(first, blocks[0])
+            self._loaded[req_id] = LoadMade(first, blocks[0])
         return LoadSpec(req_id, scope, tuple(prompt[: end * n]), first, blocks)
 
-    def _save(self, plan: StepPlan, req_id: str, tracked: _Tracked, computed: int, scheduled: int) -> None:
+    def _save(self, plan: StepPlan, req_id: str, tracked: Tracked, computed: int, scheduled: int) -> None:
         """Send the prompt's blocks this step completes (``computed``: the tokens vLLM had
         computed before it, whose window a sliding group still keeps)."""
         n = self.block_size
@@ -320,7 +288,7 @@ class SchedulerState:
             )
             tracked.saved = end
 
-    def _cut(self, req_id: str, load: _Load, block_ids: Collection[int]) -> None:
+    def _cut(self, req_id: str, load: LoadMade, block_ids: Collection[int]) -> None:
         n = self.block_size
         bad = next((i for i, b in enumerate(load.block_ids) if b in block_ids), None)
         if bad is None:
@@ -328,7 +296,7 @@ class SchedulerState:
         tracked = self._tracked.get(req_id)  # an async load's request is not scheduled yet: saved from 0
         if tracked is not None:
             tracked.saved = min(tracked.saved, (load.first + bad) * n)
-        self._loaded[req_id] = _Load(load.first, load.block_ids[:bad])
+        self._loaded[req_id] = LoadMade(load.first, load.block_ids[:bad])
         stats = getattr(self._requests.get(req_id), "prefill_stats", None)
         if stats is not None:
             lost = (len(load.block_ids) - bad) * n
