@@ -21,7 +21,7 @@ from engine_support import LiveServer
 from prefixcache.fleet import router as router_module
 from prefixcache.fleet.route_metrics import ROUTE_METRICS
 from prefixcache.fleet.router import RouteConfig, Router, create_router
-from prefixcache.fleet.scoring import Routing
+from prefixcache.fleet.scoring import Routing, affinity_of, rendezvous
 from prefixcache.fleet.wire import BackendInfo, BlockStored, Entry, KVEventBatch, Snapshot, encode_entry, stream_key
 from prefixcache.settings import AuthSettings, Settings
 from redis_server import RedisServer, free_port
@@ -314,3 +314,29 @@ def test_health_checks_log_at_debug_and_transitions_above(
         assert loud == ["event=route_health_failed", "event=route_health_failed", "event=route_backend_down"]
     finally:
         live.stop()
+
+
+def test_a_prompt_cache_key_keeps_a_tenants_new_prompts_on_one_backend(
+    routed: tuple[Router, str], fakes: list[Fake]
+) -> None:
+    """Issue 41: prompts that share nothing cached, each with the same ``prompt_cache_key``,
+    go to the one backend that key ranks first (a hint: the tenant is the API key's);
+    without the key the router's rotation spreads them."""
+    _router, url = routed
+
+    def send(text: str, **extra: str) -> str:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "stream": True, **extra}
+        reply = httpx.post(
+            f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-acme"}, timeout=10
+        )
+        assert reply.status_code == 200
+        return reply.headers["x-prefixcache-backend"]
+
+    affinity = affinity_of("acme", "agent-7")
+    assert affinity is not None
+    favourite = max((f.name for f in fakes), key=lambda name: rendezvous(affinity, name))
+    # each prompt's first block is its own (a block is 4 characters here): no KV held or
+    # expected draws it anywhere
+    keyed = {send(f"{i:04d} task " + "word " * 3, prompt_cache_key="agent-7") for i in range(6)}
+    assert keyed == {favourite}
+    assert len({send(f"{i + 100:04d} task " + "word " * 3) for i in range(6)}) > 1

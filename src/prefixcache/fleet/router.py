@@ -41,7 +41,7 @@ from prefixcache.fleet.index import GlobalIndex
 from prefixcache.fleet.keys import TokenRangeError, chain_keys, root_key, token_bytes
 from prefixcache.fleet.relay import RETRY_STATUS, Held, failed, hold, relay
 from prefixcache.fleet.route_metrics import RouteCollector
-from prefixcache.fleet.scoring import BackendView, Routing, Scorer
+from prefixcache.fleet.scoring import BackendView, Routing, Scorer, affinity_of
 from prefixcache.fleet.stamping import NO_SECRET, Stamper
 from prefixcache.fleet.validate import CHAT, COMPLETIONS, Strictness, body_check, check_vllm
 from prefixcache.fleet.zmq import VllmSource
@@ -192,9 +192,12 @@ class Router:
             ns = self.namespace(tenant, vllm=backend.source is not None)
             self.index.expect(backend.name, chain_keys(root_key(ns, info.model), tokens, info.block_size))
 
-    def rank(self, tenant: str, tokens: Sequence[int], exclude: set[str]) -> list[tuple[Backend, int, int]]:
+    def rank(
+        self, tenant: str, tokens: Sequence[int], exclude: set[str], affinity: bytes | None = None
+    ) -> list[tuple[Backend, int, int]]:
         """Backends up and not excluded, best first by the configured routing, each with
-        the prompt blocks it holds and those it would have left to prefill."""
+        the prompt blocks it holds and those it would have left to prefill (``affinity``:
+        the request's, ``scoring.affinity_of``)."""
         live = [b for b in self.backends if b.up and b.info is not None and b.url not in exclude]
         if not live:
             return []
@@ -208,7 +211,7 @@ class Router:
         views = [BackendView(b.name, matched[b.name], scorer.load(b.pending, b.generating)) for b in live]
         order: list[tuple[Backend, int, int]] = []
         while views:
-            best = scorer.choose(self.config.routing, blocks, views, 0)
+            best = scorer.choose(self.config.routing, blocks, views, 0, affinity)
             i = next(i for i, v in enumerate(views) if v.name == best.backend)
             order.append((live[i], best.overlap, blocks - best.overlap))
             del views[i], live[i]
@@ -261,10 +264,17 @@ def create_router(router: Router) -> FastAPI:
     async def route(request: Request, path: str, tenant: str) -> Response:
         raw = await request.body()
         body = json.loads(raw)  # an object the body check validated, nested no deeper than BodyLimit lets through
-        return await forward(request, path, raw, body, router.tokens(path, body), tenant)
+        affinity = affinity_of(tenant, body.get("prompt_cache_key"))  # a hint: the cache's scope is the tenant's
+        return await forward(request, path, raw, body, router.tokens(path, body), tenant, affinity)
 
     async def forward(
-        request: Request, path: str, raw: bytes, body: dict[str, Any] | None, tokens: list[int], tenant: str
+        request: Request,
+        path: str,
+        raw: bytes,
+        body: dict[str, Any] | None,
+        tokens: list[int],
+        tenant: str,
+        affinity: bytes | None = None,
     ) -> Response:
         """Send the request to the best backend up; to the next only what never started
         on it (``relay``). The method is the client's own, never rewritten."""
@@ -278,7 +288,7 @@ def create_router(router: Router) -> FastAPI:
         client = router.proxies.client(peer, said.get("x-forwarded-for")) or None
         secure = router.proxies.secure(request.url.scheme, peer, said.get("x-forwarded-proto"))
         while True:
-            order = router.rank(tenant, tokens, tried)
+            order = router.rank(tenant, tokens, tried, affinity)
             if not order:
                 if held is not None:
                     return held.response()

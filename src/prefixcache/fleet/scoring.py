@@ -21,18 +21,24 @@ count as ``expected`` (``index.py``), credited like host memory.
 
 The lowest cost wins; ties go to the smaller load, then to the earlier backend in the
 order given (so that equal backends share work round-robin when the caller rotates
-that order). ``round_robin``, ``least_loaded`` and ``prefix`` (the longest overlap,
+that order). A request with an *affinity* (the router's hash of its tenant and the
+client's ``prompt_cache_key``) goes, when costs tie or no backend holds any of its
+prompt yet, to the backend that ranks highest for that affinity (rendezvous hashing:
+every request of one tenant's key to the same backend, keys spread evenly, and a
+backend that goes moves only its own keys); the KV held always comes first.
+``round_robin``, ``least_loaded`` and ``prefix`` (the longest overlap,
 load only breaking ties) are the baselines the simulator compares ``cost`` with.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 
-__all__ = ["DEFAULT_CREDIT", "BackendView", "Routing", "Score", "Scorer"]
+__all__ = ["DEFAULT_CREDIT", "BackendView", "Routing", "Score", "Scorer", "affinity_of", "rendezvous"]
 
 DEFAULT_CREDIT: Mapping[str, float] = MappingProxyType(
     {"device": 1.0, "memory": 0.9, "expected": 0.9, "disk": 0.7, "redis": 0.6, "s3": 0.4}
@@ -92,9 +98,17 @@ class Scorer:
         cost = prompt_blocks - credit + self.load_weight * view.load
         return Score(view.name, cost, len(view.matched), credit, view.load)
 
-    def choose(self, routing: Routing, prompt_blocks: int, views: Sequence[BackendView], turn: int = 0) -> Score:
+    def choose(
+        self,
+        routing: Routing,
+        prompt_blocks: int,
+        views: Sequence[BackendView],
+        turn: int = 0,
+        affinity: bytes | None = None,
+    ) -> Score:
         """The backend ``routing`` picks among ``views`` (in the caller's order); ``turn``
-        is the request's number, which round-robin rotates by."""
+        is the request's number, which round-robin rotates by; ``affinity`` breaks ties
+        of the KV-aware routings (see the module doc)."""
         if not views:
             raise ValueError("no backend to route to")
         scores = [self.score(prompt_blocks, v) for v in views]
@@ -102,6 +116,36 @@ class Scorer:
             return scores[turn % len(scores)]
         if routing is Routing.LEAST_LOADED:
             return min(scores, key=lambda s: s.load)
-        if routing is Routing.PREFIX:
-            return min(scores, key=lambda s: (-s.overlap, s.load))
-        return min(scores, key=lambda s: (s.cost, s.load))
+        prefix = routing is Routing.PREFIX
+
+        def rank(s: Score) -> tuple[float, float]:
+            return (-s.overlap, s.load) if prefix else (s.cost, s.load)
+
+        best = min(scores, key=rank)
+        if affinity is None:
+            return best
+        if all(s.overlap == 0 for s in scores):
+            return max(scores, key=lambda s: rendezvous(affinity, s.backend))
+        ties = [s for s in scores if rank(s)[0] == rank(best)[0]]
+        return max(ties, key=lambda s: rendezvous(affinity, s.backend)) if len(ties) > 1 else best
+
+
+MAX_CACHE_KEY = 1024  # characters of a ``prompt_cache_key`` the router reads (longer: no affinity)
+
+
+def affinity_of(tenant: str, key: object) -> bytes | None:
+    """The affinity of a request: a hash of its tenant (from authentication) and the
+    client's ``prompt_cache_key``, so that one tenant's key never shares a backend choice
+    with another tenant's same key by construction; None without a usable key (not a
+    string, empty, or longer than ``MAX_CACHE_KEY``). A routing hint only: the cache's
+    scope is the tenant's, whatever the key."""
+    if not isinstance(key, str) or not key or len(key) > MAX_CACHE_KEY:
+        return None
+    name = tenant.encode("utf-8", "surrogatepass")  # length-prefixed: no two (tenant, key) pairs meet
+    text = name + key.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(len(name).to_bytes(4, "little") + text, digest_size=16, person=b"pc-affinity").digest()
+
+
+def rendezvous(affinity: bytes, backend: str) -> bytes:
+    """The weight of ``backend`` for ``affinity`` (highest random weight hashing)."""
+    return hashlib.blake2b(affinity + backend.encode(), digest_size=8).digest()
