@@ -110,3 +110,15 @@ def test_penalties_in_range_are_taken() -> None:
     assert (body.presence_penalty, body.frequency_penalty, body.repetition_penalty) == (-2.0, 2.0, 1.3)
     defaults = CompletionRequest.model_validate(ENDPOINTS[1][1])
     assert (defaults.presence_penalty, defaults.frequency_penalty, defaults.repetition_penalty) == (0.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize(("model", "base", "fields"), ENDPOINTS, ids=["chat", "completions"])
+def test_prompt_cache_retention_in_memory_is_todays_cache_and_24h_is_refused_by_name(
+    model: type[BaseModel], base: dict[str, Any], fields: set[str]
+) -> None:
+    """Issue 41: ``in_memory`` is what the cache does for every prompt; a retention it does
+    not keep yet is a 400 naming the field, never silently ignored."""
+    assert model.model_validate(base | {"prompt_cache_retention": "in_memory"}).prompt_cache_retention == "in_memory"
+    with pytest.raises(ValidationError) as refused:
+        model.model_validate(base | {"prompt_cache_retention": "24h"})
+    assert refused.value.errors()[0]["loc"] == ("prompt_cache_retention",)

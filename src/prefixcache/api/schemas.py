@@ -91,7 +91,7 @@ _OFF: dict[str, tuple[Any, ...]] = {
     "web_search_options": (None,),
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
-    "prompt_cache_retention": (None,),
+    "prompt_cache_retention": (None, "in_memory"),  # what the cache does; "24h" retention: not yet
     "prompt_cache_options": (None, {}),
 }
 REFUSED = frozenset(_OFF)
