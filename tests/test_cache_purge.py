@@ -115,6 +115,25 @@ def test_a_purge_after_a_restart_reaches_the_blocks_on_disk(tmp_path: Path, isol
     assert decode_generation(ACME, (tmp_path / "generations" / f"{ACME}.epoch").read_bytes()).generation == 1
 
 
+def test_a_prefix_purge_after_a_restart_adopts_nothing_of_the_prefix_from_disk(tmp_path: Path) -> None:
+    """A prefix purge reaches only the blocks the tree knows; after a restart the disk's
+    copies are unknown to it, and a match would adopt them again (found by the writer
+    state machine). Within the process that purged, no probed frame under the prefix is
+    adopted; the rest of the tenant's prompts and other tenants' are."""
+    other = TOKENS[:8] + [9000 + t for t in TOKENS[8:]]  # shares less than the purged prefix
+    with cache_of(disk(tmp_path)) as cache:
+        store(cache)
+        store(cache, tokens=other)
+        store(cache, GLOBEX)
+    with cache_of(disk(tmp_path)) as restarted:
+        assert restarted.purge_prefix(TOKENS[:12], CTX) == 0  # the tree knew nothing yet
+        assert matched(restarted) == 8  # before: 100, the purged blocks adopted from the disk
+        assert loaded(restarted, tokens=other) == 100
+        assert loaded(restarted, GLOBEX) == 100
+        assert store(restarted) == 92  # stored again after the purge: a new store, served
+        assert loaded(restarted) == 100
+
+
 def test_a_purge_outlives_the_purging_servers_restart(tmp_path: Path) -> None:
     with cache_of(disk(tmp_path)) as cache:
         store(cache)

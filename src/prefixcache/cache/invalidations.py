@@ -104,6 +104,14 @@ class Invalidations:
         self.seq += 1
         self._log.append((self.seq, scope))
 
+    def purged(self, ctx: CacheContext, names: Names, data: bytes) -> bool:
+        """Whether a prefix purge this cache remembers covers ``data`` under ``names``: a
+        frame a probing tier holds (written before the purge, by this process before a
+        restart or by another server) is never adopted then, since nothing tells when it
+        was written. NOTE: as far back as the log goes (``keep`` invalidations)."""
+        names = tuple(names)
+        return any(isinstance(scope, PrefixPurged) and scope.covers(ctx, names, data) for _, scope in self._log)
+
     def voids(self, since: int, ctx: CacheContext, names: Names, data: bytes) -> bool:
         """Whether an invalidation made after ``since`` covers a store of ``data`` (token
         bytes from the root) under the roots ``names`` for ``ctx``."""

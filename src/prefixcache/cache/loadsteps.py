@@ -109,6 +109,13 @@ def _adopt_chain(
     # shared mode a block stays its storing tenant's (``plan_chain``)
     public = probe.which > 0 or ledger.tenancy.mode == "shared"
     ends = probe.ends[skip : skip + n]
+    # NOTE: a prefix purge reaches only the frames the tree knows: a probed frame under one
+    # may predate it (a restart, another server), so the chain is cut before it
+    names, data = (probe.lookup.roots[probe.which].ctx_name,), probe.lookup.data
+    kept = next((i for i, end in enumerate(ends) if ledger.life.invalid.purged(ctx, names, data[: 4 * end])), len(ends))
+    ends = ends[:kept]
+    if not ends:
+        return None
     chain = ledger.plan_chain(probe.lookup, probe.which, parent, ends, ctx, public, tiers=False)
     linked = ledger.commit_chain(chain, len(chain.blocks)) if chain is not None else []
     books = _books(ledger)
