@@ -104,13 +104,19 @@ class Invalidations:
         self.seq += 1
         self._log.append((self.seq, scope))
 
-    def purged(self, ctx: CacheContext, names: Names, data: bytes) -> bool:
-        """Whether a prefix purge this cache remembers covers ``data`` under ``names``: a
-        frame a probing tier holds (written before the purge, by this process before a
-        restart or by another server) is never adopted then, since nothing tells when it
-        was written. NOTE: as far back as the log goes (``keep`` invalidations)."""
+    def purged_from(self, names: Names, data: bytes) -> int | None:
+        """The shortest prefix of ``data`` (token bytes) that a prefix purge this cache
+        remembers covers under ``names``, in bytes; None when none does. A frame a probing
+        tier holds at or past it (written before the purge, by this process before a
+        restart or by another server) is never adopted, since nothing tells when it was
+        written. One pass over the log. NOTE: as far back as the log goes (``keep``)."""
         names = tuple(names)
-        return any(isinstance(scope, PrefixPurged) and scope.covers(ctx, names, data) for _, scope in self._log)
+        lengths = [
+            len(scope.prefix)
+            for _, scope in self._log
+            if isinstance(scope, PrefixPurged) and data.startswith(scope.prefix) and not scope.names.isdisjoint(names)
+        ]
+        return min(lengths, default=None)
 
     def voids(self, since: int, ctx: CacheContext, names: Names, data: bytes) -> bool:
         """Whether an invalidation made after ``since`` covers a store of ``data`` (token

@@ -112,8 +112,9 @@ def _adopt_chain(
     # NOTE: a prefix purge reaches only the frames the tree knows: a probed frame under one
     # may predate it (a restart, another server), so the chain is cut before it
     names, data = (probe.lookup.roots[probe.which].ctx_name,), probe.lookup.data
-    kept = next((i for i, end in enumerate(ends) if ledger.life.invalid.purged(ctx, names, data[: 4 * end])), len(ends))
-    ends = ends[:kept]
+    cut = ledger.life.invalid.purged_from(names, data)
+    if cut is not None:
+        ends = [end for end in ends if 4 * end < cut]  # ascending: the blocks before the purged prefix
     if not ends:
         return None
     chain = ledger.plan_chain(probe.lookup, probe.which, parent, ends, ctx, public, tiers=False)
