@@ -104,6 +104,11 @@ class KVGroups:
         if [g.index for g in self.groups] != list(range(len(self.groups))):
             raise ValueError("KV cache groups must be numbered 0.. in order")
 
+    @classmethod
+    def uniform(cls, block_size: int) -> KVGroups:
+        """A model of one full-attention group (every layer alike): keyed as ever."""
+        return cls((KVGroup(0, LayerKind.FULL, ("all",)),), block_size)
+
     @property
     def hybrid(self) -> bool:
         """More than one group: each group's blocks are keyed and stored apart."""
@@ -171,7 +176,7 @@ def kv_groups(kv_cache_config: Any, block_size: int, stride_tokens: int | None) 
     not know, groups of several block sizes: every request bypasses)."""
     specs = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     if not specs:
-        return KVGroups((KVGroup(0, LayerKind.FULL, ("all",)),), block_size)
+        return KVGroups.uniform(block_size)
     groups = []
     for index, spec in enumerate(specs):
         kind_name = type(spec.kv_cache_spec).__name__

@@ -31,7 +31,7 @@ from prefixcache.cache.facade import PrefixCache
 from prefixcache.cache.invalidations import Stamp
 from prefixcache.config import CacheConfig
 from prefixcache.hashing import CacheContext, Segment
-from prefixcache.integrations.vllm.groups import NULL_BLOCK, Found, KVGroup, KVGroups, LayerKind, digests
+from prefixcache.integrations.vllm.groups import NULL_BLOCK, Found, KVGroup, KVGroups, digests
 from prefixcache.integrations.vllm.hybrid import GroupBlocks
 from prefixcache.integrations.vllm.paged import GroupedKV, PagedKV, PagedSource
 from prefixcache.integrations.vllm.scope import Scope
@@ -189,7 +189,7 @@ class ConnectorWorker:
             paged = GroupedKV([paged])
         self.paged = paged
         self.model = model
-        self.groups = groups or KVGroups((KVGroup(0, LayerKind.FULL, ("all",)),), paged.block_size)
+        self.groups = groups or KVGroups.uniform(paged.block_size)
         if len(self.groups.groups) != len(paged.groups):
             raise ValueError(f"{len(self.groups.groups)} KV cache groups described, {len(paged.groups)} registered")
         self.cache = PrefixCache(
