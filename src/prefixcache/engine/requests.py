@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from prefixcache.cache.retention import RetainOutcome, RetainSpan
 from prefixcache.engine.sampling import SamplingParams
 
 __all__ = [
@@ -84,6 +85,7 @@ class Request:
     tenant: str
     params: SamplingParams
     timeout_s: float | None = None  # None: the engine's default
+    retain: tuple[RetainSpan, ...] = ()  # prefixes of ``tokens`` the client asked to keep (``cache/retention.py``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +96,7 @@ class Usage:
     tier_tokens: Mapping[str, int]  # cached_tokens split by the tier they came from
     queue_s: float  # time waiting in the queue
     prefill_s: float  # time from the start of work to the first token's logits (match, load, prefill)
+    retained: RetainOutcome = RetainOutcome.NONE  # what ``Request.retain`` got
 
 
 @dataclass(frozen=True, slots=True)
