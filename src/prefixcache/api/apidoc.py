@@ -4,8 +4,9 @@ the pydantic request bodies, completed with what FastAPI cannot see from them:
 - who may call a route: the schemes of its guard (``api_key``, a tenant's Bearer key;
   ``admin_key``, the operator's; or the dashboard's session cookie), found in the
   route's dependencies; none where the configuration opens it (local mode);
-- the errors it answers, in OpenAI's shape, with the statuses it really returns: a body
-  that fails validation is a 400 here (``errors.py``), never FastAPI's 422;
+- the errors it answers, in OpenAI's shape (Anthropic's on its routes), with the statuses
+  it really returns: a body that fails validation is a 400 here (``errors.py``), never
+  FastAPI's 422;
 - the media types that are not JSON: SSE for a streamed completion, Prometheus' text.
 
 The document describes the API, never a deployment: no key, tenant or model name is in it,
@@ -24,6 +25,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 
 from prefixcache.api.auth import Auth
+from prefixcache.api.errors import anthropic_route
 from prefixcache.api.sessions import COOKIE
 from prefixcache.settings import AuthSettings
 
@@ -31,6 +33,12 @@ __all__ = ["install_openapi", "openapi_document"]
 
 _SCHEMES = {
     "api_key": {"type": "http", "scheme": "bearer", "description": "A tenant's API key (it names the tenant)."},
+    "x_api_key": {
+        "type": "apiKey",
+        "in": "header",
+        "name": "x-api-key",
+        "description": "A tenant's API key, as Anthropic's clients send it (Anthropic's routes).",
+    },
     "admin_key": {"type": "http", "scheme": "bearer", "description": "The operator's admin key."},
     "dashboard_session": {
         "type": "apiKey",
@@ -42,6 +50,7 @@ _SCHEMES = {
 # Each guard of ``Auth``: the schemes that satisfy it (any one of them), and its refusals.
 _GUARDS = {
     "tenant": (("api_key",), (401,)),
+    "messages_tenant": (("api_key", "x_api_key"), (401,)),
     "admin": (("admin_key",), (401, 403)),
     "operator": (("admin_key",), (401, 403)),
     "dashboard": (("admin_key", "dashboard_session"), (401, 403)),
@@ -52,6 +61,8 @@ _GUARDS = {
 _RAISES: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/chat/completions"): (404, 429, 503, 504),
     ("post", "/v1/completions"): (404, 429, 503, 504),
+    ("post", "/v1/messages"): (404, 429, 503, 504),
+    ("post", "/v1/messages/count_tokens"): (404,),
     ("post", "/admin/epoch"): (404, 409),
     ("post", "/admin/purge"): (409,),
     ("post", "/dashboard/login"): (401, 403, 429),  # the admin key is in the body; failures are throttled
@@ -61,6 +72,7 @@ _RAISES: dict[tuple[str, str], tuple[int, ...]] = {
 _MEDIA: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/v1/chat/completions"): {"application/json": {"schema": {}}, "text/event-stream": {"schema": {}}},
     ("post", "/v1/completions"): {"application/json": {"schema": {}}, "text/event-stream": {"schema": {}}},
+    ("post", "/v1/messages"): {"application/json": {"schema": {}}, "text/event-stream": {"schema": {}}},
     ("get", "/metrics"): {"text/plain": {"schema": {"type": "string"}}},
     ("get", "/fleet/info"): {
         "application/json": {
@@ -108,6 +120,20 @@ _ERROR_SCHEMA = {
     },
 }
 
+# Anthropic's routes answer errors in its shape (``errors.anthropic_route``).
+_ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
+
 
 def install_openapi(app: FastAPI, auth: AuthSettings) -> None:
     """Serve ``openapi_document(app, auth)`` (built once, on the first request for it)."""
@@ -127,6 +153,7 @@ def openapi_document(app: FastAPI, auth: AuthSettings) -> dict[str, Any]:
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     schemas["Error"] = copy.deepcopy(_ERROR_SCHEMA)
+    schemas["AnthropicError"] = copy.deepcopy(_ANTHROPIC_ERROR_SCHEMA)
     components["securitySchemes"] = copy.deepcopy(_SCHEMES)
     for route in app.routes:
         if isinstance(route, APIRoute) and route.include_in_schema:
@@ -151,10 +178,11 @@ def _complete(operation: dict[str, Any], route: APIRoute, method: str, auth: Aut
         statuses |= set(refused)
     if (method, route.path_format) in _MEDIA:
         responses["200"]["content"] = copy.deepcopy(_MEDIA[(method, route.path_format)])
+    error = "AnthropicError" if anthropic_route(route.path_format) else "Error"
     for status in sorted(statuses):
         responses[str(status)] = {
             "description": _ERRORS[status],
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}},
         }
     if "429" in responses:
         retry = {"required": True, "schema": {"type": "integer", "minimum": 1}, "description": "Seconds to wait."}
@@ -164,7 +192,7 @@ def _complete(operation: dict[str, Any], route: APIRoute, method: str, auth: Aut
 def _open(guard: str, auth: AuthSettings) -> bool:
     """Whether ``guard`` lets anyone in, as ``Auth`` decides in local mode (no API keys):
     a tenant's routes always, the operator's when no admin key is set either."""
-    return auth.local_mode and (guard == "tenant" or not auth.admin_key)
+    return auth.local_mode and (guard in ("tenant", "messages_tenant") or not auth.admin_key)
 
 
 def _guards(dependant: Dependant) -> list[str]:

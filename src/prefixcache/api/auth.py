@@ -1,5 +1,6 @@
-"""Who is asking: a tenant from its API key (never from the body), the operator from
-the admin key. Keys are compared in constant time, against every configured key.
+"""Who is asking: a tenant from its API key (never from the body; a Bearer token, or on
+Anthropic's routes ``x-api-key`` too), the operator from the admin key. Keys are compared
+in constant time, against every configured key.
 
 Behind a gateway the operator trusts (``auth.tenant_header``), the key is the gateway's
 (or the client's, which the gateway passes on) and the tenant is the header's. With a
@@ -22,7 +23,9 @@ from prefixcache.api.sessions import COOKIE, Sessions
 from prefixcache.identity import PROOF_HEADER, verify_proof
 from prefixcache.settings import LOCAL_TENANT, AuthSettings
 
-__all__ = ["LOCAL_TENANT", "Auth"]
+__all__ = ["API_KEY_HEADER", "LOCAL_TENANT", "Auth"]
+
+API_KEY_HEADER = "x-api-key"  # where Anthropic's clients send the key
 
 
 class Auth:
@@ -49,10 +52,19 @@ class Auth:
 
     def tenant(self, request: Request) -> str:
         """The caller's tenant, from its API key (never from the body)."""
+        return self._tenant(request, self._key(request))
+
+    def messages_tenant(self, request: Request) -> str:
+        """The caller's tenant on Anthropic's routes, whose clients send the key as
+        ``x-api-key`` (or, given an auth token, as a Bearer token); the key is looked up
+        as ``tenant`` looks up a Bearer key, and ``x-api-key`` wins when both are sent."""
+        key = request.headers.get(API_KEY_HEADER, "").strip()
+        return self._tenant(request, key or self._key(request))
+
+    def _tenant(self, request: Request, key: str | None) -> str:
         auth = self.settings
         tenant: str | None = LOCAL_TENANT
         if not auth.local_mode:
-            key = self._key(request)
             tenant = _lookup(auth.api_keys, key) if key is not None else None
         if tenant is None:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
