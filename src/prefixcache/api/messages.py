@@ -92,9 +92,11 @@ def _readable(kinds: tuple[str, ...]) -> Any:
     def check(value: Any) -> Any:
         for block in value if isinstance(value, list) else ():
             kind = block.get("type") if isinstance(block, dict) else None
+            if not isinstance(kind, str):
+                continue  # the union says what is wrong
             if kind in _UNREADABLE:
                 raise ValueError(_UNREADABLE[kind])
-            if isinstance(kind, str) and kind not in kinds:
+            if kind not in kinds:
                 raise ValueError(f"content block type {kind!r} is not supported here (only {', '.join(kinds)})")
         return value
 

@@ -3,15 +3,18 @@
     client ──HTTP──> BodyLimit ──> auth (Bearer -> tenant) ──> route ──> Engine.submit(sink)
                                                                   <── events via the event loop
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE),
-``GET /v1/models``, ``GET /healthz``, the dashboard page at ``GET /``; behind the admin
-key ``GET /metrics`` and ``GET /dashboard/data`` (per-tenant figures: a tenant's key
-gets 403, so no tenant sees another's), ``POST /admin/epoch``, ``POST /admin/purge``,
-``GET /admin/stats``, and (``[fleet]``) ``GET /fleet/info`` (``BackendInfo`` as JSON) and
-``GET /fleet/snapshot`` (``Snapshot``, msgpack). The page logs in with ``POST /dashboard/login`` (the admin key in
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE), Anthropic's
+``POST /v1/messages`` (JSON or SSE) and ``POST /v1/messages/count_tokens`` (``messages.py``;
+the key in ``x-api-key`` too, errors in Anthropic's shape), ``GET /v1/models``,
+``GET /healthz``, the dashboard page at ``GET /``; behind the admin key ``GET /metrics``
+and ``GET /dashboard/data`` (per-tenant figures: a tenant's key gets 403, so no tenant
+sees another's), ``POST /admin/epoch``, ``POST /admin/purge``, ``GET /admin/stats``, and
+(``[fleet]``) ``GET /fleet/info`` (``BackendInfo`` as JSON) and ``GET /fleet/snapshot``
+(``Snapshot``, msgpack). The page logs in with ``POST /dashboard/login`` (the admin key in
 the body, a session cookie back; see sessions.py) and out with ``POST /dashboard/logout``.
 In local mode (no API keys, no admin key) everything is open.
-Every error is OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+Every error is OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, but on
+Anthropic's routes (``api/errors.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prefixcache.api.apidoc import install_openapi
 from prefixcache.api.auth import Auth
 from prefixcache.api.errors import APIError, BodyLimit, install_error_handlers
+from prefixcache.api.messages import CountTokensRequest, MessagesRequest
 from prefixcache.api.prompts import prompt_tokens
 from prefixcache.api.schemas import ChatRequest, CompletionRequest, EpochRequest, LoginRequest, PurgeRequest
 from prefixcache.api.sessions import COOKIE, LoginThrottle, Sessions, TrustedProxies
@@ -44,6 +48,7 @@ from prefixcache.cache.stats import CacheStats, to_json, top_tenants
 from prefixcache.engine import Engine
 from prefixcache.ops.collector import CacheCollector
 from prefixcache.ops.dashboard import dashboard_data
+from prefixcache.server.messages import Messages
 from prefixcache.server.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, Completions
 from prefixcache.server.recording import RECENT_REQUESTS, Recorder
 from prefixcache.settings import Settings
@@ -105,6 +110,7 @@ class Server:
             self._gate(self.blend_engine.gate)
         self.recorder = Recorder(registry, engine.model_id, cache, self.blend)
         self.completions = Completions(engine, self.recorder)
+        self.messages = Messages(self.completions)
         self.fleet = publisher(cache, registry) if publisher is not None and cache is not None else None
 
     def _gate(self, gate: GateStatus) -> None:
@@ -165,6 +171,7 @@ def create_app(
     install_openapi(app, settings.auth)
     app.state.server = server
     _generation_routes(app, server)
+    _messages_routes(app, server)
     _operator_routes(app, server)
     _fleet_routes(app, server)
     install_error_handlers(app)
@@ -200,6 +207,21 @@ def _generation_routes(app: FastAPI, server: Server) -> None:
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         return {"status": "ok", "model": server.model_id}
+
+
+def _messages_routes(app: FastAPI, server: Server) -> None:
+    """Anthropic's Messages API (``server/messages.py``)."""
+    auth, messages = server.auth, server.messages
+
+    @app.post("/v1/messages")
+    async def create_message(
+        request: Request, body: MessagesRequest, tenant: str = Depends(auth.messages_tenant)
+    ) -> Response:
+        return await messages.create(request, body, tenant)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest, tenant: str = Depends(auth.messages_tenant)) -> dict[str, int]:
+        return messages.count_tokens(body)
 
 
 def _operator_routes(app: FastAPI, server: Server) -> None:
