@@ -25,13 +25,22 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from prefixcache.api.messages import CountTokensRequest, TextBlock, Tool, ToolResultBlock, ToolUseBlock, Ttl
-from prefixcache.api.prompts import Tokenizes
 from prefixcache.cache.retention import RetainSpan
 
-__all__ = ["SEP", "TOOLS_HEADER", "Breakpoint", "Fragment", "Part", "Prompt", "messages_prompt", "render"]
+__all__ = [
+    "SEP",
+    "TOOLS_HEADER",
+    "Breakpoint",
+    "ChatTokenizer",
+    "Fragment",
+    "Part",
+    "Prompt",
+    "messages_prompt",
+    "render",
+]
 
 # NOTE: a breakpoint's turn is cut after its block and ends with this private-use
 # character, which no template writes and no text of ours holds: the prompt's tokens it
@@ -44,6 +53,13 @@ TOOLS_HEADER = (
     '<tool_use id="ID" name="NAME">{"argument": "value"}</tool_use>. '
     "Its result comes back in a tool_result block."
 )
+
+
+class ChatTokenizer(Protocol):
+    """What renders a chat through the model's template: the server's ``Engine``, the
+    router's ``prompts.Tokenizer`` (which predicts the servers' tokens with it)."""
+
+    def tokenize_chat(self, messages: list[dict[str, str]], generation_prompt: bool = True) -> list[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +172,7 @@ def _shared(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def messages_prompt(tok: Tokenizes, body: CountTokensRequest, breakpoints: bool = True) -> Prompt:
+def messages_prompt(tok: ChatTokenizer, body: CountTokensRequest, breakpoints: bool = True) -> Prompt:
     """The prompt's tokens (ending with the assistant's turn) and, unless ``breakpoints``
     is False, each breakpoint's prefix of them (module doc)."""
     parts = render(body)

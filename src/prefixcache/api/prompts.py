@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 from transformers import AutoTokenizer
 
+from prefixcache.api.messages import CountTokensRequest
+from prefixcache.api.messages_prompt import messages_prompt
 from prefixcache.api.schemas import ChatRequest, CompletionRequest
 from prefixcache.engine.chat import chat_tokens
 from prefixcache.engine.model import resolve_model
@@ -40,9 +42,9 @@ def prompt_tokens(tok: Tokenizes, body: ChatRequest | CompletionRequest) -> list
 
 
 class Tokenizer:
-    """The router's ``(path, body) -> tokens`` for the two generation routes; a body the
-    servers would refuse raises (the router then forwards it unscored, for the server to
-    say why)."""
+    """The router's ``(path, body) -> tokens`` for the generation routes (Anthropic's
+    Messages rendered as ``messages_prompt`` renders it); a body the servers would refuse
+    raises (the router then forwards it unscored, for the server to say why)."""
 
     def __init__(self, model: ModelSettings) -> None:
         self._tok: Any = AutoTokenizer.from_pretrained(str(resolve_model(model.name, Path(model.models_dir))))
@@ -56,4 +58,6 @@ class Tokenizer:
     def __call__(self, path: str, body: dict[str, Any]) -> list[int]:
         if path.endswith("/chat/completions"):
             return prompt_tokens(self, ChatRequest.model_validate(body))
+        if path.endswith("/messages"):
+            return messages_prompt(self, CountTokensRequest.model_validate(body), breakpoints=False).tokens
         return prompt_tokens(self, CompletionRequest.model_validate(body))

@@ -1,5 +1,5 @@
-"""``prefixcache route``: an OpenAI-compatible proxy that sends each request where its
-prefill is cheapest.
+"""``prefixcache route``: an OpenAI-compatible proxy (and Anthropic's Messages API, to our
+servers' and vLLM's ``/v1/messages``) that sends each request where its prefill is cheapest.
 
     client ──> BodyLimit (size, JSON depth) ──> auth (the servers' API keys -> tenant)
     ──> body check (validate: the servers' schemas) ──> tokenize (the model's chat
@@ -43,7 +43,7 @@ from prefixcache.fleet.relay import RETRY_STATUS, Held, failed, hold, relay
 from prefixcache.fleet.route_metrics import RouteCollector
 from prefixcache.fleet.scoring import BackendView, Routing, Scorer, affinity_of
 from prefixcache.fleet.stamping import NO_SECRET, Stamper
-from prefixcache.fleet.validate import CHAT, COMPLETIONS, Strictness, body_check, check_vllm
+from prefixcache.fleet.validate import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, Strictness, body_check, check_vllm
 from prefixcache.fleet.zmq import VllmSource
 from prefixcache.settings import Settings
 from prefixcache.tenancy import PUBLIC
@@ -261,10 +261,21 @@ def create_router(router: Router) -> FastAPI:
     async def complete(request: Request, tenant: str = Depends(auth.tenant)) -> Response:
         return await route(request, COMPLETIONS, tenant)
 
+    # Anthropic's Messages API: routed as a chat is, on the prompt as the servers render it
+    # (``api/messages_prompt``); its key may come as x-api-key, its errors in its shape.
+    @app.post(MESSAGES, dependencies=[Depends(body_check(MESSAGES, router.strictness))])
+    async def messages(request: Request, tenant: str = Depends(auth.messages_tenant)) -> Response:
+        return await route(request, MESSAGES, tenant)
+
+    @app.post(COUNT_TOKENS, dependencies=[Depends(body_check(COUNT_TOKENS, router.strictness))])
+    async def count_tokens(request: Request, tenant: str = Depends(auth.messages_tenant)) -> Response:
+        raw = await request.body()
+        return await forward(request, COUNT_TOKENS, raw, json.loads(raw), [], tenant)
+
     async def route(request: Request, path: str, tenant: str) -> Response:
         raw = await request.body()
         body = json.loads(raw)  # an object the body check validated, nested no deeper than BodyLimit lets through
-        affinity = affinity_of(tenant, body.get("prompt_cache_key"))  # a hint: the cache's scope is the tenant's
+        affinity = affinity_of(tenant, _affinity_key(path, body))  # a hint: the cache's scope is the tenant's
         return await forward(request, path, raw, body, router.tokens(path, body), tenant, affinity)
 
     async def forward(
@@ -329,3 +340,12 @@ def create_router(router: Router) -> FastAPI:
             return relay(reply, backend, left)
 
     return app
+
+
+def _affinity_key(path: str, body: dict[str, Any]) -> object:
+    """The client's affinity hint: OpenAI's ``prompt_cache_key``, Anthropic's
+    ``metadata.user_id`` (one end user's conversations go to one backend on ties)."""
+    if path != MESSAGES:
+        return body.get("prompt_cache_key")
+    metadata = body.get("metadata")
+    return metadata.get("user_id") if isinstance(metadata, dict) else None

@@ -10,7 +10,8 @@
     client headers ──> every backend:    ``FORWARDED`` only (less any the client's
                                           Connection header names); X-Forwarded-For
                                           and -Proto set by the router
-                   ──> prefixcache server:  also Authorization (it checks the key again)
+                   ──> prefixcache server:  also Authorization or x-api-key (it checks
+                                          the key again)
                                           and the tenant header (``auth.tenant_header``)
                                           = the authenticated tenant, with the gateway's
                                           proof (``identity.tenant_proof``) when a
@@ -67,9 +68,19 @@ Headers = dict[bytes, bytes]  # lower-case names, raw values (HTTP headers are b
 # What a client may say to every backend (all else is dropped): content negotiation,
 # the client's name, the W3C trace context, and its own request id.
 FORWARDED = frozenset(
-    {b"content-type", b"accept", b"accept-encoding", b"user-agent", b"traceparent", b"tracestate", b"x-request-id"}
+    {
+        b"content-type",
+        b"accept",
+        b"accept-encoding",
+        b"user-agent",
+        b"traceparent",
+        b"tracestate",
+        b"x-request-id",
+        b"anthropic-version",  # the version of Anthropic's API the client speaks
+    }
 )
 KEY = b"authorization"  # to a prefixcache server only, which authenticates it again
+API_KEY = b"x-api-key"  # the same key as Anthropic's clients send it: to a prefixcache server only
 # RFC 9110 7.6.1: headers about one connection, never forwarded (nor any header the
 # Connection header names).
 HOP_BY_HOP = frozenset(
@@ -137,7 +148,7 @@ class Stamper:
         X-Forwarded-For (``client``, the address it saw) and -Proto (``scheme``), and to a
         prefixcache server the client's key and the tenant (module doc)."""
         received = list(incoming)
-        allowed = FORWARDED if vllm else FORWARDED | {KEY}
+        allowed = FORWARDED if vllm else FORWARDED | {KEY, API_KEY}
         allowed = allowed - hop_by_hop(received)
         out: Headers = {}
         for name, value in received:

@@ -12,7 +12,8 @@ OpenAPI document then describes the same bodies too.
 
 How strict depends on who may get the request:
 
-- ``SERVER``: the servers' own schemas (``ChatRequest``, ``CompletionRequest``), when
+- ``SERVER``: the servers' own schemas (``ChatRequest``, ``CompletionRequest``, Anthropic's
+  ``MessagesRequest`` and ``CountTokensRequest``), when
   any backend is a prefixcache server: any request may land on one, and a body it
   refuses is refused up front, where it costs no backend anything.
 - ``OBJECT``: any JSON object, when every backend is vLLM. vLLM takes fields our
@@ -32,13 +33,16 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from prefixcache.api.errors import APIError
+from prefixcache.api.messages import CountTokensRequest, MessagesRequest
 from prefixcache.api.schemas import ChatRequest, CompletionRequest
 from prefixcache.fleet.keys import TOKEN_LIMIT
 
-__all__ = ["CHAT", "COMPLETIONS", "AnyObject", "Strictness", "body_check", "check_vllm"]
+__all__ = ["CHAT", "COMPLETIONS", "COUNT_TOKENS", "MESSAGES", "AnyObject", "Strictness", "body_check", "check_vllm"]
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+MESSAGES = "/v1/messages"  # Anthropic's
+COUNT_TOKENS = "/v1/messages/count_tokens"
 
 
 class Strictness(Enum):
@@ -66,6 +70,14 @@ def _completion(body: CompletionRequest) -> None:
     """The body of a text completion, as a server validates it."""
 
 
+def _messages(body: MessagesRequest) -> None:
+    """The body of an Anthropic Messages request, as a server validates it."""
+
+
+def _count_tokens(body: CountTokensRequest) -> None:
+    """The body of an Anthropic count_tokens request, as a server validates it."""
+
+
 def _object(body: AnyObject) -> None:
     """Any JSON object."""
 
@@ -73,13 +85,17 @@ def _object(body: AnyObject) -> None:
 _CHECKS: dict[tuple[str, Strictness], Callable[..., None]] = {
     (CHAT, Strictness.SERVER): _chat,
     (COMPLETIONS, Strictness.SERVER): _completion,
+    (MESSAGES, Strictness.SERVER): _messages,
+    (COUNT_TOKENS, Strictness.SERVER): _count_tokens,
     (CHAT, Strictness.OBJECT): _object,
     (COMPLETIONS, Strictness.OBJECT): _object,
+    (MESSAGES, Strictness.OBJECT): _object,
+    (COUNT_TOKENS, Strictness.OBJECT): _object,
 }
 
 
 def body_check(path: str, strictness: Strictness) -> Callable[..., None]:
-    """The dependency that validates the body of ``path`` (``CHAT`` or ``COMPLETIONS``)."""
+    """The dependency that validates the body of ``path`` (a route of ``_CHECKS``)."""
     return _CHECKS[(path, strictness)]
 
 
