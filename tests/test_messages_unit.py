@@ -6,6 +6,7 @@ arithmetic, and the error shape."""
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from prefixcache.api.messages import _OFF, IMPLEMENTED, INERT, REFUSED, CountTok
 from prefixcache.api.messages_prompt import TOOLS_HEADER, Breakpoint, messages_prompt, render
 from prefixcache.api.messages_usage import messages_usage
 from prefixcache.cache.retention import RetainSpan
+from prefixcache.engine import QueueFull, TenantBusy
 
 MODEL = "m"
 CC = {"type": "ephemeral"}
@@ -316,3 +318,10 @@ def test_errors_on_anthropics_routes_are_in_its_shape() -> None:
     assert error.anthropic_body() == {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
     response = error.response(anthropic=True)
     assert response.status_code == 429 and response.headers["retry-after"] == "2"
+
+
+def test_the_engines_queue_full_is_a_429_rate_limit_error_with_retry_after() -> None:
+    for refusal_ in (QueueFull("the queue is full", retry_after=3), TenantBusy("over your share", retry_after=3)):
+        response = APIError.of(refusal_).response(anthropic=True)
+        assert response.status_code == 429 and response.headers["retry-after"] == "3"
+        assert json.loads(response.body)["error"] == {"type": "rate_limit_error", "message": refusal_.message}
