@@ -1,8 +1,9 @@
-"""Random sequences of match / insert / release / bump_epoch / purge / purge_prefix /
-clock steps, checked after every step against a reference model and the invariants
-of design.md: no orphans, pinned never evicted, capacity never exceeded, stale never
-matched, namespaces never crossed, accounting exact, and (when nothing can be
-evicted) every cached prefix found. With a memory tier (``tiered``), every match is
+"""Random sequences of match / insert / release / retain / bump_epoch / purge /
+purge_prefix / clock steps, checked after every step against a reference model and the
+invariants of design.md: no orphans, pinned never evicted, retained never evicted (nor
+its tenant past its cap), capacity never exceeded, stale never matched, namespaces
+never crossed, accounting exact, and (when nothing can be evicted) every cached prefix
+found. With a memory tier (``tiered``), every match is
 also loaded, and the KV loaded is the exact KV of the prefix (invariant 6); its stores
 fail the test if called under the cache's lock (``guard_store``, invariant 9)."""
 
@@ -18,7 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from guard_store import guard_stores  # noqa: F401  (autouse: no store call under a cache lock)
 from prefixcache import CacheConfig, CacheContext, Match, PrefixCache, PublishConfig
 from prefixcache.cache.tree import path_to
-from prefixcache.config import TierConfig
+from prefixcache.config import RetentionConfig, TierConfig
+from prefixcache.events import BlocksRemoved, RemovalReason
 from prefixcache.tenancy import PUBLIC
 from support import Clock, lcp
 from tier_worker import frame_bytes, kv_for
@@ -61,6 +63,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.held: list[tuple[Match, str]] = []
         self.ref = Reference()
         self.epochs: dict[tuple[str, str | None], int] = {}
+        self.holding: set[bytes] = set()  # keys of the blocks retained after the last step
+        self.sent: list[tuple[str, str, str | None, list[int]]] = []  # the prompts inserted, to retain
 
     @initialize(
         isolation=st.sampled_from(["shared", "namespace", "partitioned"]),
@@ -70,6 +74,8 @@ class CacheMachine(RuleBasedStateMachine):
         ttl=st.sampled_from([None, 5.0]),
         promote=st.booleans(),
         tiered=st.booleans(),
+        share=st.sampled_from([0.25, 0.5, 1.0]),
+        refuse_c=st.booleans(),
     )
     def setup(
         self,
@@ -80,6 +86,8 @@ class CacheMachine(RuleBasedStateMachine):
         ttl: float | None,
         promote: bool,
         tiered: bool,
+        share: float,
+        refuse_c: bool,
     ) -> None:
         publish = PublishConfig(min_tenants=2, min_tokens=2 * BS) if promote and isolation != "shared" else None
         # NOTE: a frame per token of capacity: a tier that never has to evict (every block
@@ -99,6 +107,7 @@ class CacheMachine(RuleBasedStateMachine):
             isolation=isolation,
             partial_blocks=partial,
             ttl_seconds=ttl,
+            retention=RetentionConfig(share=share, tenants={"c": 0.0} if refuse_c else {}),
         )
         self.cache = PrefixCache(self.config, clock=self.clock)
         # Completeness is only owed when nothing can ever be evicted or expire.
@@ -136,6 +145,7 @@ class CacheMachine(RuleBasedStateMachine):
         return best
 
     def record_insert(self, tenant: str, model: str, adapter: str | None, prompt: list[int]) -> None:
+        self.sent.append((tenant, model, adapter, prompt))
         self.ref.seqs.setdefault(self.ref_key(tenant, model, adapter), {})[tuple(prompt)] = self.clock.now
         if self.config.publish is not None:
             self.count_senders(tenant, model, adapter, prompt)
@@ -189,14 +199,16 @@ class CacheMachine(RuleBasedStateMachine):
         m, _ = self.held.pop(i % len(self.held))
         m.release()
 
-    @rule(**REQUEST)
-    def insert(self, tenant: str, model: str, adapter: str | None, prompt: list[int]) -> None:
+    @rule(**REQUEST, keep_s=st.sampled_from([None, 2.0, 20.0]))
+    def insert(self, tenant: str, model: str, adapter: str | None, prompt: list[int], keep_s: float | None) -> None:
         ctx = CacheContext(tenant=tenant, model=model, adapter=adapter)
         used_before = self.cache.used_tokens
         stored = self.cache.insert(prompt, ctx, kv=kv_for(prompt) if self.tiered else None)
         assert 0 <= stored <= len(prompt)
         assert stored == 0 or self.cache.used_tokens <= used_before + stored
         self.record_insert(tenant, model, adapter, prompt)
+        if keep_s is not None:  # the prompt retained as it is stored, as a server does
+            self.retain(-1, 0, keep_s)
 
     @precondition(lambda self: not self.tiered)  # NOTE: ``access`` is metadata-only
     @rule(**REQUEST)
@@ -210,6 +222,24 @@ class CacheMachine(RuleBasedStateMachine):
             assert cached == allowed
         assert 0 <= stored <= len(prompt)  # a partial hit's block is stored whole, so not len - cached
         self.record_insert(tenant, model, adapter, prompt)
+
+    @precondition(lambda self: self.sent)
+    @rule(i=st.integers(min_value=0), cut=st.integers(min_value=0, max_value=24), seconds=st.sampled_from([2.0, 20.0]))
+    def retain(self, i: int, cut: int, seconds: float) -> None:
+        """Retain (a prefix of) a prompt sent before, as a client does with its own."""
+        tenant, model, adapter, sent = self.sent[i % len(self.sent)]
+        prompt = sent[: len(sent) - cut]
+        ctx = CacheContext(tenant=tenant, model=model, adapter=adapter)
+        before = self.cache.peek(prompt, ctx).cached_tokens
+        retained = self.cache.retain(prompt, ctx, seconds)
+        assert retained.tokens <= before  # whole cached blocks of the prompt, never more
+        if retained.outcome.value == "refused":
+            assert tenant == "c" and self.config.retention.tenants, retained
+        if retained.tokens:  # the retained prefix is cached, and each of its blocks held
+            assert self.cache.peek(prompt[: retained.tokens], ctx).cached_tokens == retained.tokens
+            keeper = self.cache._ledger.keeper
+            held = [b for b in keeper.order[tenant] if b.retain_until > self.clock.now]
+            assert sum(b.num_tokens for b in held) >= retained.tokens
 
     @rule(model=st.sampled_from(MODELS), adapter=st.sampled_from(ADAPTERS))
     def bump(self, model: str, adapter: str | None) -> None:
@@ -327,6 +357,40 @@ class CacheMachine(RuleBasedStateMachine):
         assert cache.used_tokens == total <= self.config.capacity
         # With a real 128-bit hash no verification ever fails.
         assert cache.stats().collisions == 0
+
+    @invariant()
+    def retained_never_evicted(self) -> None:
+        """No block retained after the last step left the cache for want of room in this
+        one (an epoch, a purge, a TTL or a lost frame may end it); the books of retention
+        add up, and no tenant holds more than its cap in any level."""
+        if not hasattr(self, "cache"):
+            return
+        for event in self.cache.take_events():
+            if isinstance(event, BlocksRemoved) and event.reason is RemovalReason.EVICTED:
+                assert not set(event.keys) & self.holding, event
+        keeper = self.cache._ledger.keeper
+        nodes = self.cache._ledger.tree.nodes
+        self.holding = set()
+        for tenant, order in keeper.order.items():
+            held = [0] * len(keeper.levels)
+            for block in order:
+                assert block.retainer == tenant and block.pool is not None and not block.doomed
+                assert nodes.get(block.key) is block
+                books = self.cache._ledger.books
+                mask = 1 | (books.avail(block) << 1 if books is not None else 0)
+                assert block.retain_mask == mask
+                for i, level in enumerate(keeper.levels):
+                    if mask & (1 << i):
+                        held[i] += block.num_tokens if level.per_token else 1
+                if keeper.holds(block):
+                    self.holding.add(block.key)
+            assert keeper.held[tenant] == held
+            assert all(h <= keeper.cap(tenant, i) for i, h in enumerate(held) if keeper.levels[i].binding), (
+                tenant,
+                held,
+            )
+        for block in nodes.values():
+            assert (block.retainer is None) == (block not in keeper.order.get(block.retainer or "", {}))
 
     @invariant()
     def pinned_never_evicted(self) -> None:

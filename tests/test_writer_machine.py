@@ -27,7 +27,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from fault_stores import Faulty, faulty
 from guard_store import guard_stores  # noqa: F401  (autouse: no store call under a cache lock)
 from prefixcache.cache import PrefixCache, Stamp
-from prefixcache.config import CacheConfig, TierConfig
+from prefixcache.config import CacheConfig, RetentionConfig, TierConfig
+from prefixcache.events import BlocksRemoved, RemovalReason
 from prefixcache.hashing import CacheContext
 from tier_worker import BLOCK, SEED, frame_bytes, kv_for, layout, prompt
 
@@ -70,6 +71,7 @@ class WriterMachine(RuleBasedStateMachine):
         queue_frames=st.sampled_from([1, 3, 1000]),
         partial=st.booleans(),
         disk_codec=st.sampled_from(["raw", "int8"]),
+        share=st.sampled_from([0.25, 1.0]),
     )
     def setup(
         self,
@@ -80,6 +82,7 @@ class WriterMachine(RuleBasedStateMachine):
         queue_frames: int,
         partial: bool,
         disk_codec: str,
+        share: float = 0.25,
     ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="writer-machine-"))
         fb = frame_bytes()
@@ -97,10 +100,12 @@ class WriterMachine(RuleBasedStateMachine):
             writer="deferred",
             write_queue_bytes=queue_frames * fb,
             partial_blocks=partial,
+            retention=RetentionConfig(share=share),
         )
         self.open()
 
     def open(self) -> None:
+        self.holding: set[bytes] = set()  # NOTE: retention is the process's: a restart ends it
         self.stores = []
         self.inflight: list[InFlight] = []  # NOTE: a stamp is its cache's: a restart ends them
         self.cache = PrefixCache(self.config, store_factory=faulty(opened=self.stores))
@@ -130,10 +135,19 @@ class WriterMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ rules
 
-    @rule(i=st.integers(0, 5), n=st.integers(1, 7), tenant=st.sampled_from(TENANTS), cut=st.integers(0, 3))
-    def insert(self, i: int, n: int, tenant: str, cut: int) -> None:
+    @rule(
+        i=st.integers(0, 5),
+        n=st.integers(1, 7),
+        tenant=st.sampled_from(TENANTS),
+        cut=st.integers(0, 3),
+        keep=st.booleans(),
+    )
+    def insert(self, i: int, n: int, tenant: str, cut: int, keep: bool) -> None:
         tokens = prompt(i, n)[: BLOCK * n - cut]
-        self.cache.insert(tokens, CacheContext(tenant=tenant, model="m"), kv=kv_for(tokens))
+        ctx = CacheContext(tenant=tenant, model="m")
+        self.cache.insert(tokens, ctx, kv=kv_for(tokens))
+        if keep:  # retained for longer than a run: only a cap, a purge or a lost frame ends it
+            self.cache.retain(tokens, ctx, 3600.0)
 
     @rule(i=st.integers(0, 5), n=st.integers(1, 7), tenant=st.sampled_from(TENANTS), also=st.booleans())
     def fetch(self, i: int, n: int, tenant: str, also: bool) -> None:
@@ -277,6 +291,35 @@ class WriterMachine(RuleBasedStateMachine):
             assert len(tier.policy) == len(held) + len(tier.orphans)
             assert tier.store.used_bytes <= tier.store.capacity_bytes
         assert queue.queued_bytes <= queue.limit_bytes
+
+    @invariant()
+    def retained_stay(self) -> None:
+        """A block retained after the last step left no tier's last copy, nor the cache,
+        for want of room in this one; it is counted in the levels it is in, and its
+        tenant holds no more than its cap in any."""
+        if not hasattr(self, "cache"):
+            return
+        ledger = self.cache._ledger
+        for event in self.cache.take_events():
+            if isinstance(event, BlocksRemoved) and event.reason is RemovalReason.EVICTED:
+                assert not set(event.keys) & self.holding, event
+        keeper, books = ledger.keeper, ledger.books
+        assert books is not None
+        self.holding = set()
+        for tenant, order in keeper.order.items():
+            held = [0] * len(keeper.levels)
+            for block in order:
+                assert ledger.tree.nodes.get(block.key) is block and block.retainer == tenant
+                assert block.retain_mask == 1 | books.avail(block) << 1
+                for i, level in enumerate(keeper.levels):
+                    if block.retain_mask >> i & 1:
+                        held[i] += block.num_tokens if level.per_token else 1
+                self.holding.add(block.key)
+            assert keeper.held[tenant] == held
+            assert all(h <= keeper.cap(tenant, i) for i, h in enumerate(held) if keeper.levels[i].binding), (
+                tenant,
+                held,
+            )
 
 
 WriterMachine.TestCase.settings = settings(

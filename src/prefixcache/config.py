@@ -94,6 +94,32 @@ class PublishConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RetentionConfig:
+    """How much a tenant may keep retained (``cache/retention.py``): a share of each level
+    (the cache's capacity, each tier's). ``share`` is split evenly among the tenants that
+    retain now and have no share of their own in ``tenants``; a share there of 0 refuses
+    that tenant's retention (served without it)."""
+
+    share: float = 0.25
+    tenants: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tenants, Mapping):
+            raise ValueError("retention.tenants must be a mapping of tenant -> share")
+        object.__setattr__(self, "tenants", FrozenMap(self.tenants))  # type: ignore[arg-type]
+        for name, share in [
+            ("retention.share", self.share),
+            *((f"retention.tenants[{t!r}]", v) for t, v in self.tenants.items()),
+        ]:
+            if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+                raise ValueError(f"{name} must be a number in [0, 1], got {share!r}")
+
+    def own_share(self, tenant: str) -> float | None:
+        """``tenant``'s own share, or None when it shares the default one."""
+        return self.tenants.get(tenant)
+
+
+@dataclass(frozen=True, slots=True)
 class KVLayout:
     """The shape of a model's KV cache: what one block's payload holds,
     ``[layers, 2 (K, V), kv_heads, block_tokens, head_dim]`` in ``dtype``."""
@@ -329,9 +355,12 @@ class CacheConfig:
     io_threads: int = 4
     writer: str = "background"
     write_queue_bytes: int = 256 << 20
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, 1)
+        if not isinstance(self.retention, RetentionConfig):
+            raise ValueError(f"retention must be a RetentionConfig, got {type(self.retention).__name__}")
         self._check_tiers()
         self._check_capacity()
         check_policy(self.policy, "policy")
@@ -426,7 +455,7 @@ class CacheConfig:
 # NOTE: the configuration stays free of pydantic; the settings that validate these
 # dataclasses with pydantic (the server's, the vLLM connector's) read this attribute and
 # so refuse unknown keys in them.
-for _cls in (CacheConfig, TierConfig, PublishConfig, KVLayout):
+for _cls in (CacheConfig, TierConfig, PublishConfig, KVLayout, RetentionConfig):
     setattr(_cls, "__pydantic_config__", {"extra": "forbid"})  # noqa: B010
 
 

@@ -32,6 +32,7 @@ from prefixcache.cache.owner import Owner
 from prefixcache.cache.peek import Peek, peek
 from prefixcache.cache.plans import Matched, Probe
 from prefixcache.cache.residency import Books
+from prefixcache.cache.retention import Retained, RetainSpan
 from prefixcache.cache.stats import CacheStats
 from prefixcache.cache.tierbook import TierBook
 from prefixcache.cache.tiered import TieredPath
@@ -240,6 +241,26 @@ class PrefixCache:
         assert self.config.kv_layout is not None
         source = kv_source(kv, self.config.kv_layout, len(tokens))
         return self._io.insert(tokens, ctx, segments, source, since)
+
+    def retain(
+        self, tokens: Tokens, ctx: CacheContext, seconds: float, segments: Sequence[Segment] | None = None
+    ) -> Retained:
+        """Keep the cached blocks of ``tokens`` (a prompt's prefix, stored before) for
+        ``seconds``, charged to ``ctx``'s tenant; each later hit of a block extends its
+        retention by as long again. No eviction takes a retained block out of the cache
+        (under pressure it goes down a tier); epochs, purges and TTLs still end it. Past
+        the tenant's cap its own oldest retention ends first (``cache/retention.py``)."""
+        RetainSpan(len(tokens), seconds)  # the one check of what a span may ask
+        return self._owner.retain(tokens, ctx, segments, seconds)
+
+    def may_retain(self, tenant: str) -> bool:
+        """Whether ``tenant``'s retention cap is above zero (else ``retain`` is refused)."""
+        return self._owner.may_retain(tenant)
+
+    def retain_caps(self, tenant: str) -> tuple[int, ...]:
+        """``tenant``'s retention cap in each level (``stats().retention_levels``) if it
+        retained now: tokens of the cache, frames of each tier."""
+        return self._owner.retain_caps(tenant)
 
     def stamp(self) -> Stamp:
         """Now, for a store decided now and made later (``insert(..., since=stamp)``): a

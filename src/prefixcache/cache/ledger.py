@@ -22,6 +22,7 @@ from prefixcache.cache.lifecycle import Lifecycle
 from prefixcache.cache.plans import Chain, Found, Matched
 from prefixcache.cache.publish import Publisher
 from prefixcache.cache.residency import Books
+from prefixcache.cache.retention import Keeper, Level, Retained, RetainOutcome
 from prefixcache.cache.stats import Counters
 from prefixcache.cache.tree import (
     Block,
@@ -63,7 +64,16 @@ class Ledger:
         self.counters = Counters()
         self.inflight: dict[bytes, Block] = {}  # keys of decided blocks whose bytes are on their way
         self._clock = clock
-        self.life = Lifecycle(config, contexts, self.tree, self.tenancy, books, self.events, self.counters, clock)
+        levels = [Level("cache", config.capacity, True)]
+        if books is not None:
+            last = len(books.tiers) - 1
+            levels += [Level(tier.name, tier.capacity, False, tier.index == last) for tier in books.tiers]
+        self.keeper = Keeper(config.retention, levels, clock)
+        if books is not None:
+            books.keeper = self.keeper
+        self.life = Lifecycle(
+            config, contexts, self.tree, self.tenancy, books, self.events, self.counters, clock, self.keeper
+        )
 
     # ================================================================ lookup and match
 
@@ -118,6 +128,8 @@ class Ledger:
         if pinned is not None:
             self._touch(spans, partial)
             pin = Pin([pinned])
+            if self.keeper.active:
+                self.keeper.extend(blocks_of(spans) + ([partial] if partial is not None else []))
         self.counters.count_lookup(ctx.tenant, n_tokens, n_blocks * bs + partial_len, partial_len)
         return Matched(pin, pinned, n_blocks, partial_len, deepest)
 
@@ -130,6 +142,23 @@ class Ledger:
             return None, 0
         parents: list[Node] = [deepest] if deepest is not None else list(lookup.roots)
         return self.tree.partial(lookup, parents, begin, bs, alive)
+
+    def retain(self, lookup: Lookup, ctx: CacheContext, seconds: float) -> Retained:
+        """Retain the cached blocks of ``lookup``'s tokens (whole blocks, and a partial
+        tail holding exactly the rest) for ``ctx``'s tenant (``retention.py``)."""
+        alive = self.alive()
+        deepest, spans = self.find(lookup, alive, count=False)
+        path = blocks_of(spans)
+        partial, shared = self.partial(lookup, deepest, alive)
+        if partial is not None and shared == partial.num_tokens and partial.end == len(lookup.data) // 4:
+            path.append(partial)
+        if not path:
+            return Retained(0, RetainOutcome.RETAINED if self.keeper.may_retain(ctx.tenant) else RetainOutcome.REFUSED)
+        return self.keeper.retain(ctx.tenant, path, seconds, self._levels_of)
+
+    def _levels_of(self, block: Block) -> int:
+        """The retention levels ``block`` is counted in: the cache, and each tier that has it."""
+        return 1 if self.books is None else 1 | self.books.avail(block) << 1
 
     def _touch(self, spans: list[RunSpan], partial: Block | None) -> None:
         """Tell the policies (and the TTL clock) about a hit, deepest block first so

@@ -21,6 +21,7 @@ from typing import Any
 from prefixcache.cache.contexts import Contexts
 from prefixcache.cache.invalidations import EpochBumped, GenerationRaised, Invalidations, PrefixPurged, TenantPurged
 from prefixcache.cache.residency import Books
+from prefixcache.cache.retention import Keeper
 from prefixcache.cache.stats import Counters
 from prefixcache.cache.tree import Block, BlockTree, Lookup, Node, Pin, Root, path_to, postorder, runs_to
 from prefixcache.config import CacheConfig
@@ -57,6 +58,7 @@ class Lifecycle:
         events: EventLog,
         counters: Counters,
         clock: Callable[[], float],
+        keeper: Keeper,
     ) -> None:
         self.config = config
         self.contexts = contexts
@@ -69,6 +71,7 @@ class Lifecycle:
         self.ttl: OrderedDict[bytes, Block] | None = OrderedDict() if config.ttl_seconds else None
         self.used = 0  # tokens held or reserved, in every pool
         self.invalid = Invalidations()  # purges and bumps, numbered: a store decided before one loses
+        self.keeper = keeper  # retained blocks: never a pool's victim while their retention holds
         self._clock = clock
 
     # ================================================================ room in a pool
@@ -111,7 +114,7 @@ class Lifecycle:
 
     def _evictable(self, key: Any) -> bool:
         block = self.tree.nodes[key]
-        return block.pins == 0 and not block.children
+        return block.pins == 0 and not block.children and (block.retainer is None or not self.keeper.holds(block))
 
     def _over_quota_victim(self, pool: Pool) -> Block | None:
         """When the cache is full but ``pool`` is within its quota: a block of a pool over
@@ -160,8 +163,8 @@ class Lifecycle:
             if not books.demote(k, block):
                 self.lose(block)  # its frame could not be handed on: gone with what hangs below
             return True
-        if block.children:
-            books.keep(k, block)
+        if block.children or (block.retainer is not None and self.keeper.holds(block)):
+            books.keep(k, block)  # NOTE: retained, it stays where it is rather than leave the cache
             return False
         books.leave(k, block)
         self.remove(block, RemovalReason.EVICTED)
@@ -208,6 +211,7 @@ class Lifecycle:
     def remove(self, block: Block, reason: RemovalReason, in_policy: bool = True) -> None:
         pool, key = block.pool, block.key
         assert pool is not None and block.pins == 0 and not block.children
+        self.keeper.leave(block)
         self.tree.detach(block)
         if self.books is not None:
             self.books.forget(block, reason)
@@ -294,6 +298,7 @@ class Lifecycle:
                 block.pool.policy.remove(block.key)
                 if self.ttl is not None and self.ttl.get(block.key) is block:
                     del self.ttl[block.key]
+                self.keeper.leave(block)
                 block.doomed = reason
         return removed
 

@@ -39,6 +39,7 @@ from prefixcache.cache.lifecycle import Purged
 from prefixcache.cache.peek import Peek, in_tree
 from prefixcache.cache.plans import Chain, Found, LoadPlan, Matched, Probe, Probed, Promoted, Promotion, Written
 from prefixcache.cache.residency import Books
+from prefixcache.cache.retention import Retained
 from prefixcache.cache.stats import CacheStats, WriterStats, snapshot
 from prefixcache.cache.tierevents import resident as resident_events
 from prefixcache.cache.tree import Block, Lookup, Pin, path_to
@@ -195,6 +196,23 @@ class Owner:
     def access(self, tokens: object, ctx: CacheContext, segments: object) -> tuple[int, int]:
         with self._lock:
             return self.ledger.access(tokens, ctx, segments)
+
+    def retain(self, tokens: object, ctx: CacheContext, segments: object, seconds: float) -> Retained:
+        ledger = self.ledger
+        with self._lock:
+            lookup = ledger.lookup(tokens, ctx, segments)
+            retained = ledger.retain(lookup, ctx, seconds)
+            ledger.contexts.drop_empty(lookup)
+            return retained
+
+    def may_retain(self, tenant: str) -> bool:
+        with self._lock:
+            return self.ledger.keeper.may_retain(tenant)
+
+    def retain_caps(self, tenant: str) -> tuple[int, ...]:
+        with self._lock:
+            keeper = self.ledger.keeper
+            return tuple(keeper.cap(tenant, i, joining=True) for i in range(len(keeper.levels)))
 
     # ================================================================ invalidation
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import cast
 
+from prefixcache.cache.retention import Keeper
 from prefixcache.cache.tierbook import TierBook
 from prefixcache.cache.tierevents import record_change
 from prefixcache.cache.tree import Block, Node
@@ -91,6 +92,7 @@ class Books:
         self.owner: dict[bytes, Block] = {}  # key -> the block whose frames the tiers hold (or will)
         self.copyouts: list[LazyFrame] = []  # detached memory slots to copy out once the lock is released
         self.events: EventLog | None = None  # where residency changes are recorded (the ledger's log)
+        self.keeper: Keeper | None = None  # retained blocks (the ledger's): counted where they are
         kinds: dict[str, int] = {}
         for tier in self.tiers:
             kinds[tier.config.kind] = kinds.get(tier.config.kind, 0) | tier.bit
@@ -139,6 +141,8 @@ class Books:
             # NOTE: announced when the bytes are there (held), not when a write is queued:
             # another server may read a shared tier the moment it hears of a block
             record_change(self.events, self.kinds, block, old_held, held)
+        if block.retainer is not None and self.keeper is not None:
+            self.keeper.moved(block, 1 | new << 1)
         if new and not old:
             self.owner[block.key] = block
         elif not new and old and self.owner.get(block.key) is block:
@@ -245,6 +249,8 @@ class Books:
         # NOTE: its fastest copy will be in tier ``after`` (the slower one it is also in,
         # or the next tier, where it is demoted): no child may be faster than that.
         rest = avail & ~(1 << k)
+        if not rest and k + 1 == len(self.tiers) and self._retained(block):
+            return False  # retained: its last copy stays
         after = top(rest) if rest else min(k + 1, len(self.tiers))
         kids = res.kids
         return kids is None or not any(kids[:after])
@@ -296,7 +302,15 @@ class Books:
         config = self.tiers[k].config
         res = block.res
         assert res is not None
-        return config.write != "selective" or res.hits >= config.write_after_hits or bool(block.children)
+        return (
+            config.write != "selective"
+            or res.hits >= config.write_after_hits
+            or bool(block.children)
+            or self._retained(block)
+        )
+
+    def _retained(self, block: Block) -> bool:
+        return block.retainer is not None and self.keeper is not None and self.keeper.holds(block)
 
     def demote(self, k: int, block: Block) -> bool:
         """Move ``block``'s only copy from tier ``k`` down to ``k + 1`` (room reserved there

@@ -9,7 +9,8 @@ of the tenant's own.
         v
     the tenant's book, per level           level 0: the cache (its capacity in tokens);
     ("cache", then each tier)              level 1 + k: tier k (what it holds of the block)
-        |  past the tenant's cap in a level: its own oldest retention there expires first
+        |  past the tenant's cap in the cache or the last tier (where retention holds room):
+        |  its own oldest retention there expires first
         v
     eviction                               a retained block is never a victim of the cache's
                                            pools, never leaves the last tier, and goes down a
@@ -23,10 +24,18 @@ ledger, under the cache's lock.
 from __future__ import annotations
 
 import enum
+import heapq
 import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["MAX_RETAIN_S", "RetainOutcome", "RetainSpan", "Retained"]
+if TYPE_CHECKING:
+    from prefixcache.cache.tree import Block
+    from prefixcache.config import RetentionConfig
+
+__all__ = ["MAX_RETAIN_S", "Keeper", "Level", "RetainOutcome", "RetainSpan", "Retained", "TenantRetention"]
 
 MAX_RETAIN_S = 7 * 24 * 3600.0  # the longest retention a span may ask for (an API's longest is 24 h)
 
@@ -52,8 +61,10 @@ class RetainOutcome(enum.StrEnum):
 
     NONE = "none"  # nothing asked
     RETAINED = "retained"  # every cached block of every span
+    REQUESTED = "requested"  # asked; not applied yet when the answer went out (the prompt's store runs apart)
     CAPPED = "capped"  # the tenant's cap cut a span (its own older retention expired first)
-    REFUSED = "refused"  # the tenant's cap is zero: served without retention
+    FAILED = "failed"  # the cache failed to retain (logged); served without retention
+    REFUSED = "refused"  # the tenant's cap is zero (or no cache): served without retention
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,3 +73,267 @@ class Retained:
 
     tokens: int
     outcome: RetainOutcome
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """One place retention is counted: the cache (in tokens) or a tier (in frames)."""
+
+    name: str
+    capacity: int  # tokens of the cache, frames of a tier
+    per_token: bool  # a block costs its tokens here (the cache), else one frame
+    # Whether retention holds room here, so the cap binds: the cache, and the last tier
+    # (from a faster tier a retained block goes down under pressure, as any other would)
+    binding: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRetention:
+    """One tenant's retention now, for ``/metrics`` and ``diagnose``."""
+
+    tenant: str
+    held: tuple[int, ...]  # per level: tokens (the cache) or frames (a tier) retained
+    caps: tuple[int, ...]  # per level: its cap now
+    expired_tokens: int  # tokens whose retention ran out (deadline passed)
+    capped_tokens: int  # tokens whose retention the cap ended or refused
+    cap_hits: int  # retain calls the cap cut
+    refused: int  # retain calls refused (a zero cap)
+
+
+@dataclass(slots=True)
+class _Counts:
+    expired_tokens: int = 0
+    capped_tokens: int = 0
+    cap_hits: int = 0
+    refused: int = 0
+
+
+class Keeper:
+    """Every retained block, by tenant and level, with the deadlines and the caps.
+
+    Per block (``tree.Block``): ``retainer`` (the tenant charged, None when not retained),
+    ``retain_until`` (the deadline), ``retain_s`` (how long each hit extends it) and
+    ``retain_mask`` (the levels it is counted in: bit 0 the cache, bit 1 + k tier k).
+    A tenant's blocks are ordered least recently retained first; a span is entered
+    deepest block first, so the cap takes an old span's deepest blocks before its
+    shared start (a deeper block kept would hold its ancestors anyway)."""
+
+    def __init__(self, config: RetentionConfig, levels: Sequence[Level], clock: Callable[[], float]) -> None:
+        self.config = config
+        self.levels = tuple(levels)
+        self._clock = clock
+        self.held: dict[str, list[int]] = {}  # tenant -> units retained per level
+        self.order: dict[str, OrderedDict[Block, None]] = {}  # tenant -> its retained blocks, oldest first
+        self.deadlines: list[tuple[float, int, Block]] = []  # a heap; an entry a later deadline replaced is skipped
+        self.counts: dict[str, _Counts] = {}
+        self._seq = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.order)
+
+    # ------------------------------------------------------------------ caps
+
+    def share(self, tenant: str, joining: bool = False) -> float:
+        """``tenant``'s share of each level: its own, or the default one split among the
+        tenants on it that retain now (and ``tenant``, when it is ``joining``)."""
+        own = self.config.own_share(tenant)
+        if own is not None:
+            return own
+        sharing = sum(1 for t in self.order if self.config.own_share(t) is None)
+        if joining and tenant not in self.order:
+            sharing += 1
+        return self.config.share / max(sharing, 1)
+
+    def may_retain(self, tenant: str) -> bool:
+        return self.share(tenant, joining=True) > 0
+
+    def cap(self, tenant: str, level: int, joining: bool = False) -> int:
+        return int(self.share(tenant, joining) * self.levels[level].capacity)
+
+    # ------------------------------------------------------------------ retaining
+
+    def retain(self, tenant: str, path: Sequence[Block], seconds: float, mask_of: Callable[[Block], int]) -> Retained:
+        """Retain ``path`` (a chain, root side first) for ``tenant`` until ``seconds`` from
+        now. Past the tenant's cap its own oldest retention expires first; what still does
+        not fit is not retained, and the span is cut there (its start stays retained)."""
+        now = self._clock()
+        self.sweep(now)
+        counts = self.counts.setdefault(tenant, _Counts())
+        if not self.may_retain(tenant):
+            counts.refused += 1
+            return Retained(0, RetainOutcome.REFUSED)
+        joining = tenant not in self.order
+        until = now + seconds
+        kept: list[Block] = []
+        cut = False
+        for block in path:
+            if block.retainer != tenant:
+                if block.retainer is not None:
+                    self.release(block)  # another tenant's: this one is charged from now on
+                mask = mask_of(block)
+                if not self._make_room(tenant, mask, block.num_tokens, kept):
+                    cut = True
+                    break
+                self._enter(tenant, block, mask)
+            kept.append(block)
+            block.retain_s = max(block.retain_s, seconds)
+            self._deadline(block, max(block.retain_until, until))
+        order = self.order.get(tenant)
+        if order is not None:
+            for block in reversed(kept):
+                order.move_to_end(block)
+        if joining and kept:
+            self._enforce_all()  # the default share is split one way more: the others' caps shrank
+        if cut:
+            counts.cap_hits += 1
+            counts.capped_tokens += path[-1].end - (kept[-1].end if kept else path[0].parent.end)
+        retained = kept[-1].end if kept else 0
+        if cut:
+            return Retained(retained, RetainOutcome.CAPPED)
+        return Retained(retained, RetainOutcome.RETAINED)
+
+    def extend(self, path: Sequence[Block]) -> None:
+        """A hit on ``path`` (root side first): each retained block's deadline moves to
+        now plus its own retention, and it counts as just retained."""
+        now = self._clock()
+        self.sweep(now)
+        for block in reversed(path):
+            tenant = block.retainer
+            if tenant is None:
+                continue
+            until = now + block.retain_s
+            if until > block.retain_until:
+                self._deadline(block, until)
+            self.order[tenant].move_to_end(block)
+
+    def holds(self, block: Block) -> bool:
+        """Whether ``block`` is retained now (its deadline has not passed)."""
+        return block.retainer is not None and block.retain_until > self._clock()
+
+    def sweep(self, now: float | None = None) -> int:
+        """End the retentions whose deadline passed; returns how many blocks."""
+        now = self._clock() if now is None else now
+        heap, done = self.deadlines, 0
+        while heap and heap[0][0] <= now:
+            until, _, block = heapq.heappop(heap)
+            if block.retainer is not None and block.retain_until == until:
+                self.counts[block.retainer].expired_tokens += block.num_tokens
+                self.release(block)
+                done += 1
+        return done
+
+    # ------------------------------------------------------------------ the books
+
+    def moved(self, block: Block, mask: int) -> None:
+        """``block`` (retained) is now in the levels of ``mask``: count it there; a level
+        where that puts its tenant past its cap ends the tenant's oldest retention there."""
+        tenant, old = block.retainer, block.retain_mask
+        assert tenant is not None
+        if mask == old:
+            return
+        held = self.held[tenant]
+        for i, level in enumerate(self.levels):
+            bit = 1 << i
+            if (old ^ mask) & bit:
+                units = block.num_tokens if level.per_token else 1
+                held[i] += units if mask & bit else -units
+        block.retain_mask = mask
+        for i in range(len(self.levels)):
+            if mask & ~old & (1 << i):
+                self._enforce(tenant, i, ())
+
+    def leave(self, block: Block) -> None:
+        """``block`` leaves the cache: its retention ends with it (counted as expired when
+        its deadline had passed, as it would have been)."""
+        if block.retainer is not None:
+            if block.retain_until <= self._clock():
+                self.counts[block.retainer].expired_tokens += block.num_tokens
+            self.release(block)
+
+    def release(self, block: Block) -> None:
+        """``block`` is retained no more (expired, capped, or leaving the cache)."""
+        tenant = block.retainer
+        if tenant is None:
+            return
+        held = self.held[tenant]
+        for i, level in enumerate(self.levels):
+            if block.retain_mask & (1 << i):
+                held[i] -= block.num_tokens if level.per_token else 1
+        order = self.order[tenant]
+        del order[block]
+        if not order:
+            del self.order[tenant], self.held[tenant]
+        block.retainer, block.retain_until, block.retain_s, block.retain_mask = None, 0.0, 0.0, 0
+
+    def _enter(self, tenant: str, block: Block, mask: int) -> None:
+        held = self.held.setdefault(tenant, [0] * len(self.levels))
+        for i, level in enumerate(self.levels):
+            if mask & (1 << i):
+                held[i] += block.num_tokens if level.per_token else 1
+        self.order.setdefault(tenant, OrderedDict())[block] = None
+        block.retainer, block.retain_mask = tenant, mask
+
+    def _deadline(self, block: Block, until: float) -> None:
+        if until != block.retain_until:
+            block.retain_until = until
+            self._seq += 1
+            heapq.heappush(self.deadlines, (until, self._seq, block))
+
+    def _make_room(self, tenant: str, mask: int, tokens: int, keep: Sequence[Block]) -> bool:
+        """Room under ``tenant``'s caps for a block of ``tokens`` in the levels of ``mask``,
+        made by ending its own oldest retentions there (never one of ``keep``)."""
+        held = self.held.get(tenant)
+        for i, level in enumerate(self.levels):
+            if not mask & (1 << i) or not level.binding:
+                continue
+            units = tokens if level.per_token else 1
+            cap = self.cap(tenant, i, joining=True)
+            if units > cap:
+                return False
+            while held is not None and held[i] + units > cap:
+                if not self._expire_oldest(tenant, i, keep):
+                    return False
+                held = self.held.get(tenant)
+        return True
+
+    def _enforce(self, tenant: str, level: int, keep: Sequence[Block]) -> None:
+        if not self.levels[level].binding:
+            return
+        held = self.held.get(tenant)
+        cap = self.cap(tenant, level)
+        while held is not None and held[level] > cap and self._expire_oldest(tenant, level, keep):
+            held = self.held.get(tenant)
+
+    def _enforce_all(self) -> None:
+        for tenant in list(self.order):
+            for level in range(len(self.levels)):
+                self._enforce(tenant, level, ())
+
+    def _expire_oldest(self, tenant: str, level: int, keep: Sequence[Block]) -> bool:
+        order = self.order.get(tenant)
+        if order is None:
+            return False
+        bit, spare = 1 << level, set(map(id, keep))
+        for block in order:
+            if block.retain_mask & bit and id(block) not in spare:
+                counts = self.counts[tenant]
+                counts.capped_tokens += block.num_tokens
+                counts.cap_hits += 1
+                self.release(block)
+                return True
+        return False
+
+    # ------------------------------------------------------------------ reading
+
+    def snapshot(self) -> list[TenantRetention]:
+        self.sweep()
+        out = []
+        for tenant in sorted(set(self.counts) | set(self.order)):
+            held = self.held.get(tenant, [0] * len(self.levels))
+            c = self.counts.get(tenant, _Counts())
+            caps = tuple(self.cap(tenant, i) for i in range(len(self.levels)))
+            out.append(
+                TenantRetention(tenant, tuple(held), caps, c.expired_tokens, c.capped_tokens, c.cap_hits, c.refused)
+            )
+        return out

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
+from prefixcache.cache.retention import Level, TenantRetention
 from prefixcache.events import RemovalReason
 from prefixcache.tenancy import PUBLIC, Pool
 
@@ -305,6 +306,8 @@ class CacheStats:
     tiers: tuple[TierStats, ...] = ()
     writer: WriterStats | None = None
     voided_tokens: int = 0  # stores dropped because a purge or epoch bump came after their decision
+    retention: tuple[TenantRetention, ...] = ()  # each tenant's retention (``retention.py``)
+    retention_levels: tuple[Level, ...] = ()  # the levels its figures are per: the cache, then each tier
 
     @property
     def evictions(self) -> int:
@@ -392,4 +395,6 @@ def snapshot(ledger: Ledger, tiers: tuple[TierStats, ...] = (), writer: WriterSt
         tiers=tiers,
         writer=writer,
         voided_tokens=c.voided_tokens,
+        retention=tuple(ledger.keeper.snapshot()),
+        retention_levels=ledger.keeper.levels,
     )

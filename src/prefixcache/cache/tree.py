@@ -90,6 +90,10 @@ class Block:
         "pool",
         "public",
         "res",
+        "retain_mask",
+        "retain_s",
+        "retain_until",
+        "retainer",
         "root",
         "run",
         "run_index",
@@ -126,6 +130,10 @@ class Block:
         self.run: Run | None = None  # the chain stored with it
         self.run_index = 0
         self.res: Residency | None = None  # with storage tiers: where its bytes are
+        self.retainer: str | None = None  # the tenant whose retention keeps it (``retention.py``)
+        self.retain_until = 0.0
+        self.retain_s = 0.0
+        self.retain_mask = 0
 
     @property
     def num_tokens(self) -> int:
