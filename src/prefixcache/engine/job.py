@@ -31,6 +31,7 @@ import torch
 
 from prefixcache.cache import PrefixCache, Stamp
 from prefixcache.cache.kv import KVSource
+from prefixcache.cache.retention import RetainOutcome
 from prefixcache.engine.model import LoadedModel
 from prefixcache.engine.modes import ServeMode, Turn
 from prefixcache.engine.requests import (
@@ -50,6 +51,9 @@ from prefixcache.hashing import CacheContext
 __all__ = ["Job", "Phase", "Runtime", "Staged"]
 
 log = logging.getLogger(__name__)
+
+# retention outcomes, the least first: several spans report the least any got
+_RETAIN_RANK = [RetainOutcome.REFUSED, RetainOutcome.FAILED, RetainOutcome.CAPPED, RetainOutcome.RETAINED]
 
 
 class Phase(enum.Enum):
@@ -116,6 +120,8 @@ class Job:
         self._stored = False  # whether the end leaves KV worth storing
         self._since: Stamp | None = None  # taken before its match: a purge or bump after it voids its stores
         self._final: DoneEvent | ErrorEvent | None = None  # the end event, until sent
+        # what its retention got: set by the I/O worker that stores the prompt
+        self._retained = RetainOutcome.REQUESTED if handle.request.retain else RetainOutcome.NONE
 
     @property
     def tenant(self) -> str:
@@ -178,6 +184,8 @@ class Job:
         """Insert the prompt's KV as soon as it is computed (the answer's comes at the end),
         so that requests waiting for the same prefix hit on it."""
         turn, cache = self._turn, self._rt.cache
+        if cache is None and self.handle.request.retain:
+            self._retained = RetainOutcome.REFUSED
         if turn is None or cache is None:
             return
         length = turn.storable(min(length, len(self.handle.request.tokens)))
@@ -186,6 +194,22 @@ class Job:
                 cache.insert(self.handle.request.tokens[:length], self.context, kv=kv, since=self._since)
             except Exception:  # a store that failed costs a hit only
                 log.exception("storing the prompt KV of request %d failed", self.handle.id)
+        self._retain(cache)
+
+    def _retain(self, cache: PrefixCache) -> None:
+        """Retain the spans the client asked for, once the prompt is stored; the outcome is
+        the least any span got (refused, then capped)."""
+        request = self.handle.request
+        if not request.retain:
+            return
+        got = []
+        try:
+            for span in request.retain:
+                got.append(cache.retain(request.tokens[: span.tokens], self.context, span.seconds).outcome)
+        except Exception:  # a retention that failed costs this prompt its retention only
+            log.exception("retaining the prompt of request %d failed", self.handle.id)
+            got.append(RetainOutcome.FAILED)
+        self._retained = min(got, key=_RETAIN_RANK.index)
 
     def store(self, kv: KVSource | None, length: int) -> None:
         """Insert prompt + answer with their KV (``length`` positions of ``kv``), so the
@@ -201,6 +225,8 @@ class Job:
                 cache.insert(tokens, self.context, kv=kv, since=self._since)
             except Exception:  # the answer is already out; a failed store costs a future hit only
                 log.exception("storing the KV of request %d failed", self.handle.id)
+        if cache is not None and self._retained is RetainOutcome.REQUESTED:
+            self._retain(cache)  # its prompt's store never ran (it ended in its prefill)
         try:
             turn.stored(request.tokens)
         except Exception:  # the same: the answer is out
@@ -336,7 +362,15 @@ class Job:
         if tail:
             self.handle.sink(TokenEvent(self._out[-1] if self._out else -1, tail))
         staged = self.staged or Staged()
-        usage = Usage(len(request.tokens), len(self._out), staged.cached, staged.tiers, self._queued(), self._prefill_s)
+        usage = Usage(
+            len(request.tokens),
+            len(self._out),
+            staged.cached,
+            staged.tiers,
+            self._queued(),
+            self._prefill_s,
+            self._retained,
+        )
         if finish == "cancelled":
             rt.stats.cancelled += 1
         else:
