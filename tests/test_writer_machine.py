@@ -329,3 +329,26 @@ WriterMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestWriterMachine = WriterMachine.TestCase
+
+
+def test_a_disk_reopened_with_a_block_but_not_its_parents_adopts_no_hole() -> None:
+    """Found by this machine: a restart abandoned the queue after the deepest block's
+    write landed and its parents' did not (they lived in memory), so the reopened disk
+    held a chain with holes; a probe that took the disk alone for prefix-closed adopted
+    the missing parents as held there. Probes now count leading keys up to a hole."""
+    m = WriterMachine()
+    m.setup(
+        top=(3, "through"), middle=None, disk_blocks=3, policy="lru", queue_frames=1, partial=False, disk_codec="raw"
+    )
+    try:
+        m.begin_request(i=0, n=1, tenant="a")
+        m.begin_request(i=0, n=4, tenant="a")
+        m.end_request(j=1)
+        m.end_request(j=0)
+        m.purge_prefix(i=0, n=1, tenant="b")
+        m.restart(flush=False)
+        m.begin_request(i=0, n=7, tenant="a")
+        m.books_agree()
+        m.retained_stay()
+    finally:
+        m.teardown()

@@ -143,16 +143,18 @@ class TierStore(ABC):
         return max(self.capacity_bytes - self.used_bytes, 0) // frame_bytes
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many of the leading ``keys`` are held: a chain of prefix keys is held up to
-        some depth (prefix-closed), so a binary search of membership finds it."""
-        lo, hi = 0, len(keys)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if keys[mid - 1] in self:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        """How many of the leading ``keys`` are held, counted up to the first hole.
+
+        NOTE: not a binary search: one tier alone is not prefix-closed (invariant 4 holds
+        for tiers 0..k together), so a slower tier may hold a child without its parent,
+        which lived in a faster tier; after a restart (the faster tier gone) or a crash
+        mid-write the chain has holes there. Membership here is an index lookup in memory."""
+        held = 0
+        for key in keys:
+            if key not in self:
+                break
+            held += 1
+        return held
 
     def detach(self, key: bytes) -> Callable[[], Frame | None] | None:
         """For a ``sync`` store: unname ``key``'s frame but keep its bytes, returning a call
