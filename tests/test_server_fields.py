@@ -113,12 +113,17 @@ def test_penalties_in_range_are_taken() -> None:
 
 
 @pytest.mark.parametrize(("model", "base", "fields"), ENDPOINTS, ids=["chat", "completions"])
-def test_prompt_cache_retention_in_memory_is_todays_cache_and_24h_is_refused_by_name(
+def test_prompt_cache_retention_takes_the_apis_values_and_refuses_others_by_name(
     model: type[BaseModel], base: dict[str, Any], fields: set[str]
 ) -> None:
-    """Issue 41: ``in_memory`` is what the cache does for every prompt; a retention it does
-    not keep yet is a 400 naming the field, never silently ignored."""
-    assert model.model_validate(base | {"prompt_cache_retention": "in_memory"}).prompt_cache_retention == "in_memory"
-    with pytest.raises(ValidationError) as refused:
-        model.model_validate(base | {"prompt_cache_retention": "24h"})
-    assert refused.value.errors()[0]["loc"] == ("prompt_cache_retention",)
+    """Issue 41: ``in_memory`` is what the cache does for every prompt, ``24h`` retains the
+    prompt for a day; any other value is a 400 naming the field and its values."""
+    assert model.model_validate(base | {"prompt_cache_retention": "in_memory"}).retention_s is None
+    assert model.model_validate(base | {"prompt_cache_retention": "24h"}).retention_s == 24 * 3600
+    assert model.model_validate(base).retention_s is None
+    for bad in ("1h", "24H", "", 24, True, {"ttl": "24h"}):
+        with pytest.raises(ValidationError) as refused:
+            model.model_validate(json.loads(json.dumps(base | {"prompt_cache_retention": bad})))
+        error = refused.value.errors()[0]
+        assert error["loc"] == ("prompt_cache_retention",)
+        assert "'in_memory' or '24h'" in error["msg"]

@@ -67,6 +67,7 @@ IMPLEMENTED = frozenset(
         "seed",
         "presence_penalty",
         "frequency_penalty",
+        "prompt_cache_retention",
     }
 )
 INERT = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"})
@@ -91,10 +92,10 @@ _OFF: dict[str, tuple[Any, ...]] = {
     "web_search_options": (None,),
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
-    "prompt_cache_retention": (None, "in_memory"),  # what the cache does; "24h" retention: not yet
     "prompt_cache_options": (None, {}),
 }
 REFUSED = frozenset(_OFF)
+RETENTION_24H_S = 24 * 3600.0
 
 
 def _off(value: Any, info: ValidationInfo) -> Any:
@@ -197,7 +198,9 @@ class _Request(BaseModel):
     web_search_options: Off = None
     service_tier: Off = None
     store: Off = None
-    prompt_cache_retention: Off = None
+    # "in_memory": the cache as it is; "24h": the prompt's blocks retained for 24 hours
+    # (capped per tenant, ``cache/retention.py``)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: Off = None
 
     @field_validator("stop")
@@ -212,6 +215,11 @@ class _Request(BaseModel):
     @property
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def retention_s(self) -> float | None:
+        """How long the prompt is retained, as asked (None: the cache as it is)."""
+        return RETENTION_24H_S if self.prompt_cache_retention == "24h" else None
 
     @property
     def include_usage(self) -> bool:

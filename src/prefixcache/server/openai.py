@@ -23,9 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prefixcache.api.errors import APIError
 from prefixcache.api.schemas import _Request
 from prefixcache.blend.serve_types import BlendedDone
+from prefixcache.cache.retention import RetainSpan
 from prefixcache.engine import DoneEvent, Engine, EngineError, ErrorEvent, Event, Handle, SamplingParams, TokenEvent
 from prefixcache.engine import Request as EngineRequest
 from prefixcache.server.recording import Recorder
+from prefixcache.server.retention import asked
 
 __all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "Completions"]
 
@@ -62,7 +64,7 @@ class Completions:
         )
 
     async def _start(
-        self, tokens: list[int], tenant: str, params: SamplingParams
+        self, tokens: list[int], tenant: str, params: SamplingParams, retain: tuple[RetainSpan, ...] = ()
     ) -> tuple[Handle, asyncio.Queue[Event]]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
@@ -72,7 +74,7 @@ class Completions:
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
         try:
-            handle = self.engine.submit(EngineRequest(tokens, tenant, params), sink)
+            handle = self.engine.submit(EngineRequest(tokens, tenant, params, retain=retain), sink)
         except EngineError as exc:
             raise APIError.of(exc) from None
         return handle, events
@@ -88,8 +90,10 @@ class Completions:
         chat: bool,
     ) -> Response:
         params = self._params(body, max_tokens, len(tokens), default_max)
+        seconds = body.retention_s
+        retention = asked(self.engine, tenant, [RetainSpan(len(tokens), seconds)] if seconds else [])
         arrived = time.monotonic()
-        handle, events = await self._start(tokens, tenant, params)
+        handle, events = await self._start(tokens, tenant, params, retention.spans)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         # NOTE: the watcher cancels the request the moment the client leaves, queued or
         # mid-answer; the engine then ends it with a "cancelled" DoneEvent. A streaming
@@ -110,11 +114,12 @@ class Completions:
             if isinstance(first, DoneEvent) and first.finish_reason == "cancelled":
                 return Response(status_code=499)  # the client left while queued: dropped unprefilled
             chunks = self._stream(request, handle, events, first, rid, chat, body.include_usage, tenant, arrived, ttft)
-            return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            headers = {"Cache-Control": "no-cache"} | retention.headers()
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
         if done.finish_reason == "cancelled":
             return Response(status_code=499)  # nobody is listening any more
         self.recorder.record(tenant, chat, done, arrived, ttft)
-        return JSONResponse(self._completion(rid, chat, done))
+        return JSONResponse(self._completion(rid, chat, done), headers=retention.headers(done.usage.retained))
 
     async def _watch(self, request: Request, handle: Handle) -> None:
         """Cancel ``handle`` when the client disconnects (the body is read, so the next
