@@ -58,7 +58,7 @@ def document(topic: str) -> str:
 
 def test_a_24h_prompt_survives_a_flood_that_evicts_an_unretained_one(live: LiveServer) -> None:
     kept, lost = document("kept"), document("lost")
-    answer, headers = chat(live, "sk-acme-0123456789", kept, prompt_cache_retention="24h")
+    _, headers = chat(live, "sk-acme-0123456789", kept, prompt_cache_retention="24h")
     assert headers[RETENTION_HEADER] in ("retained", "requested")  # the store may still run when it answers
     first_lost, plain = chat(live, "sk-acme-0123456789", lost, prompt_cache_retention="in_memory")
     assert RETENTION_HEADER not in plain
