@@ -11,6 +11,7 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
+from prometheus_client import generate_latest
 
 from engine_support import MODEL_ID, TEST_TIMEOUT_S, LiveServer, engine, model, tiered_cache
 from prefixcache.server.app import create_app
@@ -198,3 +199,10 @@ def test_without_a_cache_a_breakpoint_is_served_and_refused_in_a_header() -> Non
     finally:
         server.stop()
         eng.close()
+
+
+def test_messages_are_counted_under_their_own_endpoint(live: LiveServer) -> None:
+    client(live).messages.create(model=MODEL_ID, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    assert live.engine is not None and live.engine.wait_idle(60)
+    text = generate_latest(live.config.app.state.server.registry).decode()
+    assert 'endpoint="messages"' in text

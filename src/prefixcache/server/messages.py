@@ -40,6 +40,7 @@ from prefixcache.api.messages_prompt import Prompt, messages_prompt
 from prefixcache.api.messages_usage import messages_usage
 from prefixcache.engine import DoneEvent, Engine, ErrorEvent, Event, Handle, SamplingParams, TokenEvent
 from prefixcache.server.openai import Completions
+from prefixcache.server.recording import Endpoint
 from prefixcache.server.retention import asked
 
 __all__ = ["Messages", "stop_reason"]
@@ -86,14 +87,14 @@ class Messages:
         retention = asked(self.engine, tenant, prompt.spans())
         params = SamplingParams(body.max_tokens, body.temperature, body.top_p, body.stops)
         completions, arrived = self.completions, time.monotonic()
-        handle, events = await completions._start(prompt.tokens, tenant, params, retention.spans)
-        watcher = asyncio.create_task(completions._watch(request, handle))  # cancels it when the client leaves
+        handle, events = await completions.start(prompt.tokens, tenant, params, retention.spans)
+        watcher = asyncio.create_task(completions.watch(request, handle))  # cancels it when the client leaves
         try:
             first = await events.get()
             if isinstance(first, ErrorEvent):
                 raise APIError.of(first.error)
             ttft = time.monotonic() - arrived
-            done = None if body.stream else await completions._wait(handle, events, first)
+            done = None if body.stream else await completions.wait(handle, events, first)
         except asyncio.CancelledError:
             handle.cancel()
             raise
@@ -109,7 +110,7 @@ class Messages:
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         if done.finish_reason == "cancelled":
             return Response(status_code=499)
-        completions.recorder.record(tenant, True, done, arrived, ttft)
+        completions.recorder.record(tenant, Endpoint.MESSAGES, done, arrived, ttft)
         message = _Answer(self, rid, body, prompt, tenant, arrived, ttft).message(done)
         return JSONResponse(message, headers=retention.headers(done.usage.retained))
 
@@ -165,7 +166,9 @@ class _Answer:
                 else:
                     if event.finish_reason == "cancelled":
                         return  # the client left: nobody reads what would follow
-                    self.messages.completions.recorder.record(self.tenant, True, event, self.arrived, self.ttft)
+                    self.messages.completions.recorder.record(
+                        self.tenant, Endpoint.MESSAGES, event, self.arrived, self.ttft
+                    )
                     reason, sequence = stop_reason(event, self.body.stops, self.messages._decode)
                     yield _sse("content_block_stop", {"type": "content_block_stop", "index": 0})
                     delta: dict[str, str | None] = {"stop_reason": reason, "stop_sequence": sequence}

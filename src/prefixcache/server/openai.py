@@ -26,7 +26,7 @@ from prefixcache.blend.serve_types import BlendedDone
 from prefixcache.cache.retention import RetainSpan
 from prefixcache.engine import DoneEvent, Engine, EngineError, ErrorEvent, Event, Handle, SamplingParams, TokenEvent
 from prefixcache.engine import Request as EngineRequest
-from prefixcache.server.recording import Recorder
+from prefixcache.server.recording import Endpoint, Recorder
 from prefixcache.server.retention import asked
 
 __all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "Completions"]
@@ -63,7 +63,7 @@ class Completions:
             repetition_penalty=body.repetition_penalty,
         )
 
-    async def _start(
+    async def start(
         self, tokens: list[int], tenant: str, params: SamplingParams, retain: tuple[RetainSpan, ...] = ()
     ) -> tuple[Handle, asyncio.Queue[Event]]:
         loop = asyncio.get_running_loop()
@@ -93,18 +93,18 @@ class Completions:
         seconds = body.retention_s
         retention = asked(self.engine, tenant, [RetainSpan(len(tokens), seconds)] if seconds else [])
         arrived = time.monotonic()
-        handle, events = await self._start(tokens, tenant, params, retention.spans)
+        handle, events = await self.start(tokens, tenant, params, retention.spans)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         # NOTE: the watcher cancels the request the moment the client leaves, queued or
         # mid-answer; the engine then ends it with a "cancelled" DoneEvent. A streaming
         # response takes over watching once it starts (Starlette listens for the disconnect).
-        watcher = asyncio.create_task(self._watch(request, handle))
+        watcher = asyncio.create_task(self.watch(request, handle))
         try:
             first = await events.get()
             if isinstance(first, ErrorEvent):
                 raise APIError.of(first.error)
             ttft = time.monotonic() - arrived
-            done = None if body.stream else await self._wait(handle, events, first)
+            done = None if body.stream else await self.wait(handle, events, first)
         except asyncio.CancelledError:
             handle.cancel()
             raise
@@ -118,17 +118,17 @@ class Completions:
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
         if done.finish_reason == "cancelled":
             return Response(status_code=499)  # nobody is listening any more
-        self.recorder.record(tenant, chat, done, arrived, ttft)
+        self.recorder.record(tenant, _endpoint(chat), done, arrived, ttft)
         return JSONResponse(self._completion(rid, chat, done), headers=retention.headers(done.usage.retained))
 
-    async def _watch(self, request: Request, handle: Handle) -> None:
+    async def watch(self, request: Request, handle: Handle) -> None:
         """Cancel ``handle`` when the client disconnects (the body is read, so the next
         message the server has for this request is the disconnect)."""
         while (await request.receive())["type"] != "http.disconnect":
             pass
         handle.cancel()
 
-    async def _wait(self, handle: Handle, events: asyncio.Queue[Event], event: Event) -> DoneEvent:
+    async def wait(self, handle: Handle, events: asyncio.Queue[Event], event: Event) -> DoneEvent:
         """The final event (a "cancelled" one when the client went away)."""
         while not isinstance(event, DoneEvent):
             if isinstance(event, ErrorEvent):
@@ -162,7 +162,7 @@ class Completions:
                     yield _sse(APIError.of(event.error).body())
                     break
                 else:
-                    self.recorder.record(tenant, chat, event, arrived, ttft)
+                    self.recorder.record(tenant, _endpoint(chat), event, arrived, ttft)
                     yield _sse(self._chunk(rid, created, chat, {} if chat else "", event.finish_reason))
                     if include_usage:
                         final = self._chunk(rid, created, chat, None, None) | {"usage": _usage(event)}
@@ -215,6 +215,10 @@ def _usage(done: DoneEvent) -> dict[str, Any]:
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": details,
     }
+
+
+def _endpoint(chat: bool) -> Endpoint:
+    return Endpoint.CHAT if chat else Endpoint.COMPLETIONS
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@ token-source strips for the dashboard (exact tiers, blended chunks, computed).""
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import deque
@@ -26,6 +27,14 @@ RECENT_REQUESTS = 20  # kept for the dashboard's token-source strips
 STRIP_LEVELS = ("L0", "L1", "L2")  # the page's colours; slower tiers are drawn as L2
 
 
+class Endpoint(enum.StrEnum):
+    """The generation route a request came by: its ``endpoint`` label in the metrics."""
+
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+    MESSAGES = "messages"
+
+
 class Recorder:
     """Counts finished requests into the server's metrics."""
 
@@ -39,7 +48,7 @@ class Recorder:
         self.tier_levels = tier_levels(cache)
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
 
-    def record(self, tenant: str, chat: bool, done: DoneEvent, arrived: float, ttft: float) -> None:
+    def record(self, tenant: str, endpoint: Endpoint, done: DoneEvent, arrived: float, ttft: float) -> None:
         usage = done.usage
         levels: dict[str, int] = {}  # tier name -> level (L0 fastest), as /metrics and the page name them
         for name, n in usage.tier_tokens.items():
@@ -66,7 +75,7 @@ class Recorder:
             record = RequestRecord(
                 tenant=tenant,
                 model=self.model_id,
-                endpoint="chat" if chat else "completions",
+                endpoint=endpoint.value,
                 prompt_tokens=usage.prompt_tokens,
                 cached_tokens=usage.cached_tokens,
                 tier_tokens=levels,
