@@ -42,7 +42,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from prefixcache.config import SECRET, CacheConfig, KVLayout, local_tiers, secret_depth, valid_names
+from prefixcache.config import SECRET, CacheConfig, KVLayout, RetentionConfig, local_tiers, secret_depth, valid_names
 from prefixcache.engine.model import DEFAULT_MODEL
 from prefixcache.identity import MIN_SECRET_BYTES
 from prefixcache.settings.admission import AdmissionSettings
@@ -277,6 +277,17 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _retention_once(self) -> Settings:
+        # NOTE: [cache] is CacheConfig field for field, so cache.retention exists too (the
+        # vLLM connector's only spelling); two places for one figure would leave one unread
+        if self.admission.sets_retention and self.cache.retention != RetentionConfig():
+            raise ValueError(
+                "retention shares are set twice, in [admission] (retain_share) and in [cache.retention]; "
+                "keep one: [admission] retain_share and [admission.tenants.NAME] retain_share"
+            )
+        return self
+
     @property
     def cross_tenant_reuse(self) -> bool:
         """Whether tenants share cached prefixes beyond publication (shared isolation, allowed)."""
@@ -294,10 +305,12 @@ class Settings(BaseSettings):
 
     def cache_config(self, layout: KVLayout) -> CacheConfig:
         """The cache this server opens: ``[cache]`` with the model's KV layout, every tier
-        whole (with blend on, chunks are blocks of this cache and share its tiers)."""
+        whole (with blend on, chunks are blocks of this cache and share its tiers), and the
+        retention shares of ``[admission]``."""
         if self.cache.kv_layout is not None:
             raise ValueError("cache.kv_layout comes from the model; remove it from the settings")
-        return dataclasses.replace(self.cache, kv_layout=layout)
+        retention = self.admission.retention(self.cache.retention)
+        return dataclasses.replace(self.cache, kv_layout=layout, retention=retention)
 
 
 def load_settings(

@@ -4,20 +4,29 @@ engine's ``Admission`` and scheduling arguments (``engine/scheduler.py``).
     [admission]
     max_concurrent = 4            # each tenant's requests queued or running
     max_queued_tokens = 32768     # their prompt tokens
+    retain_share = 0.25           # each level of the cache a tenant may keep retained (below)
     [admission.tenants.acme]      # a key's tenant (auth.api_keys KEY=TENANT): its own limits,
     max_concurrent = 8            # the defaults above for what it does not set
+    retain_share = 0.5            # its own share (0: its retention is refused, served without)
 
 A tenant over its share gets 429 with Retry-After (``tenant_busy``) while the others
 are served; ``server.max_queue`` still bounds the requests waiting in all.
+
+Retention (``cache/retention.py``) is a tenant's share of the cache too, so it is set
+here, beside the other shares, and becomes the cache's ``RetentionConfig``:
+``retain_share`` is split among the tenants that retain at the time and have no share of
+their own; a tenant's own ``retain_share`` is its alone. The vLLM connector, which has no
+``[admission]``, takes the same figures as ``cache.retention`` (``share``, ``tenants``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
+from prefixcache.config import RetentionConfig
 from prefixcache.engine.cacheio import IO_PER_TENANT, IO_WORKERS
 from prefixcache.engine.scheduler import Admission, Order, TenantLimits
 from prefixcache.engine.worker import PREFILL_CHUNK_TOKENS
@@ -27,6 +36,24 @@ __all__ = ["AdmissionSettings", "TenantAdmission"]
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
 
 
+_SHARE = "retain_share is a share of each cache level, a number in [0, 1] (0 refuses retention)"
+
+
+def _no_bool(value: object) -> object:
+    if isinstance(value, bool):  # NOTE: true would read as 1.0, the whole cache
+        raise ValueError(_SHARE)
+    return value
+
+
+def _share(value: float | None) -> float | None:
+    if value is not None and not 0 <= value <= 1:
+        raise ValueError(_SHARE)
+    return value
+
+
+Share = Annotated[float | None, BeforeValidator(_no_bool), AfterValidator(_share)]
+
+
 class TenantAdmission(BaseModel):
     """``[admission.tenants.NAME]``: one tenant's limits; unset ones are ``[admission]``'s."""
 
@@ -34,6 +61,7 @@ class TenantAdmission(BaseModel):
 
     max_concurrent: int | None = Field(default=None, ge=1)
     max_queued_tokens: int | None = Field(default=None, ge=1)
+    retain_share: Share = None  # its own share of each level for retention; unset: a part of the default
 
 
 class AdmissionSettings(BaseModel):
@@ -59,6 +87,23 @@ class AdmissionSettings(BaseModel):
     # tier stalls holds that many, never another tenant's share (engine/ioqueue.py).
     io_workers: int = Field(default=IO_WORKERS, ge=1)
     io_per_tenant: int = Field(default=IO_PER_TENANT, ge=1)
+    # The share of each cache level (the cache, each tier) that the tenants without one of
+    # their own may keep retained, split among those that retain at the time; unset:
+    # ``cache.retention``'s (a quarter by default).
+    retain_share: Share = None
+
+    @property
+    def sets_retention(self) -> bool:
+        """Whether these settings give a retention share (default or a tenant's)."""
+        return self.retain_share is not None or any(t.retain_share is not None for t in self.tenants.values())
+
+    def retention(self, base: RetentionConfig) -> RetentionConfig:
+        """The cache's ``RetentionConfig``: ``base`` (``cache.retention``) with the shares set here."""
+        if not self.sets_retention:
+            return base
+        own = {name: t.retain_share for name, t in self.tenants.items() if t.retain_share is not None}
+        share = self.retain_share if self.retain_share is not None else base.share
+        return RetentionConfig(share=share, tenants={**base.tenants, **own})
 
     def admission(self) -> Admission:
         """The engine's ``Admission``: the defaults, and each listed tenant's with its own overrides."""
