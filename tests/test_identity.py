@@ -9,10 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixcache.cache.retention import MAX_RETAIN_S as CACHE_MAX_RETAIN_S
 from prefixcache.identity import (
     CLIENT_FIELDS,
     MAX_NAME_CHARS,
+    MAX_RETAIN_S,
     PARAMS_KEY,
+    RETAIN_KEY,
+    RETAIN_PROOF_KEY,
     Identity,
     Unverified,
     Verdict,
@@ -22,6 +26,7 @@ from prefixcache.identity import (
     tenant_salt,
     verify,
     verify_proof,
+    verify_retention,
 )
 
 SECRET = b"s" * 16
@@ -180,3 +185,36 @@ def test_a_salts_metrics_label_is_stable_and_tells_nothing_of_it(salt: str) -> N
     assert label == salt_label(salt) and re.fullmatch(r"salt-[0-9a-f]{16}", label)
     assert salt not in label or salt in "salt-0123456789abcdef"
     assert salt_label("alice") != salt_label("alicf")
+
+
+# ---------------------------------------------------------------- retention (issue 41)
+
+
+@settings(max_examples=100, deadline=None)
+@given(tenants, st.integers(1, MAX_RETAIN_S))
+def test_the_connector_believes_exactly_the_retention_the_gateway_stamped(tenant: str, seconds: int) -> None:
+    params = stamp({}, tenant, SECRET, seconds)["kv_transfer_params"]
+    assert verify_retention(params, tenant, SECRET) == seconds
+    assert verify_retention(params, tenant, OTHER) == 0  # another gateway's secret
+    assert verify_retention(params, tenant + "x", SECRET) == 0  # another tenant's
+    assert verify_retention(params | {RETAIN_KEY: seconds % MAX_RETAIN_S + 1}, tenant, SECRET) == 0  # raised
+    assert verify_retention({PARAMS_KEY: tenant, RETAIN_KEY: seconds}, tenant, SECRET) == 0  # no proof
+    assert RETAIN_KEY not in stamp({}, tenant, SECRET)["kv_transfer_params"]  # nothing asked, nothing stamped
+
+
+def test_without_a_secret_the_retention_asked_is_the_clients_in_range() -> None:
+    assert verify_retention({RETAIN_KEY: 300}, "acme", None) == 300
+    for bad in (0, -1, MAX_RETAIN_S + 1, 1.5, True, "300", None, [300]):
+        assert verify_retention({RETAIN_KEY: bad}, "acme", None) == 0
+    assert MAX_RETAIN_S == CACHE_MAX_RETAIN_S  # one bound: what the gateway stamps, the cache takes
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(st.sampled_from([RETAIN_KEY, RETAIN_PROOF_KEY, PARAMS_KEY]), _json) | _json,
+    st.text(max_size=300),
+    st.sampled_from([None, SECRET]),
+)
+def test_verify_retention_never_raises_whatever_the_params(params: object, tenant: str, secret: bytes | None) -> None:
+    got = verify_retention(params, tenant, secret)
+    assert isinstance(got, int) and 0 <= got <= MAX_RETAIN_S

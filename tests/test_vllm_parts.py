@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from prefixcache.cache.facade import PrefixCache
 from prefixcache.config import CacheConfig, PublishConfig, TierConfig
 from prefixcache.hashing import KeyChain, Segments, get_hash, root_encoding, root_hasher, token_bytes
-from prefixcache.identity import PARAMS_KEY, Unverified, stamp, tenant_salt
+from prefixcache.identity import PARAMS_KEY, RETAIN_KEY, Unverified, stamp, tenant_salt
 from prefixcache.integrations.vllm.groups import Found, MissReason
 from prefixcache.integrations.vllm.lookup import LookupClient, LookupServer, private_dir, socket_path
 from prefixcache.integrations.vllm.paged import Layout, PagedKV, PagedSource
@@ -355,6 +355,32 @@ def test_with_a_secret_only_the_gateways_claim_names_a_tenant() -> None:
     for r in forged:
         assert scope(r) == Bypass("unverified_tenant")
         assert scoper(secret, Unverified.DEFAULT)(r) == Scope("d")
+
+
+def test_the_gateways_retention_rides_the_scope_and_a_forged_one_is_none() -> None:
+    secret = b"0123456789abcdef-secret"
+    scope = scoper(secret)
+    stamped = stamp({"prompt": "x"}, "acme", secret, 3600)
+    salt, params = stamped["cache_salt"], stamped["kv_transfer_params"]
+    assert scope(request("r", [1], salt, params)) == Scope("acme", retain_s=3600)
+    raised = params | {RETAIN_KEY: 86_400}  # the client raised what the gateway stamped
+    assert scope(request("r", [1], salt, raised)) == Scope("acme")
+    bare = {PARAMS_KEY: "acme", RETAIN_KEY: 3600}  # no proof
+    assert scope(request("r", [1], salt, bare)) == Scope("acme")
+    assert scoper()(request("r", [1], "s", {RETAIN_KEY: 300})) == Scope("s", retain_s=300)  # no gateway: the ask
+
+
+def test_a_save_with_a_retention_retains_what_it_stored_for_that_tenant(tmp_path: Path) -> None:
+    """The worker retains what it saves for a retained scope: the cache's pools then evict
+    around it (``tests/test_cache_retention.py`` holds the rest; ``tests_vllm`` the engine)."""
+    w = worker(tmp_path, cpu_caches(40))
+    kept = tuple(range(100, 100 + 2 * N))
+    w.save(SaveSpec("r1", Scope("alice", retain_s=600), kept, ((0, 1),)))
+    held = {t.tenant: t.held[0] for t in w.cache.stats().retention}
+    assert held == {"alice": 2 * N}
+    w.save(SaveSpec("r2", Scope("bob"), tuple(range(900, 900 + 2 * N)), ((2, 3),)))
+    assert {t.tenant for t in w.cache.stats().retention} == {"alice"}
+    w.close(5)
 
 
 def adapter(folder: Path, weights: bytes) -> Path:

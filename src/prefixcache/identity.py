@@ -18,6 +18,13 @@ Without a secret (vLLM used alone, no gateway) the connector trusts what vLLM tr
 the ``cache_salt`` is the tenant, as knowing a salt is what gives access to vLLM's own
 prefix cache; the ``kv_transfer_params`` claim is then ignored, never believed.
 
+The retention a client asked for (OpenAI's ``prompt_cache_retention``, Anthropic's
+``cache_control``) travels the same way: the gateway stamps it as seconds beside the
+claim, with an HMAC binding it to the tenant (``RETAIN_KEY``, ``RETAIN_PROOF_KEY``), and
+the connector believes it only with a verified tenant and a proof that checks
+(``verify_retention``); without a secret it is the client's ask, as the salt is its
+tenant. Either way the tenant's retention cap bounds it (``cache/retention.py``).
+
 A prefixcache server behind the gateway takes the tenant from a header instead
 (``auth.tenant_header``), and with a secret configured believes it only beside the
 gateway's proof for that tenant (``PROOF_HEADER`` = ``tenant_proof``, ``verify_proof``):
@@ -40,16 +47,20 @@ __all__ = [
     "MAX_NAME_CHARS",
     "PARAMS_KEY",
     "PROOF_HEADER",
+    "RETAIN_KEY",
+    "RETAIN_PROOF_KEY",
     "SECRET_ENV",
     "Identity",
     "Unverified",
     "Verdict",
+    "retain_proof",
     "salt_label",
     "stamp",
     "tenant_proof",
     "tenant_salt",
     "verify",
     "verify_proof",
+    "verify_retention",
 ]
 
 SECRET_ENV = "PREFIXCACHE_TENANT_SECRET"  # where the router and the connector read the secret by default
@@ -63,6 +74,10 @@ PROOF_HEADER = "x-prefixcache-tenant-proof"  # beside the tenant header, to a pr
 _PROOF_TAG = b"prefixcache/tenant-proof/v1\x00"
 _PROOF_PREFIX = "pcp1-"
 _LABEL_TAG = b"prefixcache/salt-label/v1\x00"
+RETAIN_KEY = "prefixcache_retain_s"  # kv_transfer_params[RETAIN_KEY]: seconds the gateway asks to retain
+RETAIN_PROOF_KEY = "prefixcache_retain_proof"  # ... and its HMAC, bound to the tenant
+_RETAIN_TAG = b"prefixcache/retain/v1\x00"
+MAX_RETAIN_S = 7 * 24 * 3600  # the longest retention believed (as ``cache.retention.MAX_RETAIN_S``)
 MIN_SECRET_BYTES = 16
 # The longest salt or tenant name believed: a gateway's salt is 36 characters, and a tenant's
 # name comes from its settings; a longer one is no stamp of ours (refused, never hashed).
@@ -83,13 +98,44 @@ def tenant_salt(secret: bytes, tenant: str) -> str:
     return _SALT_PREFIX + digest[:32]
 
 
-def stamp(body: Mapping[str, Any], tenant: str, secret: bytes) -> dict[str, Any]:
+def stamp(body: Mapping[str, Any], tenant: str, secret: bytes, retain_s: int | None = None) -> dict[str, Any]:
     """``body`` as the gateway forwards it to vLLM: the client's own ``CLIENT_FIELDS``
-    removed, the authenticated tenant's salt and claim set."""
+    removed, the authenticated tenant's salt and claim set, and the retention it asked
+    for (whole seconds) with its proof."""
     out = {k: v for k, v in body.items() if k not in CLIENT_FIELDS}
     out["cache_salt"] = tenant_salt(secret, tenant)
-    out["kv_transfer_params"] = {PARAMS_KEY: tenant}
+    params: dict[str, Any] = {PARAMS_KEY: tenant}
+    if retain_s:
+        params[RETAIN_KEY] = retain_s
+        params[RETAIN_PROOF_KEY] = retain_proof(secret, tenant, retain_s)
+    out["kv_transfer_params"] = params
     return out
+
+
+def retain_proof(secret: bytes, tenant: str, seconds: int) -> str:
+    """The gateway's word that ``tenant`` asked to retain its prompt ``seconds``."""
+    _check_secret(secret)
+    message = _RETAIN_TAG + tenant.encode("utf-8", "surrogatepass") + b"\x00" + str(seconds).encode()
+    return _PROOF_PREFIX + hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def verify_retention(params: object, tenant: str, secret: bytes | None) -> int:
+    """The seconds a request's ``kv_transfer_params`` retain its prompt for ``tenant`` (a
+    verified one): 0 when none is asked, or it is no whole number of seconds in range, or
+    (with a secret) its proof is not the gateway's for this tenant and value. Never raises:
+    it reads what a client sent, inside vLLM's engine core."""
+    if not isinstance(params, Mapping):
+        return 0
+    seconds = params.get(RETAIN_KEY)
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or not 0 < seconds <= MAX_RETAIN_S:
+        return 0
+    if secret is None:
+        return seconds
+    proof = params.get(RETAIN_PROOF_KEY)
+    if not isinstance(proof, str) or not proof or len(proof) > MAX_NAME_CHARS or _name(tenant) is None:
+        return 0
+    expected = retain_proof(secret, tenant, seconds).encode()
+    return seconds if hmac.compare_digest(expected, proof.encode("utf-8", "surrogatepass")) else 0
 
 
 class Unverified(Enum):

@@ -178,10 +178,46 @@ class Stamper:
             raise ValueError(NO_SECRET)
         if not isinstance(body, dict):
             raise APIError(400, "The request body must be a JSON object.", code="invalid_body")
-        stamped = stamp(_without_media_ids(body), tenant, self._secret)
+        stamped = stamp(_without_media_ids(body), tenant, self._secret, retention_asked(body))
         if len(self.salts) < MAX_SALTS:
             self.salts.setdefault(stamped["cache_salt"], tenant)
         return _json(stamped)
+
+
+# OpenAI's prompt_cache_retention and Anthropic's cache_control ttl, in seconds
+_RETENTIONS = {"24h": 24 * 3600}
+_TTLS = {None: 300, "5m": 300, "1h": 3600}
+
+
+def retention_asked(body: dict[str, Any]) -> int | None:
+    """The seconds a chat, completion or Messages body asks its prompt be retained, as a
+    vLLM backend's connector is told (``identity.stamp``): OpenAI's
+    ``prompt_cache_retention``, or the longest ttl of Anthropic's ``cache_control``
+    breakpoints. NOTE: through vLLM a retention keeps the whole prompt (its full blocks):
+    the router cannot place a breakpoint on vLLM's tokens. What the backend refuses as
+    invalid was validated before this (``validate.py``); still, nothing here raises."""
+    asked = body.get("prompt_cache_retention")
+    seconds = _RETENTIONS.get(asked, 0) if isinstance(asked, str) else 0
+    ttls = [_ttl(c.get("ttl")) for c in _cache_controls(body) if c.get("type") == "ephemeral"]
+    return max([seconds, *ttls]) or None
+
+
+def _ttl(value: object) -> int:
+    return _TTLS.get(value, 0) if value is None or isinstance(value, str) else 0
+
+
+def _cache_controls(body: dict[str, Any]) -> list[dict[str, Any]]:
+    blocks: list[object] = []
+    for name in ("system", "tools"):
+        if isinstance(body.get(name), list):
+            blocks.extend(body[name])
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            blocks.extend(content)
+    found = [b.get("cache_control") for b in blocks if isinstance(b, dict)]
+    return [c for c in found if isinstance(c, dict)]
 
 
 def _without_media_ids(body: dict[str, Any]) -> dict[str, Any]:

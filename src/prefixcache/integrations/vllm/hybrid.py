@@ -102,13 +102,15 @@ class GroupBlocks:
         reached: int,
         digests: Sequence[bytes],
         since: Stamp | None,
+        retain_s: float = 0.0,
     ) -> int:
         """Store the partial blocks of each boundary this save completes (its end and the
         stride's multiples after ``since_block``), when vLLM still holds every one of them:
         a sliding group's blocks before the window of the ``computed`` tokens (those before
         the step) may already belong to another request, and a state block holds the state
-        at its boundary only when the step ended there (``reached``). Returns the blocks
-        newly stored."""
+        at its boundary only when the step ended there (``reached``); each retained for
+        ``retain_s`` when asked, as the full groups' chain is. Returns the blocks newly
+        stored."""
         groups, n = self.groups, self.groups.block_size
         stored = 0
         for j in groups.boundaries(since_block, len(tokens) // n):
@@ -119,6 +121,8 @@ class GroupBlocks:
                 source = PagedSource(self.paged[g.index], [block_ids[g.index][i]])
                 ctx = groups.context(base, g, digests[i])
                 stored += self.cache.insert(self._block(tokens, i), ctx, kv=source, since=since) // n
+                if retain_s:
+                    self.cache.retain(self._block(tokens, i), ctx, retain_s)
         return stored
 
     def _alive(self, group: KVGroup, i: int, ids: Sequence[int], computed: int, reached: int) -> bool:

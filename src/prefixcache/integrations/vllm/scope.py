@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from prefixcache.hashing import CacheContext, Segment
-from prefixcache.identity import Unverified, verify
+from prefixcache.identity import MAX_RETAIN_S, Unverified, verify, verify_retention
 from prefixcache.weights import files_fingerprint
 
 __all__ = ["Bypass", "Fingerprints", "Media", "Scope", "decode_scope", "encode_scope", "scope_of"]
@@ -46,11 +46,15 @@ class Media(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Scope(msgspec.Struct, frozen=True, array_like=True):
-    """What keys a request's KV besides its tokens (crosses the lookup socket as msgpack)."""
+    """What keys a request's KV besides its tokens (crosses the lookup socket as msgpack),
+    and the one thing that does not: ``retain_s``, the retention the gateway stamped
+    (verified with the tenant, ``identity.verify_retention``; 0: none), which the worker
+    asks of the cache after storing the prompt."""
 
     tenant: str
     adapter: str | None = None
     media: tuple[Media, ...] = ()
+    retain_s: int = 0
 
     def context(self, model: str) -> CacheContext:
         return CacheContext(tenant=self.tenant, model=model, adapter=self.adapter)
@@ -74,6 +78,8 @@ def decode_scope(data: bytes) -> Scope:
         raise ValueError(f"not a scope: {exc}") from None
     if not scope.tenant or any(m.offset < 0 or m.length < 1 or not m.key for m in scope.media):
         raise ValueError("not a scope: empty tenant or a malformed media item")
+    if not 0 <= scope.retain_s <= MAX_RETAIN_S:
+        raise ValueError("not a scope: a retention out of range")
     return scope
 
 
@@ -153,4 +159,6 @@ def scope_of(
         if not key:
             return Bypass("media_unhashed")
         media.append(Media(int(position.offset), int(position.length), str(key)))
-    return Scope(identity.tenant, adapter, tuple(sorted(media, key=lambda m: (m.offset, m.length, m.key))))
+    media_items = tuple(sorted(media, key=lambda m: (m.offset, m.length, m.key)))
+    params = getattr(request, "kv_transfer_params", None)
+    return Scope(identity.tenant, adapter, media_items, verify_retention(params, identity.tenant, secret))

@@ -299,6 +299,8 @@ class ConnectorWorker:
                 ctx = self.groups.context(base, g)
                 got = self.cache.insert(spec.tokens, ctx, segments, kv=source, since=since)
                 stored = got if g is self.groups.full[0] else stored
+                if spec.scope.retain_s:  # the gateway's, verified (``scope_of``); the tenant's cap bounds it
+                    self.cache.retain(spec.tokens, ctx, spec.scope.retain_s, segments)
             if self.groups.partial:
                 self.partial.save(
                     base,
@@ -309,6 +311,7 @@ class ConnectorWorker:
                     reached=spec.reached,
                     digests=self._digests(spec.tokens, spec.scope),
                     since=since,
+                    retain_s=spec.scope.retain_s,
                 )
         except Exception:  # a failed save costs a future hit, never the request
             log.exception("prefixcache: save for request %s failed", spec.req_id)
