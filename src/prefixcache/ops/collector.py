@@ -4,22 +4,25 @@ at scrape time, so the cache keeps plain counters and never imports prometheus_c
 It exports occupancy, removals by reason (``RemovalReason.label``), epochs, collisions,
 publications, and per tier: capacity and use, hits and misses, bytes moved, promotions,
 demotions, evictions by reason, errors by kind, the load latency histogram, and the
-writes queued, dropped and failed; and the write queue itself. Names are in
-``metrics.CACHE_METRICS``.
+writes queued, dropped and failed; and the write queue itself; and each tenant's
+retention (``retention.py``). Names are in ``metrics.CACHE_METRICS`` and
+``metrics.RETENTION_METRICS``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from prefixcache.cache.stats import CacheStats, TierStats, WriterStats
+from prefixcache.config import CacheConfig
 from prefixcache.events import RemovalReason
 from prefixcache.ops.metrics import TIER_LABELS
+from prefixcache.ops.retention import RetentionMetrics, tier_frame_bytes
 
 __all__ = ["CacheCollector", "StatsSource"]
 
@@ -31,10 +34,18 @@ class StatsSource(Protocol):
 
 
 class CacheCollector(Collector):
-    """Exports ``source.stats()`` at scrape time: ``registry.register(CacheCollector(cache))``."""
+    """Exports ``source.stats()`` at scrape time: ``registry.register(CacheCollector(cache))``.
 
-    def __init__(self, source: StatsSource) -> None:
+    ``frame_bytes`` (tier name -> bytes of a full block's frame) turns retained frames
+    into bytes; by default it is computed from ``source.config`` when the source is a
+    ``PrefixCache``."""
+
+    def __init__(self, source: StatsSource, frame_bytes: Mapping[str, int] | None = None) -> None:
         self.source = source
+        if frame_bytes is None:
+            config = getattr(source, "config", None)
+            frame_bytes = tier_frame_bytes(config) if isinstance(config, CacheConfig) else {}
+        self.retention = RetentionMetrics(frame_bytes)
 
     def describe(self) -> list[Metric]:
         return []  # do not call stats() at registration
@@ -45,6 +56,7 @@ class CacheCollector(Collector):
         yield from _tier_families(stats.tiers)
         if stats.writer is not None:
             yield from _writer_families(stats.writer)
+        yield from self.retention.families(stats)
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

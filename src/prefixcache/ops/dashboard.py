@@ -19,7 +19,13 @@ computes live rates from the difference of two polls. Shape (version 1)::
       "tenants": [{"tenant": "acme", "lookups": 80, "prompt_tokens": 40000, "hit_tokens": 26000,
                    "hit_rate": 0.65, "prefill_seconds_saved": 5.2}],   # most prompt tokens first
       "recent": [{"tenant": "acme", "model": "smollm2", "prompt_tokens": 700,
-                  "segments": [["L0", 512], ["L2", 64], ["computed", 124]]}]   # oldest first
+                  "segments": [["L0", 512], ["L2", 64], ["computed", 124]]}],  # oldest first
+      "retention": {                               # what tenants keep retained (ops/retention.py)
+        "levels": [{"name": "cache", "unit": "tokens", "binding": true},
+                   {"name": "ram", "unit": "bytes", "kind": "memory", "level": "L1", "binding": true}],
+        "tenants": [{"tenant": "acme", "held": [4096, 188743680], "caps": [4096, 188743680],
+                     "at_cap": true, "expired_tokens": 0, "capped_tokens": 512, "cap_hits": 2,
+                     "refused": 0}]}               # most retained first; caps 0 where none binds
     }
 
 Counters are totals since the server started; ``tenants`` uses the same labels as
@@ -27,7 +33,9 @@ Counters are totals since the server started; ``tenants`` uses the same labels a
 prompt's tokens came from: the exact prefix in prompt order, tier by tier; then, for a
 tenant in the blend mode, ``blended`` (kept from cached chunks at another position,
 never an exact hit) and ``computed`` by prefill (the recomputed tokens among them).
-Their lengths sum to ``prompt_tokens``.
+Their lengths sum to ``prompt_tokens``. ``retention`` gives each tenant's retained tokens
+in the cache and bytes in each tier, with its caps there (a tier's bytes: its retained
+frames times a full block's frame, ``frame_bytes``), folded under the same labels.
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ from typing import Any
 
 from prefixcache.cache.stats import CacheStats
 from prefixcache.events import RemovalReason
-from prefixcache.ops.metrics import ServingMetrics
+from prefixcache.ops.metrics import OTHER, ServingMetrics
+from prefixcache.ops.retention import AT_CAP, fold, retention_rows
 
 VERSION = 1
 SOURCES = ("L0", "L1", "L2", "blended", "computed")
@@ -81,16 +90,40 @@ def _recent(entry: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _retention(s: CacheStats | None, serving: ServingMetrics, frame_bytes: Mapping[str, int]) -> dict[str, Any]:
+    if s is None:
+        return {"levels": [], "tenants": []}
+    tiers = {t.name: t for t in s.tiers}
+    levels = []
+    for level in s.retention_levels:
+        tier = tiers.get(level.name)
+        where = {"kind": tier.kind, "level": tier.level} if tier is not None and not level.per_token else {}
+        unit = "tokens" if level.per_token else "bytes"
+        levels.append({"name": level.name, "unit": unit} | where | {"binding": level.binding})
+    labelled = serving.tenants.labelled  # NOTE: the tenants table's labels, so the two rows meet
+    rows = fold(retention_rows(s, frame_bytes), lambda t: t if t in labelled else OTHER)
+    rows.sort(key=lambda r: (-sum(r.held[1:]), -r.held[0] if r.held else 0, r.tenant))
+    tenants = [
+        {"tenant": r.tenant, "held": list(r.held), "caps": list(r.caps), "at_cap": bool(r.at_cap(AT_CAP))}
+        | {"expired_tokens": r.expired_tokens, "capped_tokens": r.capped_tokens}
+        | {"cap_hits": r.cap_hits, "refused": r.refused}
+        for r in rows
+    ]
+    return {"levels": levels, "tenants": tenants}
+
+
 def dashboard_data(
     cache_stats: CacheStats | None,
     serving: ServingMetrics,
     recent: Sequence[Mapping[str, Any]],
     limit: int = 20,
     clock: Callable[[], float] = time.time,
+    frame_bytes: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The page's JSON from ``PrefixCache.stats()`` (None: the server runs without a
     cache), the server's metrics and its last requests (oldest first; the last
-    ``limit`` are kept)."""
+    ``limit`` are kept); ``frame_bytes`` (``retention.tier_frame_bytes``) turns each
+    tier's retained frames into bytes."""
     tenants = _tenants(serving)
     lookups = sum(r["lookups"] for r in tenants)
     prompt = sum(r["prompt_tokens"] for r in tenants)
@@ -132,4 +165,5 @@ def dashboard_data(
         "tiers": tiers,
         "tenants": tenants,
         "recent": [_recent(entry) for entry in list(recent)[-limit:]] if limit > 0 else [],
+        "retention": _retention(s, serving, frame_bytes or {}),
     }

@@ -110,12 +110,22 @@ CACHE_METRICS = {
     "prefixcache_writes_abandoned_total": "counter",
     "prefixcache_kv_bytes_in_total": "counter",
 }
+# Each tenant's retention (``retention.py``), from the same collector
+RETENTION_METRICS = {
+    "prefixcache_retained_tokens": "gauge",
+    "prefixcache_retained_bytes": "gauge",
+    "prefixcache_retention_cap_tokens": "gauge",
+    "prefixcache_retention_cap_bytes": "gauge",
+    "prefixcache_retention_expired_tokens_total": "counter",
+    "prefixcache_retention_cap_hits_total": "counter",
+    "prefixcache_retention_refused_total": "counter",
+}
 
 
 def metric_names() -> set[str]:
     """Every sample name exported: counters and gauges as is, histograms with their series."""
     names: set[str] = set()
-    for name, kind in (SERVING_METRICS | CACHE_METRICS).items():
+    for name, kind in (SERVING_METRICS | CACHE_METRICS | RETENTION_METRICS).items():
         if kind == "histogram":
             names.update(f"{name}{suffix}" for suffix in ("_bucket", "_sum", "_count"))
         else:
