@@ -14,7 +14,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
+import anthropic
 import httpx
 import pytest
 from openai import OpenAI
@@ -118,3 +120,20 @@ def test_a_retained_prompt_survives_a_flood_that_evicts_an_unretained_one(route:
     print(f"after the flood: retained prompt {after_kept} cached tokens, unretained {after_lost}")
     assert after_kept >= 3 * BLOCK  # loaded from the connector's tier: vLLM's own blocks were evicted
     assert after_lost == 0
+
+
+def test_anthropics_messages_reach_vllm_through_the_router_and_a_breakpoint_retains(route: str) -> None:
+    """``/v1/messages`` to vLLM's own Messages API: an answer in Anthropic's shape, with
+    usage; a ``cache_control`` breakpoint is a retention the connector keeps (the flood
+    above would otherwise have taken it)."""
+    client = anthropic.Anthropic(base_url=route, api_key=KEEPER, max_retries=0, timeout=600)
+    text = prompt("Messages", 6, "What did the messenger bring?")
+    block: Any = {"type": "text", "text": text, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    first = client.messages.create(model="smollm2", max_tokens=2, messages=[{"role": "user", "content": [block]}])
+    assert first.type == "message" and first.role == "assistant" and first.usage.input_tokens > 0
+    for i in range(8):
+        cached(route, FLOODER, prompt(f"Wave {i}", 6, "What came in?"))
+    again = client.messages.create(model="smollm2", max_tokens=2, messages=[{"role": "user", "content": [block]}])
+    read = again.usage.cache_read_input_tokens or 0
+    print(f"messages through vLLM: {read} of {again.usage.input_tokens + read} prompt tokens read after the flood")
+    assert read >= 3 * BLOCK
