@@ -98,7 +98,7 @@ def test_the_default_share_is_split_among_the_tenants_that_retain() -> None:
 
 
 def test_past_its_cap_a_tenant_loses_its_own_oldest_retention_never_anothers() -> None:
-    c = cache(capacity_blocks=16, share=1.0, a=0.25, b=0.25)  # 16 tokens each
+    c = cache(capacity_blocks=16, share=0.5, a=0.25, b=0.25)  # 16 tokens each
     first, second = prompt(4 * BS, 100), prompt(4 * BS, 200)
     others = prompt(4 * BS, 300)
     for tenant, tokens in (("a", first), ("b", others), ("a", second)):
@@ -169,6 +169,14 @@ def test_a_hit_never_lengthens_another_tenants_retention_past_what_was_asked() -
     CLOCK.now = 15.1
     c.access(prompt(BS, 777), ctx("b"))
     assert c.stats().retention[0].held == (0,)
+
+
+@pytest.mark.parametrize(
+    ("share", "tenants"), [(1.5, {}), (-0.1, {}), (0.5, {"a": 0.6}), (0.25, {"a": 2.0}), (True, {}), (0.5, {"a": "x"})]
+)
+def test_shares_out_of_range_or_adding_up_past_the_cache_are_refused(share: object, tenants: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="retention"):
+        RetentionConfig(share=share, tenants=tenants)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -113,6 +113,12 @@ class RetentionConfig:
         ]:
             if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
                 raise ValueError(f"{name} must be a number in [0, 1], got {share!r}")
+        total = self.share + sum(self.tenants.values())
+        if total > 1:
+            raise ValueError(
+                f"retention shares add up to {total:g} (the default share and each tenant's own): "
+                "above 1, retention could hold the whole cache; lower them"
+            )
 
     def own_share(self, tenant: str) -> float | None:
         """``tenant``'s own share, or None when it shares the default one."""
