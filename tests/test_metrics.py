@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache import CacheConfig, CacheContext, PrefixCache, RemovalReason
+from prefixcache.cache.retention import Level, TenantRetention
 from prefixcache.ops.collector import CacheCollector
 from prefixcache.ops.metrics import OTHER, RequestRecord, ServingMetrics, TenantLabels, metric_names
 from support import WRITER, StatsSource, tier_stats
@@ -252,7 +253,15 @@ def test_metric_names_lists_exactly_what_is_exported() -> None:
     m = ServingMetrics(registry)
     m.set_prefill_seconds_per_token(1e-4)
     record(m, "a", 10, 5)
-    full = StatsSource(purges=1, tiers=(tier_stats("x", "memory", errors={"io": 1}),), writer=WRITER)
+    retention = (TenantRetention("a", (32, 2), (64, 4), 16, 16, 1, 1),)  # a tenant that retains (ops/retention.py)
+    levels = (Level("cache", 256, True), Level("x", 16, False))
+    full = StatsSource(
+        purges=1,
+        tiers=(tier_stats("x", "memory", errors={"io": 1}),),
+        writer=WRITER,
+        retention=retention,
+        retention_levels=levels,
+    )
     registry.register(CacheCollector(full))
     exported = {name for name, _ in samples(registry)}
     assert exported == metric_names()

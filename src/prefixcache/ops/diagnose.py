@@ -15,7 +15,9 @@ Checks, each a small function over a ``Window`` of counter deltas:
   written is lost to a restart and to the other servers sharing the tier);
 - a low hit rate with none of the above: block size, hashing, epochs;
 - inside vLLM, why requests hit less than the cache held (hybrid models' boundaries, prompts
-  shorter than a block) and models whose layer kinds the connector does not store.
+  shorter than a block) and models whose layer kinds the connector does not store;
+- a tenant at its retention cap (``diagnose_retention.py``): its own retention is cut, no
+  one else's (info: the cap doing its work).
 
 Exit status: 0 nothing needs action, 1 something does, 2 the input could not be read.
 """
@@ -27,41 +29,15 @@ import math
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefixcache.ops.diagnose_retention import check_retention
+from prefixcache.ops.findings import SEVERITY_ORDER, Finding, Thresholds
 from prefixcache.ops.scrape import Scrape, Window, tiers, token_counts
 
-SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+__all__ = ["CHECKS", "Finding", "Thresholds", "add_diagnose_parser", "diagnose", "report", "run_diagnose", "summary"]
+
 DEAD_ERRORS = ("connection", "timeout", "breaker_open")
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """When a figure needs action (defaults: those of ops/alerts.yml where it has one)."""
-
-    evictions_per_s: dict[str, float] = field(default_factory=lambda: {"L0": 5000.0, "L1": 100.0})
-    full: float = 0.90  # occupancy at which a tier counts as full
-    churn: float = 0.5  # evictions per block asked of a tier, when there is no interval for a rate
-    error_ratio: float = 0.01
-    slow_load_seconds: float = 0.05  # p95 load time of an L2 tier
-    storm_miss_ratio: float = 0.90
-    bumps_per_minute: float = 1.0
-    crowding_share: float = 0.60  # one tenant's share of the computed tokens
-    low_hit_rate: float = 0.20
-    min_lookup_tokens: float = 1000  # below this the hit rate says nothing
-
-
-@dataclass(frozen=True)
-class Finding:
-    severity: str  # critical | warning | info
-    problem: str
-    evidence: str
-    action: str
-
-    @property
-    def needs_action(self) -> bool:
-        return self.severity != "info"
 
 
 # ============================================================================ checks
@@ -310,6 +286,7 @@ def diagnose(w: Window, t: Thresholds | None = None) -> list[Finding]:
     t = t or Thresholds()
     found = [f for check in CHECKS for f in check(w, t)]
     found += check_hit_rate(w, t, found)
+    found += check_retention(w, t)  # NOTE: after, so that it never hides a low hit rate's finding
     return sorted(found, key=lambda f: SEVERITY_ORDER[f.severity])
 
 

@@ -147,8 +147,9 @@ class RetentionMetrics:
             rows = retention_rows(stats, self.frame_bytes)
             for row in rows:
                 self._carry(row)
-            now = fold(rows, self.label)
-            return _families(stats, now, self._exported)
+            if not rows and not self._exported:
+                return []  # NOTE: no family at all until a tenant retains (a cache without retention looks as before)
+            return _families(stats, fold(rows, self.label), self._exported)
 
     def label(self, tenant: str) -> str:
         return tenant if tenant in self.labels.labelled else OTHER
