@@ -74,6 +74,10 @@ def test_the_default_share_from_the_environment(tmp_path: Path) -> None:
         ("[admission.tenants.acme]\nretain_share = 2\n", r"admission\.tenants\.acme\.retain_share: .*\[0, 1\]"),
         ("[admission]\nretain_shares = 0.5\n", r"unknown setting admission\.retain_shares .*valid: .*retain_share"),
         (
+            "[admission]\nretain_share = 0.5\n[admission.tenants.acme]\nretain_share = 0.6\n",
+            r"\[admission\] retain_share: retention shares add up to 1\.1 .*lower them",
+        ),
+        (
             "[admission]\nretain_share = 0.3\n[cache.retention]\nshare = 0.2\n",
             r"retention shares are set twice, in \[admission\] .* and in \[cache\.retention\]",
         ),

@@ -286,6 +286,10 @@ class Settings(BaseSettings):
                 "retention shares are set twice, in [admission] (retain_share) and in [cache.retention]; "
                 "keep one: [admission] retain_share and [admission.tenants.NAME] retain_share"
             )
+        try:
+            self.admission.retention(self.cache.retention)  # the cache's own checks, at load rather than at start
+        except ValueError as exc:
+            raise ValueError(f"[admission] retain_share: {exc}") from None
         return self
 
     @property
