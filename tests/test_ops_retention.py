@@ -248,3 +248,11 @@ def test_a_tenant_that_retains_to_its_cap_shows_on_the_servers_metrics_and_page(
     assert acme["at_cap"] and acme["held"][1] == 8 * frame
     findings = diagnose(Window(s))
     assert "tenant 'acme' is at its retention cap" in [f.problem for f in findings]
+
+
+def test_the_grafana_dashboard_shows_retained_bytes_per_tenant_and_tier() -> None:
+    grafana = json.loads((Path(__file__).resolve().parent.parent / "ops" / "dashboard.json").read_text())
+    panel = next(p for p in grafana["panels"] if p["title"].lower().startswith("retained bytes per tenant"))
+    exprs = [t["expr"] for t in panel["targets"]]
+    assert "sum by (tenant, tier) (prefixcache_retained_bytes)" in exprs
+    assert "sum by (tenant, tier) (prefixcache_retention_cap_bytes)" in exprs
