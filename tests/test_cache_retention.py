@@ -227,3 +227,21 @@ def test_under_pressure_a_retained_block_goes_down_a_tier_and_stays_in_the_last(
             assert (loaded.kv == kv_for(kept)).all()
         caps = c.retain_caps("a")
         assert caps[2] == 4  # half the disk's 8 frames: the last tier, where the cap binds
+
+
+def test_hits_extend_a_retention_without_growing_its_books() -> None:
+    """A hot retained prompt is hit again and again: one deadline entry per block, moved
+    up when it comes due early; it expires once, at the last hit plus its retention."""
+    c = cache()
+    tokens = prompt(2 * BS)
+    c.access(tokens, ctx("a"))
+    c.retain(tokens, ctx("a"), 10.0)
+    keeper = c._ledger.keeper
+    for step in range(1, 1001):
+        CLOCK.now = step * 0.5
+        c.access(tokens, ctx("a"))
+    assert len(keeper.deadlines) <= 2
+    CLOCK.now = 500.0 + 9.9
+    assert keeper.sweep() == 0 and c.stats().retention[0].held == (8,)
+    CLOCK.now = 500.0 + 10.0
+    assert keeper.sweep() == 2 and c.stats().retention[0].expired_tokens == 8

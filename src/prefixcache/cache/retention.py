@@ -124,7 +124,12 @@ class Keeper:
         self._clock = clock
         self.held: dict[str, list[int]] = {}  # tenant -> units retained per level
         self.order: dict[str, OrderedDict[Block, None]] = {}  # tenant -> its retained blocks, oldest first
-        self.deadlines: list[tuple[float, int, Block]] = []  # a heap; an entry a later deadline replaced is skipped
+        # NOTE: one live heap entry per retained block (``_entry``: block -> its entry's
+        # number), at a deadline no later than its own: a hit moves the deadline, not the
+        # entry, which is pushed again when it comes up early. So the heap does not grow
+        # with hits; a released block's entry is skipped when it comes up.
+        self.deadlines: list[tuple[float, int, Block]] = []
+        self._entry: dict[Block, int] = {}
         self.counts: dict[str, _Counts] = {}
         self._seq = 0
 
@@ -216,11 +221,15 @@ class Keeper:
         now = self._clock() if now is None else now
         heap, done = self.deadlines, 0
         while heap and heap[0][0] <= now:
-            until, _, block = heapq.heappop(heap)
-            if block.retainer is not None and block.retain_until == until:
-                self.counts[block.retainer].expired_tokens += block.num_tokens
-                self.release(block)
-                done += 1
+            _, seq, block = heapq.heappop(heap)
+            if block.retainer is None or self._entry.get(block) != seq:
+                continue  # released since
+            if block.retain_until > now:
+                self._push(block)  # extended by a hit since: its entry goes to the new deadline
+                continue
+            self.counts[block.retainer].expired_tokens += block.num_tokens
+            self.release(block)
+            done += 1
         return done
 
     # ------------------------------------------------------------------ the books
@@ -262,6 +271,7 @@ class Keeper:
                 held[i] -= block.num_tokens if level.per_token else 1
         order = self.order[tenant]
         del order[block]
+        del self._entry[block]
         if not order:
             del self.order[tenant], self.held[tenant]
         block.retainer, block.retain_until, block.retain_s, block.retain_mask = None, 0.0, 0.0, 0
@@ -275,10 +285,14 @@ class Keeper:
         block.retainer, block.retain_mask = tenant, mask
 
     def _deadline(self, block: Block, until: float) -> None:
-        if until != block.retain_until:
-            block.retain_until = until
-            self._seq += 1
-            heapq.heappush(self.deadlines, (until, self._seq, block))
+        block.retain_until = until
+        if block not in self._entry:
+            self._push(block)
+
+    def _push(self, block: Block) -> None:
+        self._seq += 1
+        self._entry[block] = self._seq
+        heapq.heappush(self.deadlines, (block.retain_until, self._seq, block))
 
     def _make_room(self, tenant: str, mask: int, tokens: int, keep: Sequence[Block]) -> bool:
         """Room under ``tenant``'s caps for a block of ``tokens`` in the levels of ``mask``,
