@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-test
 
-.PHONY: test unit serve serve-vllm lint bench setup clean system-deps vllm-test bench-lmcache-venv bench-vllm bench-fairness bench-serve-load bench-io-isolation bench-vllm-hybrid
+.PHONY: test unit serve serve-vllm lint bench setup clean system-deps vllm-test bench-lmcache-venv bench-vllm bench-fairness bench-serve-load bench-io-isolation bench-vllm-hybrid bench-retention-fairness
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -123,6 +123,11 @@ bench-serve-load: $(STAMP)
 # against one I/O thread, the engine before (needs redis-server; about 7 minutes).
 bench-io-isolation: $(STAMP)
 	$(BIN)/python benchmarks/bench_io_isolation.py
+
+# Retention's fairness: a tenant retaining everything against three that ask nothing,
+# through the real server, capped and uncapped (about 8 minutes on 2 cores).
+bench-retention-fairness: $(STAMP)
+	$(BIN)/python benchmarks/bench_retention_fairness.py
 
 bench-vllm-hybrid: $(VLLM_STAMP) $(STAMP)
 	$(MODEL_READY)
