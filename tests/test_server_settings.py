@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.config import CacheConfig, KVLayout, PublishConfig, TierConfig
+from prefixcache.config import CacheConfig, KVLayout, PublishConfig, RetentionConfig, TierConfig
 from prefixcache.settings import SERVER_CACHE, describe, load_settings
 
 SMOLLM2 = KVLayout(30, 3, 64, "float32")
@@ -79,6 +79,7 @@ def test_every_cache_field_is_a_setting_by_file_and_by_variable(tmp_path: Path) 
         "io_threads": ("2", 2),
         "writer": ("inline", "inline"),
         "write_queue_bytes": ("1048576", 1048576),
+        "retention": ('{"share": 0.5, "tenants": {"acme": 0.25}}', RetentionConfig(share=0.5, tenants={"acme": 0.25})),
     }  # fmt: skip
     others = {f.name for f in dataclasses.fields(CacheConfig)} - {"kv_layout", "capacity_bytes", "bytes_per_token"}
     assert set(values) == others  # (capacity in bytes is the same setting in another unit: below)
