@@ -22,7 +22,7 @@ RETENTION_HEADER = "x-prefixcache-retention"
 @dataclass(frozen=True, slots=True)
 class Asked:
     """A request's retention as the route passes it on: the spans for the engine (none
-    when refused) and the header's value before the answer is known."""
+    without a cache) and the header's value before the answer is known."""
 
     spans: tuple[RetainSpan, ...]
     outcome: RetainOutcome
@@ -41,6 +41,9 @@ def asked(engine: Engine, tenant: str, spans: Sequence[RetainSpan]) -> Asked:
     if not spans:
         return Asked((), RetainOutcome.NONE)
     cache = engine.cache
-    if cache is None or not cache.may_retain(tenant):
+    if cache is None:
         return Asked((), RetainOutcome.REFUSED)
-    return Asked(tuple(spans), RetainOutcome.REQUESTED)
+    # NOTE: a refused tenant's spans still go to the engine: the cache refuses them there
+    # and counts the refusal (``prefixcache_retention_refused_total``)
+    outcome = RetainOutcome.REQUESTED if cache.may_retain(tenant) else RetainOutcome.REFUSED
+    return Asked(tuple(spans), outcome)
