@@ -8,23 +8,14 @@ are measured in the same run, by what vLLM reports cached.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import anthropic
-import httpx
 import pytest
+from gateway_support import gateway
 from openai import OpenAI
-from test_connector import BLOCK, MODEL, prompt
-from test_route import stop, wait_up
-from test_serve import SERVE, free_port
-
-from prefixcache.identity import SECRET_ENV
+from test_connector import BLOCK, prompt
 
 SECRET = "retention-test-secret-0123456789"
 KEYS = {"sk-keeper-0123456789": "keeper", "sk-flooder-0123456789": "flooder"}
@@ -36,68 +27,14 @@ VLLM_BLOCKS = 24  # vLLM's own KV cache: what one flood of a few prompts evicts
 
 @pytest.fixture(scope="module")
 def route(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("retention")
-    vllm_port, route_port, events = free_port(), free_port(), free_port()
-    transfer = {
-        "kv_connector": "PrefixCacheConnector",
-        "kv_connector_module_path": "prefixcache.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "cache": {
-                "isolation": "namespace",
-                "tiers": [{"kind": "memory", "capacity_bytes": TIER_FRAMES * FRAME, "write": "through"}],
-                "retention": {"share": 0.5},
-            }
-        },
+    cache = {
+        "isolation": "namespace",
+        "tiers": [{"kind": "memory", "capacity_bytes": TIER_FRAMES * FRAME, "write": "through"}],
+        "retention": {"share": 0.5},
     }
-    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}", "topic": "kv"}
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", SECRET_ENV: SECRET}
-    vllm_log = tmp / "vllm.log"
-    vllm = subprocess.Popen(
-        [
-            *SERVE,
-            *("--model", MODEL, "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "2048"),
-            *("--enforce-eager", "--enable-prefix-caching", "--num-gpu-blocks-override", str(VLLM_BLOCKS)),
-            *("--enable-prompt-tokens-details", "--port", str(vllm_port)),
-            *("--kv-transfer-config", json.dumps(transfer), "--kv-events-config", json.dumps(kv_events)),
-        ],
-        stdout=vllm_log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    settings = tmp / "route.toml"
-    settings.write_text(
-        "[auth]\napi_keys = {"
-        + ", ".join(f'"{k}" = "{t}"' for k, t in KEYS.items())
-        + "}\n"
-        + f'tenant_secret = "{SECRET}"\n'
-        + '[cache]\nisolation = "namespace"\n'
-        + f'[model]\nname = "{MODEL}"\nid = "smollm2"\n'
-    )
-    route_log = tmp / "route.log"
-    router = None
-    try:
-        wait_up(f"http://127.0.0.1:{vllm_port}/health", vllm, vllm_log)
-        router = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "prefixcache.cli", "route", "--config", str(settings)),
-                *("--port", str(route_port), "--block-size", str(BLOCK), "--model-id", "smollm2"),
-                *("--vllm-backend", f"http://127.0.0.1:{vllm_port}=tcp://127.0.0.1:{events},topic=kv"),
-            ],
-            stdout=route_log.open("w"),
-            stderr=subprocess.STDOUT,
-            env={k: v for k, v in os.environ.items() if k != SECRET_ENV},
-        )
-        wait_up(f"http://127.0.0.1:{route_port}/healthz", router, route_log, 120)
-        deadline = time.monotonic() + 30
-        while httpx.get(f"http://127.0.0.1:{route_port}/healthz").json()["status"] != "ok":
-            assert time.monotonic() < deadline, route_log.read_text()[-4000:]
-            time.sleep(0.5)
-        yield f"http://127.0.0.1:{route_port}"
-    finally:
-        if router is not None:
-            stop(router)
-        stop(vllm)
+    flags = ("--num-gpu-blocks-override", str(VLLM_BLOCKS))
+    with gateway(tmp_path_factory.mktemp("retention"), keys=KEYS, secret=SECRET, cache=cache, vllm_flags=flags) as g:
+        yield g.route
 
 
 def cached(base: str, key: str, text: str, **extra: object) -> int:

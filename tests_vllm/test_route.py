@@ -15,20 +15,18 @@ events published), the gateway's secret shared by both.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from gateway_support import gateway
 from openai import OpenAI
-from test_connector import BLOCK, MODEL, PROMPTS
-from test_serve import SERVE, free_port, metric
+from test_connector import BLOCK, PROMPTS
+from test_serve import metric
 
-from prefixcache.identity import PARAMS_KEY, SECRET_ENV
+from prefixcache.identity import PARAMS_KEY
 from prefixcache.ops.audit import AuditConfig, audit
 from prefixcache.ops.audit_cli import to_json
 
@@ -38,95 +36,25 @@ VICTIM, ATTACKER = list(KEYS)
 ADMIN = "route-admin-0123456789"
 
 
-def wait_up(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-4000:]
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"{url} did not answer in {timeout:.0f} s")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 @pytest.fixture(scope="module")
 def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     tmp = tmp_path_factory.mktemp("route")
-    vllm_port, route_port, events = free_port(), free_port(), free_port()
-    transfer = {
-        "kv_connector": "PrefixCacheConnector",
-        "kv_connector_module_path": "prefixcache.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "cache": {
-                "isolation": "namespace",
-                "tiers": [
-                    {"kind": "memory", "capacity_bytes": 1 << 30, "write": "through"},
-                    {"kind": "disk", "capacity_bytes": 4 << 30, "path": str(tmp / "disk")},
-                ],
-            }
-        },
-    }
-    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}", "topic": "kv"}
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", SECRET_ENV: SECRET}
-    vllm_log = tmp / "vllm.log"
-    vllm = subprocess.Popen(
-        [
-            *SERVE,
-            *("--model", MODEL, "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "2048"),
-            *("--enforce-eager", "--enable-prefix-caching", "--gpu-memory-utilization", "0.3"),
-            *("--enable-prompt-tokens-details", "--port", str(vllm_port)),
-            *("--kv-transfer-config", json.dumps(transfer), "--kv-events-config", json.dumps(kv_events)),
+    cache = {
+        "isolation": "namespace",
+        "tiers": [
+            {"kind": "memory", "capacity_bytes": 1 << 30, "write": "through"},
+            {"kind": "disk", "capacity_bytes": 4 << 30, "path": str(tmp / "disk")},
         ],
-        stdout=vllm_log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    settings = tmp / "route.toml"
-    settings.write_text(
-        "[auth]\n"
-        + "api_keys = {"
-        + ", ".join(f'"{k}" = "{t}"' for k, t in KEYS.items())
-        + "}\n"
-        + f'tenant_secret = "{SECRET}"\n'
-        + f'admin_key = "{ADMIN}"\n'
-        + '[cache]\nisolation = "namespace"\n'
-        + f'[model]\nname = "{MODEL}"\nid = "smollm2"\n'
-    )
-    route_log = tmp / "route.log"
-    route = None
-    try:
-        wait_up(f"http://127.0.0.1:{vllm_port}/health", vllm, vllm_log)
-        route = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "prefixcache.cli", "route", "--config", str(settings)),
-                *("--port", str(route_port), "--block-size", str(BLOCK), "--model-id", "smollm2"),
-                *("--vllm-backend", f"http://127.0.0.1:{vllm_port}=tcp://127.0.0.1:{events},topic=kv"),
-            ],
-            stdout=route_log.open("w"),
-            stderr=subprocess.STDOUT,
-            env={k: v for k, v in os.environ.items() if k != SECRET_ENV},  # the router reads its own settings
-        )
-        wait_up(f"http://127.0.0.1:{route_port}/healthz", route, route_log, 120)
-        deadline = time.monotonic() + 30
-        while httpx.get(f"http://127.0.0.1:{route_port}/healthz").json()["status"] != "ok":
-            assert time.monotonic() < deadline, route_log.read_text()[-4000:]
-            time.sleep(0.5)
-        yield {"route": f"http://127.0.0.1:{route_port}", "vllm": f"http://127.0.0.1:{vllm_port}", "tmp": str(tmp)}
-    finally:
-        if route is not None:
-            stop(route)
-        stop(vllm)
+    }
+    with gateway(
+        tmp,
+        keys=KEYS,
+        secret=SECRET,
+        cache=cache,
+        vllm_flags=("--gpu-memory-utilization", "0.3"),
+        route_settings=f'admin_key = "{ADMIN}"\n',
+    ) as g:
+        yield {"route": g.route, "vllm": g.vllm, "tmp": str(g.tmp)}
 
 
 def cached(base: str, key: str, prompt: str, **extra: object) -> int:
