@@ -10,6 +10,7 @@ import itertools
 import re
 import sys
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,12 @@ from prefixcache.sim.inputs import (
 )
 from prefixcache.sim.replay import replay
 from prefixcache.sim.results import ReplayConfig, cache_capacity
+from prefixcache.sim.retention_cli import (
+    add_retention_flags,
+    retention_configs,
+    retention_errors,
+    retention_trace_errors,
+)
 from prefixcache.sim.summary import TraceSummary, summarize
 from prefixcache.sim.tokenizers import load_tokenizer
 from prefixcache.sim.tracefile import HASHED_BLOCKS
@@ -149,6 +156,7 @@ def add_replay_parser(sub: Any) -> None:
         "~30x faster), python (the PrefixCache itself), auto (native where it models the configuration: "
         "not with --publish, --partial-blocks or --metrics; default auto)",
     )
+    add_retention_flags(p)
     p.add_argument("--partial-blocks", action="store_true", help="token-granular matching inside a block")
     p.add_argument(
         "--publish",
@@ -232,7 +240,7 @@ def run_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error("--publish needs K >= 2 distinct tenants (one tenant alone must never publish)")
     if args.publish_min_tokens is not None and args.publish_min_tokens < 1:
         parser.error("--publish-min-tokens must be >= 1")
-    inapplicable = static_errors(args)
+    inapplicable = static_errors(args) + retention_errors(args)
     if inapplicable:
         parser.error("; ".join(inapplicable))
     try:
@@ -302,7 +310,7 @@ def _summary(
     except ValueError as exc:  # a malformed trace names its file, line and field
         print(f"prefixcache replay: {exc}", file=sys.stderr)
         return None
-    errors = trace_errors(args, summary, str(args.trace))
+    errors = trace_errors(args, summary, str(args.trace)) + retention_trace_errors(args, summary)
     if errors:
         parser.error("; ".join(errors))
     return summary
@@ -316,8 +324,9 @@ def _replay_configs(args: argparse.Namespace, cost: CostModel | None, summary: T
     if args.codec is None:
         combos = itertools.product(args.mode, args.isolation, block_sizes, args.policy, args.capacity_tokens)
         return [
-            ReplayConfig(_cache_config(args, policy, capacity, block_size, isolation, mode), mode)
+            cfg
             for mode, isolation, block_size, policy, capacity in combos
+            for cfg in retention_configs(args, _cache_config(args, policy, capacity, block_size, isolation, mode), mode)
         ]
     assert cost is not None and cost.model.kv is not None
     kv, configs = cost.model.kv, []
@@ -325,7 +334,8 @@ def _replay_configs(args: argparse.Namespace, cost: CostModel | None, summary: T
         block = summary.native_block_size or block_size
         for c in codec_capacities(args.capacity_bytes, args.codec, kv, block):
             cache = _cache_config(args, policy, c.tokens, block_size, isolation, mode)
-            configs.append(ReplayConfig(cache, mode, codec=c.codec, stored_bytes=c.capacity_bytes))
+            for cfg in retention_configs(args, cache, mode):
+                configs.append(replace(cfg, codec=c.codec, stored_bytes=c.capacity_bytes))
     return configs
 
 

@@ -24,6 +24,8 @@ from prefixcache.hashing import CacheContext
 from prefixcache.ops.collector import CacheCollector
 from prefixcache.sim.blocks import block_digests, root_key
 from prefixcache.sim.results import ReplayConfig
+from prefixcache.sim.retention import RetentionCounts
+from prefixcache.sim.retention_steps import Retainer
 from prefixcache.sim.summary import TraceSummary
 from prefixcache.sim.traces import Request
 
@@ -79,7 +81,8 @@ class Stepper(Protocol):
     """One tree-mode engine: replays one request at a time.
 
     ``step`` returns the request's cached prefix in the cache's units: tokens for a token
-    trace, native blocks for a pre-hashed one."""
+    trace, native blocks for a pre-hashed one. ``retention`` is what its retain calls got
+    (``None``: retention off)."""
 
     engine: str
 
@@ -90,11 +93,15 @@ class Stepper(Protocol):
 
     def counters(self) -> LedgerCounters: ...
 
+    def retention(self) -> RetentionCounts | None: ...
+
 
 class CacheStepper:
     """The reference engine: the real ``PrefixCache``, as it serves requests.
 
-    ``registry``, when given, gets the cache's metrics (``CacheCollector``)."""
+    ``registry``, when given, gets the cache's metrics (``CacheCollector``). With the
+    configuration's retention on, each prompt is retained after its access, as a server
+    retains it once the prompt is stored (``retention_steps``)."""
 
     engine = "python"
 
@@ -108,10 +115,17 @@ class CacheStepper:
         self._dense: dict[int, int] = {}
         self._output = include_output and summary.native_block_size is None
         self._contexts: dict[tuple[str, str], CacheContext] = {}
+        native = summary.native_block_size
+        self._retainer = None
+        if cfg.retention.on:
+            self._retainer = Retainer(self.cache, cfg.retention, native or cfg.block_size, native or 1)
 
     @property
     def evictions(self) -> int:
         return self.cache.removed(RemovalReason.EVICTED)  # NOTE: one counter; stats() builds a snapshot
+
+    def retention(self) -> RetentionCounts | None:
+        return None if self._retainer is None else self._retainer.counts()
 
     def step(self, req: Request) -> int:
         self._now = req.timestamp
@@ -125,8 +139,12 @@ class CacheStepper:
         if self._output and req.output_tokens:
             with cache.match(prompt, ctx) as m:
                 cache.insert([*prompt, *req.output_tokens], ctx)
-                return m.cached_tokens
-        return cache.access(prompt, ctx)[0]
+                cached = m.cached_tokens
+        else:
+            cached = cache.access(prompt, ctx)[0]
+        if self._retainer is not None:
+            self._retainer.after(req, prompt, ctx)
+        return cached
 
     def counters(self) -> LedgerCounters:
         s = self.cache.stats()
@@ -170,6 +188,8 @@ def native_unsupported(cfg: ReplayConfig, metrics: bool = False) -> str:
         reasons.append("configured quotas")
     if metrics:
         reasons.append("server metrics (--metrics)")
+    if cfg.retention.on:
+        reasons.append("retention (--retention)")
     return "the compiled kernel does not model " + ", ".join(reasons) if reasons else ""
 
 
@@ -222,6 +242,9 @@ class KernelStepper:
             ids = block_digests([*req.tokens, *req.output_tokens], unit)
             return int(tree.access(root, tenant, ids, len(req.tokens) // unit, now)) * unit
         return int(tree.access(root, tenant, block_digests(req.tokens, unit), -1, now)) * unit
+
+    def retention(self) -> RetentionCounts | None:
+        return None  # NOTE: never on: native_unsupported refuses a configuration with retention
 
     def counters(self) -> LedgerCounters:
         t = self._tree

@@ -114,6 +114,7 @@ class _TreeRun:
 
     def finish(self) -> None:
         self.counter.result.evictions = self.stepper.evictions
+        self.counter.result.retention = self.stepper.retention()
         self.counter.finish(self.stepper.evictions)
 
 

@@ -81,9 +81,20 @@ def _has_codec(results: Sequence[ReplayResult]) -> bool:
     return any(r.config.codec is not None for r in results)
 
 
+def _has_retention(results: Sequence[ReplayResult]) -> bool:
+    return any(r.config.retention.on for r in results)
+
+
+def retention_label(c: ReplayConfig) -> str:
+    """The retention replayed, with the share of the cache it may hold: ``auto:90 @0.25``."""
+    return f"{c.retention.label} @{c.cache.retention.share:g}" if c.retention.on else "off"
+
+
 def table_headers(results: Sequence[ReplayResult]) -> list[str]:
     codec = ["codec"] if _has_codec(results) else []
-    headers = ["policy", *codec, "capacity", "block", "isolation", "mode", "requests", "token hit", "request hit"]
+    retention = ["retention"] if _has_retention(results) else []
+    headers = ["policy", *codec, "capacity", "block", "isolation", "mode", *retention, "requests", "token hit"]
+    headers.append("request hit")
     if _has_block_hits(results):
         headers.append("block hit")
     headers += ["optimal", "gap (pp)", "evictions"]
@@ -100,6 +111,7 @@ def table_rows(results: Sequence[ReplayResult]) -> list[list[str]]:
     with_cost = _has_cost(results)
     with_block_hits = _has_block_hits(results)
     with_codec = _has_codec(results)
+    with_retention = _has_retention(results)
     rows = []
     for r in results:
         c = r.config
@@ -107,6 +119,8 @@ def table_rows(results: Sequence[ReplayResult]) -> list[list[str]]:
         mode = f"{c.mode} ({r.engine})" if c.mode == "tree" else c.mode
         codec = [c.codec or "raw"] if with_codec else []
         row = [c.policy, *codec, format_capacity(c.capacity_tokens), block, isolation_label(c), mode]
+        if with_retention:
+            row.append(retention_label(c))
         row.append(f"{r.requests:,}")
         row += [percent(r.token_hit_rate), percent(r.request_hit_rate)]
         if with_block_hits:
@@ -152,6 +166,22 @@ def result_notes(results: Sequence[ReplayResult]) -> list[str]:
         )
         if line not in lines:
             lines.append(line)
+    retaining = [r for r in results if r.config.retention.on]
+    if retaining:
+        engines = ", ".join(sorted({r.engine for r in retaining}))
+        lines.append(
+            f"Retention: replayed by the {engines} engine (the PrefixCache: the compiled kernel does not model "
+            "retention); each prompt retained after its access, charged to its tenant, the share of the cache "
+            "split among the tenants that retain"
+        )
+        for r in retaining:
+            got = r.retention
+            if got is not None and got.calls:
+                kept = percent(got.retained_tokens / got.asked_tokens if got.asked_tokens else 0.0)
+                lines.append(
+                    f"  {r.config.label}: {got.calls:,} retain calls, {got.capped:,} cut by the cap, "
+                    f"{kept} of the tokens asked retained"
+                )
     return lines
 
 
@@ -159,7 +189,7 @@ def render_table(results: list[ReplayResult], console: Console | None = None, no
     """Print the comparison table, one row per result, in the order given, then the
     notes (``result_notes(results)``, and the caller's ``notes``)."""
     table = Table(title=title(results))
-    text_columns = {"policy", "codec", "capacity", "block", "isolation", "mode"}
+    text_columns = {"policy", "codec", "capacity", "block", "isolation", "mode", "retention"}
     for header in table_headers(results):
         # NOTE: fold, never ellipsis: "39…" in a narrow terminal reads as a number.
         table.add_column(header, justify="left" if header in text_columns else "right", overflow="fold")

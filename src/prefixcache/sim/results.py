@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from prefixcache.config import CacheConfig, PublishConfig
+from prefixcache.sim.retention import RETENTION_OFF, RetentionCounts, RetentionSpec
 
 UNLIMITED = sys.maxsize
 """``capacity_tokens`` of a cache without a limit: more than any trace can fill. Labels
@@ -37,18 +38,27 @@ class ReplayConfig:
     ``codec`` names the frames a byte capacity was counted in (``replay --codec``), and
     ``stored_bytes`` that capacity: the cache's capacity in tokens is already what those
     bytes hold, so the replay itself never reads them; labels and JSON show them.
-    ``None``: no codec was asked for."""
+    ``None``: no codec was asked for.
+
+    ``retention`` says how long each prompt is retained after its access (``replay
+    --retention``; ``sim/retention.py``), within the caps of ``cache.retention``; only
+    the ``PrefixCache`` models it, so such a configuration runs the Python engine."""
 
     cache: CacheConfig
     mode: str = "tree"
     codec: str | None = None
     stored_bytes: float | None = None  # with a codec: the byte budget (math.inf: unlimited)
+    retention: RetentionSpec = RETENTION_OFF
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
             raise ValueError(f"cache must be a CacheConfig, got {type(self.cache).__name__}")
         if self.cache.tiers or self.cache.capacity_bytes is not None:
             raise ValueError("a replay moves no KV bytes: give capacity_tokens, not tiers or capacity_bytes")
+        if not isinstance(self.retention, RetentionSpec):
+            raise ValueError(f"retention must be a RetentionSpec, got {type(self.retention).__name__}")
+        if self.retention.on and self.mode != "tree":
+            raise ValueError("retention needs tree mode: flat mode has no clock and no tenants' caps")
 
     @property
     def policy(self) -> str:
@@ -77,7 +87,8 @@ class ReplayConfig:
         publish = self.cache.publish
         promo = f" publish>={publish.min_tenants}" if publish is not None else ""
         codec = f" codec={self.codec}" if self.codec is not None else ""
-        return f"{self.policy} cap={cap} bs={self.block_size} {self.isolation}{promo} {self.mode}{codec}"
+        retain = f" retain={self.retention.label}@{self.cache.retention.share:g}" if self.retention.on else ""
+        return f"{self.policy} cap={cap} bs={self.block_size} {self.isolation}{promo} {self.mode}{codec}{retain}"
 
     def to_json(self) -> dict[str, Any]:
         """The configuration as flat JSON fields (an unlimited capacity is ``null`` with
@@ -101,6 +112,8 @@ class ReplayConfig:
             "publish_min_tenants": None if publish is None else publish.min_tenants,
             "publish_min_tokens": (publish or _NO_PUBLISH).min_tokens,
             "unlimited": self.unlimited,
+            "retention": self.retention.label,
+            "retention_share": cache.retention.share if self.retention.on else None,
             **codec,
         }
 
@@ -110,6 +123,8 @@ COVERAGE = {
     "blocks_looked_up, block_hit_rate, seconds, prefill_*, gpu_hours_saved, prompts_over_context, per_tenant, "
     "timeline",
     "whole_replay": "evictions (the warm-up's too: it fills the cache)",
+    "retention": "the whole replay (the warm-up's retain calls too): calls, capped, refused, asked_tokens, "
+    "retained_tokens",
     "seconds": "time in this configuration's own replay steps of the counted requests; reading the trace and "
     "the warm-up excluded",
 }
@@ -166,6 +181,7 @@ class ReplayResult:
     engine: str = "python"  # tree mode: "native" (the compiled kernel) or "python" (the PrefixCache)
     tenants: dict[str, TenantResult] = field(default_factory=dict)
     timeline: list[TimePoint] = field(default_factory=list)
+    retention: RetentionCounts | None = None  # with retention on: what its retain calls got (whole replay)
     # Filled by the cost model (sim/costmodel.py) when a profile is given.
     prefill_flops_total: float | None = None
     prefill_flops_saved: float | None = None
@@ -228,6 +244,7 @@ class ReplayResult:
             "block_hit_rate": self.block_hit_rate,
             "seconds": self.seconds,
             "engine": self.engine,
+            "retention_counts": None if self.retention is None else asdict(self.retention),
             "prefill_flops_total": self.prefill_flops_total,
             "prefill_flops_saved": self.prefill_flops_saved,
             "prefill_compute_avoided": self.prefill_compute_avoided,

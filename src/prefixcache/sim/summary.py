@@ -26,11 +26,13 @@ class TraceSummary:
     last_timestamp: float
     native_block_size: int | None  # the block size of hash_ids, None for token traces
     tenants: int
+    retained: int = 0  # requests whose line asks a retention (``--retention trace`` replays them)
 
 
 def summarize(source: TraceSource) -> TraceSummary:
-    n, first, last, native, tenants, hashed = 0, 0.0, 0.0, None, set(), set()
+    n, first, last, native, tenants, hashed, retained = 0, 0.0, 0.0, None, set(), set(), 0
     for req in source():
+        retained += req.retention is not None
         if n == 0:
             first = req.timestamp
         last = req.timestamp
@@ -43,7 +45,7 @@ def summarize(source: TraceSource) -> TraceSummary:
             if native is not None and req.block_size != native:
                 raise ValueError(f"request {n} has block size {req.block_size}, earlier ones {native}")
             native = req.block_size
-    return TraceSummary(n, first, last, native, len(tenants))
+    return TraceSummary(n, first, last, native, len(tenants), retained)
 
 
 def effective_configs(configs: Iterable[ReplayConfig], summary: TraceSummary) -> list[ReplayConfig]:

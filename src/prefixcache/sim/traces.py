@@ -20,6 +20,9 @@ Formats (``fmt=``; ``"auto"`` looks at the keys of the first non-empty line):
               the endpoint, ``str(chat_id)`` the session.
 ``jsonl``     ours, documented below.
 
+Mooncake's and Bailian's lines may also carry a retention (``retention`` or
+``prompt_cache_retention``, as in ours below); their other unknown keys are ignored.
+
 Our JSONL: one JSON object per line, timestamps non-decreasing::
 
     {"timestamp": 0.25, "tenant": "acme", "model": "llama-3-8b", "endpoint": "chat",
@@ -42,6 +45,10 @@ field              required  meaning
 ``output_length``  no        generated tokens, integer >= 0; defaults to
                              ``len(output_tokens)``, else 0
 ``output_tokens``  no        generated token ids
+``retention``      no        seconds to retain the prompt after its access (a number, or
+                             ``"5m"``, ``"1h"``, ``"24h"``; 0 asks none); or OpenAI's
+                             ``prompt_cache_retention`` (``"in_memory"``, ``"24h"``).
+                             Replayed with ``--retention trace`` (``retention``)
 =================  ========  ===========================================================
 
 Exactly one of ``tokens``, ``text`` and ``hash_ids`` is given; ``null`` counts as absent
@@ -62,6 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefixcache.sim.retention import RETENTION_FIELDS, trace_seconds
 from prefixcache.sim.tokenizers import Tokenizer
 from prefixcache.sim.tracefile import BlockCount, Row, TraceError, is_int, load_json, numbered_lines, show
 
@@ -91,6 +99,7 @@ class Request:
     block_size: int | None = None  # native block size of hash_ids
     output_tokens: tuple[int, ...] | None = None
     session: str | None = None
+    retention: float | None = None  # seconds the line asks its prompt retained (retention.trace_seconds)
 
 
 def native_block_size(fmt: str) -> int | None:
@@ -121,6 +130,7 @@ def _parse_mooncake(row: Row, tokenizer: Tokenizer | None) -> Request:
         output_length=output_length,
         hash_ids=hash_ids,
         block_size=MOONCAKE_BLOCK_SIZE,
+        retention=_retention(row),
     )
 
 
@@ -147,6 +157,7 @@ def _parse_bailian(row: Row, tokenizer: Tokenizer | None) -> Request:
         hash_ids=row.ids("hash_ids", row.required("hash_ids")),
         block_size=BAILIAN_BLOCK_SIZE,
         session=str(chat_id),
+        retention=_retention(row),
     )
 
 
@@ -163,6 +174,7 @@ _JSONL_FIELDS = (
     "input_length",
     "output_length",
     "output_tokens",
+    *RETENTION_FIELDS,
 )
 _PROMPT_SOURCES = ("tokens", "text", "hash_ids")
 
@@ -190,7 +202,21 @@ def _parse_jsonl(row: Row, tokenizer: Tokenizer | None) -> Request:
         block_size=block_size,
         output_tokens=output_tokens,
         session=None if session is None else row.string("session", session, nonempty=True),
+        retention=_retention(row),
     )
+
+
+def _retention(row: Row) -> float | None:
+    """The line's retention in seconds, from whichever field carries it (at most one)."""
+    given = [name for name in RETENTION_FIELDS if row.optional(name) is not None]
+    if len(given) > 1:
+        raise row.error(given[1], f"conflicts with {given[0]!r}; give one retention")
+    if not given:
+        return None
+    try:
+        return trace_seconds(given[0], row.data[given[0]])
+    except ValueError as exc:
+        raise row.error(given[0], str(exc)) from None
 
 
 def _jsonl_prompt(
