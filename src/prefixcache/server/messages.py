@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -86,26 +85,15 @@ class Messages:
         prompt = messages_prompt(self.engine, body)
         retention = asked(self.engine, tenant, prompt.spans())
         params = SamplingParams(body.max_tokens, body.temperature, body.top_p, body.stops)
-        completions, arrived = self.completions, time.monotonic()
-        handle, events = await completions.start(prompt.tokens, tenant, params, retention.spans)
-        watcher = asyncio.create_task(completions.watch(request, handle))  # cancels it when the client leaves
-        try:
-            first = await events.get()
-            if isinstance(first, ErrorEvent):
-                raise APIError.of(first.error)
-            ttft = time.monotonic() - arrived
-            done = None if body.stream else await completions.wait(handle, events, first)
-        except asyncio.CancelledError:
-            handle.cancel()
-            raise
-        finally:
-            watcher.cancel()
+        completions = self.completions
+        began = await completions.begin(request, prompt.tokens, tenant, params, retention.spans, body.stream)
+        done, arrived, ttft = began.done, began.arrived, began.ttft
         rid = "msg_" + uuid.uuid4().hex[:24]
         if done is None:
-            if isinstance(first, DoneEvent) and first.finish_reason == "cancelled":
+            if began.left_queued:
                 return Response(status_code=499)
             answer = _Answer(self, rid, body, prompt, tenant, arrived, ttft)
-            stream = answer.events(handle, events, first)
+            stream = answer.events(began.handle, began.events, began.first)
             headers = {"Cache-Control": "no-cache"} | retention.headers()
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         if done.finish_reason == "cancelled":

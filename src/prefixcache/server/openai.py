@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -29,9 +30,27 @@ from prefixcache.engine import Request as EngineRequest
 from prefixcache.server.recording import Endpoint, Recorder
 from prefixcache.server.retention import asked
 
-__all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "Completions"]
+__all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "Began", "Completions"]
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True, slots=True)
+class Began:
+    """A request that began: its first event, and its end when the answer is whole (not
+    streamed); ``arrived`` and ``ttft`` for its record."""
+
+    handle: Handle
+    events: asyncio.Queue[Event]
+    first: Event
+    done: DoneEvent | None
+    arrived: float
+    ttft: float
+
+    @property
+    def left_queued(self) -> bool:
+        """A stream whose client left before any work: dropped unprefilled."""
+        return isinstance(self.first, DoneEvent) and self.first.finish_reason == "cancelled"
 
 
 class Completions:
@@ -92,27 +111,13 @@ class Completions:
         params = self._params(body, max_tokens, len(tokens), default_max)
         seconds = body.retention_s
         retention = asked(self.engine, tenant, [RetainSpan(len(tokens), seconds)] if seconds else [])
-        arrived = time.monotonic()
-        handle, events = await self.start(tokens, tenant, params, retention.spans)
+        began = await self.begin(request, tokens, tenant, params, retention.spans, body.stream)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        # NOTE: the watcher cancels the request the moment the client leaves, queued or
-        # mid-answer; the engine then ends it with a "cancelled" DoneEvent. A streaming
-        # response takes over watching once it starts (Starlette listens for the disconnect).
-        watcher = asyncio.create_task(self.watch(request, handle))
-        try:
-            first = await events.get()
-            if isinstance(first, ErrorEvent):
-                raise APIError.of(first.error)
-            ttft = time.monotonic() - arrived
-            done = None if body.stream else await self.wait(handle, events, first)
-        except asyncio.CancelledError:
-            handle.cancel()
-            raise
-        finally:
-            watcher.cancel()
+        done, arrived, ttft = began.done, began.arrived, began.ttft
         if done is None:
-            if isinstance(first, DoneEvent) and first.finish_reason == "cancelled":
+            if began.left_queued:
                 return Response(status_code=499)  # the client left while queued: dropped unprefilled
+            handle, events, first = began.handle, began.events, began.first
             chunks = self._stream(request, handle, events, first, rid, chat, body.include_usage, tenant, arrived, ttft)
             headers = {"Cache-Control": "no-cache"} | retention.headers()
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
@@ -120,6 +125,37 @@ class Completions:
             return Response(status_code=499)  # nobody is listening any more
         self.recorder.record(tenant, _endpoint(chat), done, arrived, ttft)
         return JSONResponse(self._completion(rid, chat, done), headers=retention.headers(done.usage.retained))
+
+    async def begin(
+        self,
+        request: Request,
+        tokens: list[int],
+        tenant: str,
+        params: SamplingParams,
+        retain: tuple[RetainSpan, ...],
+        stream: bool,
+    ) -> Began:
+        """Submit, wait for the first event, and (not ``stream``) for the end; an error
+        before the answer began is raised as the route's APIError.
+
+        NOTE: the watcher cancels the request the moment the client leaves, queued or
+        mid-answer; the engine then ends it with a "cancelled" DoneEvent. A streaming
+        response takes over watching once it starts (Starlette listens for the disconnect)."""
+        arrived = time.monotonic()
+        handle, events = await self.start(tokens, tenant, params, retain)
+        watcher = asyncio.create_task(self.watch(request, handle))
+        try:
+            first = await events.get()
+            if isinstance(first, ErrorEvent):
+                raise APIError.of(first.error)
+            ttft = time.monotonic() - arrived
+            done = None if stream else await self.wait(handle, events, first)
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        return Began(handle, events, first, done, arrived, ttft)
 
     async def watch(self, request: Request, handle: Handle) -> None:
         """Cancel ``handle`` when the client disconnects (the body is read, so the next
