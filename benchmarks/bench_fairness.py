@@ -29,13 +29,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -45,6 +40,8 @@ from pathlib import Path
 
 import httpx
 import openai
+
+from serve_process import serve_process
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / ".prefixcache" / "models"
@@ -76,40 +73,11 @@ def setups(chunks: list[int]) -> list[Setup]:
     return [*fair, fifo]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def serving(setup: Setup, tmp: Path) -> Iterator[str]:
     """A ``prefixcache serve`` process in ``setup``; its URL."""
-    port = free_port()
-    config = tmp / f"{port}.toml"
-    config.write_text(setup.config(port))
-    log = (tmp / f"{port}.log").open("wb")
-    serve = [sys.executable, "-m", "prefixcache.cli", "serve", "--config", str(config)]
-    proc = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited; see {log.name}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.5)
+    with serve_process(setup.config, tmp) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def ttft(client: openai.OpenAI, question: str) -> float:

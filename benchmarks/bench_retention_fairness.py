@@ -39,13 +39,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -56,6 +51,7 @@ from pathlib import Path
 import httpx
 
 from prefixcache.config import KVLayout
+from serve_process import serve_process
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / ".prefixcache" / "models"
@@ -99,40 +95,11 @@ UNRETAINED = Phase("flood, no retention", flood=True, retain=False)
 UNCAPPED = Phase("flood, share 1.0", flood=True, flooder_share=1.0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def serving(phase: Phase, args: argparse.Namespace, tmp: Path) -> Iterator[str]:
     """A ``prefixcache serve`` process for ``phase``; its URL."""
-    port = free_port()
-    config = tmp / f"{port}.toml"
-    config.write_text(phase.config(port, args.capacity_blocks))
-    log = (tmp / f"{port}.log").open("wb")
-    serve = [sys.executable, "-m", "prefixcache.cli", "serve", "--config", str(config)]
-    proc = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited; see {log.name}:\n{Path(log.name).read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.5)
+    with serve_process(lambda port: phase.config(port, args.capacity_blocks), tmp) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @dataclass
