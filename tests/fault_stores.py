@@ -90,6 +90,9 @@ class Faulty(TierStore):
     def room_for(self, frame_bytes: int) -> int:
         return self.inner.room_for(frame_bytes)
 
+    def footprint(self, frame_bytes: int) -> int:
+        return self.inner.footprint(frame_bytes)
+
     def __getattr__(self, name: str) -> Any:
         """What only some stores offer (a disk's ``keys``): ``inner``'s, or none."""
         if name == "inner":  # NOTE: not set yet: no recursion through ``self.inner``

@@ -157,6 +157,10 @@ class Guarded(TierStore):
         self.guard.check(self, "room_for")
         return self.inner.room_for(frame_bytes)
 
+    def footprint(self, frame_bytes: int) -> int:
+        self.guard.check(self, "footprint")
+        return self.inner.footprint(frame_bytes)
+
     def close(self) -> None:
         self.guard.check(self, "close")
         self.inner.close()

@@ -55,6 +55,9 @@ class GatedShared(TierStore):
     def used_bytes(self) -> int:
         return self.inner.used_bytes
 
+    def footprint(self, frame_bytes: int) -> int:
+        return self.inner.footprint(frame_bytes)  # NOTE: slots, as its memory counts them
+
     def put(self, key: bytes, frame: Frame) -> None:
         self.inner.put(key, bytes(frame))
 

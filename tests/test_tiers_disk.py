@@ -97,6 +97,14 @@ def test_miss_replace_delete(tmp_path: Path) -> None:
     assert not block_file(store, a).exists()
 
 
+def test_a_frame_takes_its_own_length_of_used_bytes(tmp_path: Path) -> None:
+    """``footprint`` as the base says: the disk's ``used_bytes`` sums the frames' lengths."""
+    store = DiskStore(tmp_path, 1 << 20)
+    frame = frame_for(key_of(1))
+    store.put(key_of(1), frame)
+    assert store.footprint(len(frame)) == store.used_bytes == len(frame)
+
+
 def test_put_refuses_what_is_not_a_frame_of_the_key(tmp_path: Path) -> None:
     store = DiskStore(tmp_path, 1 << 20)
     a, b = key_of(1), key_of(2)

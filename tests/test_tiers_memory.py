@@ -137,6 +137,18 @@ def test_capacity_rounds_down_to_whole_slots() -> None:
         tiny.put(b"k", b"a")
 
 
+def test_a_frame_takes_what_used_bytes_counts_for_it() -> None:
+    """``footprint``: a whole slot in memory however short the frame; its own length in a
+    store that counts the lengths it holds (the null tier, as the base says)."""
+    frame = frame_of(0)
+    slot = len(frame) + codec.HEADER_ALIGN
+    slotted, null = MemoryStore(4 * slot, slot), NullStore(1 << 20)
+    for store in (slotted, null):
+        store.put(key_of(0), frame)
+    assert slotted.footprint(len(frame)) == slotted.used_bytes == slot
+    assert null.footprint(len(frame)) == null.used_bytes == len(frame)
+
+
 @pytest.mark.parametrize("slot_bytes", [0, -1, True, 1.5])
 def test_bad_slot_sizes_are_refused(slot_bytes: object) -> None:
     with pytest.raises(ValueError, match="slot_bytes"):

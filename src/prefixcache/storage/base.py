@@ -142,6 +142,13 @@ class TierStore(ABC):
         """How many more frames of ``frame_bytes`` fit now (the cache makes room until it is enough)."""
         return max(self.capacity_bytes - self.used_bytes, 0) // frame_bytes
 
+    def footprint(self, frame_bytes: int) -> int:
+        """The bytes of ``used_bytes`` one frame of ``frame_bytes`` takes here: its own
+        length, for a store that counts the lengths of the frames it holds. A store that
+        counts otherwise (fixed slots) says so by overriding this, so that whoever turns
+        frames into bytes (retention's metrics) uses the unit of the store's own gauge."""
+        return frame_bytes
+
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many of the leading ``keys`` are held, counted up to the first hole.
 

@@ -121,6 +121,11 @@ class MemoryStore(TierStore):
         """Free slots: one frame each, whatever its length (none fits when it is too long)."""
         return len(self._free) if frame_bytes <= self.slot_bytes else 0
 
+    def footprint(self, frame_bytes: int) -> int:
+        """A whole slot, whatever the frame's length: ``used_bytes`` counts slots (a frame
+        longer than a slot fits nowhere, see ``room_for``)."""
+        return self.slot_bytes
+
     def put(self, key: bytes, frame: Frame) -> None:
         """Copy ``frame`` into a slot: the key's own slot when it is replaced, else a free one.
 
