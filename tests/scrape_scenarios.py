@@ -82,6 +82,7 @@ def tier(name: str, kind: str, capacity: int, used: int, **counters: Any) -> Tie
         write="back",
         capacity_bytes=capacity,
         used_bytes=used,
+        frame_bytes=256 * 1024,
         blocks=used // (256 * 1024),
         hits=0,
         misses=0,

@@ -108,6 +108,7 @@ def tier_stats(name: str, kind: str, **over: Any) -> TierStats:
         write="back",
         capacity_bytes=1 << 30,
         used_bytes=1 << 29,
+        frame_bytes=1 << 20,
         blocks=100,
         hits=10,
         misses=2,

@@ -190,6 +190,30 @@ def test_write_through_copies_below_at_once_so_eviction_writes_nothing(tmp_path:
         check_tiers(cache)
 
 
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+def test_a_tiers_frame_bytes_is_what_its_store_counts_for_one_full_block(tmp_path: Path, codec: str) -> None:
+    """``TierStats.frame_bytes`` (what retention's bytes are frames times) is what the
+    tier's ``used_bytes`` grows by when it takes one full block: a whole slot in memory,
+    the frame's own length on disk. An odd head size in int8 makes a frame that is no
+    whole slot, so the two units differ there."""
+    odd = KVLayout(layers=1, kv_heads=1, head_dim=3, dtype="float16")
+    tiers = (
+        TierConfig(kind="memory", capacity_bytes=1 << 16, write="through", codec=codec),
+        TierConfig(kind="disk", capacity_bytes=1 << 16, path=str(tmp_path), fsync="none", codec=codec),
+    )
+    config = CacheConfig(block_size=BLOCK, kv_layout=odd, tiers=tiers, writer="inline")
+    kv = (np.arange(2 * BLOCK * 3, dtype=np.float16) / 8).reshape(1, 2, 1, BLOCK, 3)
+    with PrefixCache(config) as cache:
+        before = cache.stats().tiers
+        assert cache.insert(list(range(BLOCK)), CTX, kv=kv) == BLOCK
+        after = cache.stats().tiers
+    for was, now in zip(before, after, strict=True):
+        assert (was.blocks, now.blocks) == (0, 1), now.name
+        assert now.frame_bytes == was.frame_bytes == now.used_bytes - was.used_bytes > 0, now.name
+    memory, dsk = after
+    assert (memory.frame_bytes != dsk.frame_bytes) == (codec == "int8")
+
+
 def test_a_block_leaves_the_last_tier_only_as_a_leaf_and_then_leaves_the_tree(tmp_path: Path) -> None:
     with cache_with(mem(2), disk(tmp_path, 6)) as cache:
         for i in range(5):

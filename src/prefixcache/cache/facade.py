@@ -425,7 +425,7 @@ def _open_tiers(
     books = []
     for i, (tc, store, frame) in enumerate(zip(config.tiers, stores, frames, strict=True)):
         policy = make_policy(tc.policy or config.policy, max(config.tier_tokens(tc), 1))
-        book = TierBook(i, tc, store, policy, len(store) + store.room_for(frame))
+        book = TierBook(i, tc, store, policy, len(store) + store.room_for(frame), store.footprint(frame))
         keys = getattr(store, "keys", None)  # a store that lists what it holds (a disk) may hold orphans
         if callable(keys):
             book.orphans.update(keys())

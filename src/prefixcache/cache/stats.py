@@ -247,6 +247,7 @@ class TierStats:
     write: str  # its write policy: when its blocks are copied to the next slower tier
     capacity_bytes: int
     used_bytes: int
+    frame_bytes: int  # what one full block's frame takes here, as ``used_bytes`` counts it (a slot, or its length)
     blocks: int
     hits: int
     misses: int

@@ -23,7 +23,9 @@ _CACHE_ERRORS = {Outcome.FULL: "full", Outcome.NO_FRAME: "source", Outcome.UNENC
 class TierBook:
     """One tier as the ledger sees it: its store, its policy, its room and its counters."""
 
-    def __init__(self, index: int, config: TierConfig, store: TierStore, policy: EvictionPolicy, frames: int) -> None:
+    def __init__(
+        self, index: int, config: TierConfig, store: TierStore, policy: EvictionPolicy, frames: int, frame_bytes: int
+    ) -> None:
         self.index = index
         self.bit = 1 << index
         self.name = config.label
@@ -31,6 +33,7 @@ class TierBook:
         self.store = store
         self.policy = policy
         self.capacity = frames  # room, in frames of a full block
+        self.frame_bytes = frame_bytes  # what one such frame takes of the store's ``used_bytes``
         self.used = 0  # frames held, queued or reserved
         self.sync = store.sync  # its writes are memory copies, done by the deciding thread
         self.orphans: set[bytes] = set()  # frames held that no block owns (found on open)
@@ -58,6 +61,7 @@ class TierBook:
             write=self.config.write,
             capacity_bytes=store.capacity_bytes,
             used_bytes=store.used_bytes,
+            frame_bytes=self.frame_bytes,
             blocks=len(store),
             hits=c.hits,
             misses=c.misses,
