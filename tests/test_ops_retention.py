@@ -19,13 +19,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from engine_support import LiveServer
 from prefixcache import CacheConfig, CacheContext, PrefixCache
-from prefixcache.config import RetentionConfig, TierConfig
+from prefixcache.config import KVLayout, RetentionConfig, TierConfig
 from prefixcache.engine import Engine
 from prefixcache.ops.collector import CacheCollector
 from prefixcache.ops.dashboard import dashboard_data
 from prefixcache.ops.diagnose import diagnose
 from prefixcache.ops.metrics import RequestRecord, ServingMetrics
-from prefixcache.ops.retention import tier_frame_bytes
 from prefixcache.ops.scrape import Scrape, Window
 from prefixcache.server.app import create_app
 from prefixcache.settings import AuthSettings, ServerSettings, Settings
@@ -124,7 +123,11 @@ def serving_for(*tenants: str) -> ServingMetrics:
 def test_the_dashboard_data_has_each_tenants_retained_bytes_against_its_cap() -> None:
     cache = retaining(3)
     slot = frame_bytes()
-    data = dashboard_data(cache.stats(), serving_for("acme", "globex"), [], frame_bytes=tier_frame_bytes(cache.config))
+    stats = cache.stats()
+    (tier,) = stats.tiers
+    assert tier.frame_bytes == slot  # the unit of the tier's own byte gauge: its 10 blocks, a slot each
+    assert tier.used_bytes == tier.blocks * slot and tier.blocks == 10
+    data = dashboard_data(stats, serving_for("acme", "globex"), [])
     retention = data["retention"]
     assert retention["levels"] == [
         {"name": "cache", "unit": "tokens", "binding": True},
@@ -147,14 +150,13 @@ def test_without_a_cache_the_dashboard_has_no_retention() -> None:
 def retention_page() -> Iterator[str]:
     cache = retaining(3)
     serving = serving_for("acme", "globex")
-    frames = tier_frame_bytes(cache.config)
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path == "/":
                 body, kind = PAGE.read_bytes(), "text/html; charset=utf-8"
             else:
-                body = json.dumps(dashboard_data(cache.stats(), serving, [], frame_bytes=frames)).encode()
+                body = json.dumps(dashboard_data(cache.stats(), serving, [])).encode()
                 kind = "application/json"
             self.send_response(200)
             self.send_header("Content-Type", kind)
@@ -189,13 +191,17 @@ def test_the_page_shows_retained_bytes_per_tenant_in_headless_chromium(retention
 # ============================================================================ the real server
 
 
+def memory_frame(kv: KVLayout) -> int:
+    """What a full block's frame of ``kv`` takes in a memory tier, as the cache says."""
+    tier = TierConfig(kind="memory", capacity_bytes=1 << 20)
+    with PrefixCache(CacheConfig(block_size=16, kv_layout=kv, tiers=(tier,))) as probe:
+        return probe.stats().tiers[0].frame_bytes
+
+
 @pytest.fixture
 def live(tmp_path: Path) -> Iterator[tuple[LiveServer, PrefixCache]]:
     loaded = dataclasses.replace(standin(), context_length=256)
-    frame = tier_frame_bytes(
-        CacheConfig(block_size=16, kv_layout=loaded.kv, tiers=(TierConfig(kind="memory", capacity_bytes=1 << 20),))
-    )
-    tier = TierConfig(kind="memory", capacity_bytes=16 * frame["memory"])
+    tier = TierConfig(kind="memory", capacity_bytes=16 * memory_frame(loaded.kv))
     retention = RetentionConfig(share=0.25, tenants={"acme": 0.5, "globex": 0.0})
     cache = PrefixCache(CacheConfig(block_size=16, kv_layout=loaded.kv, tiers=(tier,), retention=retention))
     keys = {"sk-acme-0123456789": "acme", "sk-globex-0123456789": "globex"}
@@ -236,7 +242,8 @@ def test_a_tenant_that_retains_to_its_cap_shows_on_the_servers_metrics_and_page(
     wait_for(lambda: scrape().series("prefixcache_retention_cap_hits_total", tenant="acme") != {})
     wait_for(lambda: sum(scrape().series("prefixcache_retention_cap_hits_total", tenant="acme").values()) > 0)
     s = scrape()
-    frame = tier_frame_bytes(cache.config)["memory"]
+    (memory,) = cache.stats().tiers
+    frame = memory.frame_bytes  # as the tier's byte gauge counts a full block's frame
     tier = {"tenant": "acme", "tier": "memory", "kind": "memory", "level": "L1"}
     assert s.series("prefixcache_retained_bytes", **tier) == s.series("prefixcache_retention_cap_bytes", **tier)
     assert sum(s.series("prefixcache_retained_bytes", **tier).values()) == 8 * frame

@@ -12,7 +12,7 @@ from prefixcache import CacheConfig, CacheContext, PrefixCache
 from prefixcache.config import RetentionConfig, TierConfig
 from prefixcache.ops.collector import CacheCollector
 from prefixcache.ops.metrics import OTHER, RETENTION_METRICS, metric_names
-from prefixcache.ops.retention import RetentionMetrics, tier_frame_bytes
+from prefixcache.ops.retention import RetentionMetrics
 from prefixcache.ops.scrape import Scrape
 from support import Clock
 from tier_worker import BLOCK, SEED, frame_bytes, kv_for, layout
@@ -68,7 +68,8 @@ def test_a_tenant_retaining_to_its_cap_shows_it_on_metrics() -> None:
         store_and_retain(cache, "acme", prompt(i))
     s = scrape(registry)
     slot = frame_bytes()  # a memory slot, as the tier's byte gauge counts it
-    assert tier_frame_bytes(cache.config) == {"memory": slot}
+    (memory,) = cache.stats().tiers
+    assert memory.frame_bytes == slot and memory.used_bytes == 9 * slot  # the cache's unit is the gauge's
     assert value(s, "prefixcache_retained_bytes", tenant="acme", **TIER) == 8 * slot
     assert value(s, "prefixcache_retention_cap_bytes", tenant="acme", **TIER) == 8 * slot
     assert value(s, "prefixcache_retained_tokens", tenant="acme") == 8 * BLOCK
@@ -129,7 +130,7 @@ def test_tenant_labels_are_bounded_and_no_counter_goes_down() -> None:
     cache = PrefixCache(
         CacheConfig(block_size=BLOCK, capacity_tokens=400, retention=RetentionConfig(share=0.1)), clock=clock
     )
-    metrics = RetentionMetrics({}, top_tenants=1, max_label_values=2)
+    metrics = RetentionMetrics(top_tenants=1, max_label_values=2)
     seen: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
 
     def take() -> Scrape:

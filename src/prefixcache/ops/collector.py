@@ -12,17 +12,16 @@ retention (``retention.py``). Names are in ``metrics.CACHE_METRICS`` and
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Protocol
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from prefixcache.cache.stats import CacheStats, TierStats, WriterStats
-from prefixcache.config import CacheConfig
 from prefixcache.events import RemovalReason
 from prefixcache.ops.metrics import TIER_LABELS
-from prefixcache.ops.retention import RetentionMetrics, tier_frame_bytes
+from prefixcache.ops.retention import RetentionMetrics
 
 __all__ = ["CacheCollector", "StatsSource"]
 
@@ -35,17 +34,11 @@ class StatsSource(Protocol):
 
 class CacheCollector(Collector):
     """Exports ``source.stats()`` at scrape time: ``registry.register(CacheCollector(cache))``.
+    Retained frames become bytes by each tier's ``TierStats.frame_bytes``."""
 
-    ``frame_bytes`` (tier name -> bytes of a full block's frame) turns retained frames
-    into bytes; by default it is computed from ``source.config`` when the source is a
-    ``PrefixCache``."""
-
-    def __init__(self, source: StatsSource, frame_bytes: Mapping[str, int] | None = None) -> None:
+    def __init__(self, source: StatsSource) -> None:
         self.source = source
-        if frame_bytes is None:
-            config = getattr(source, "config", None)
-            frame_bytes = tier_frame_bytes(config) if isinstance(config, CacheConfig) else {}
-        self.retention = RetentionMetrics(frame_bytes)
+        self.retention = RetentionMetrics()
 
     def describe(self) -> list[Metric]:
         return []  # do not call stats() at registration

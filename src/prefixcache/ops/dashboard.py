@@ -35,7 +35,7 @@ tenant in the blend mode, ``blended`` (kept from cached chunks at another positi
 never an exact hit) and ``computed`` by prefill (the recomputed tokens among them).
 Their lengths sum to ``prompt_tokens``. ``retention`` gives each tenant's retained tokens
 in the cache and bytes in each tier, with its caps there (a tier's bytes: its retained
-frames times a full block's frame, ``frame_bytes``), folded under the same labels.
+frames times a full block's frame, the tier's ``frame_bytes``), folded under the same labels.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _recent(entry: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _retention(s: CacheStats | None, serving: ServingMetrics, frame_bytes: Mapping[str, int]) -> dict[str, Any]:
+def _retention(s: CacheStats | None, serving: ServingMetrics) -> dict[str, Any]:
     if s is None:
         return {"levels": [], "tenants": []}
     tiers = {t.name: t for t in s.tiers}
@@ -101,7 +101,7 @@ def _retention(s: CacheStats | None, serving: ServingMetrics, frame_bytes: Mappi
         unit = "tokens" if level.per_token else "bytes"
         levels.append({"name": level.name, "unit": unit} | where | {"binding": level.binding})
     labelled = serving.tenants.labelled  # NOTE: the tenants table's labels, so the two rows meet
-    rows = fold(retention_rows(s, frame_bytes), lambda t: t if t in labelled else OTHER)
+    rows = fold(retention_rows(s), lambda t: t if t in labelled else OTHER)
     rows.sort(key=lambda r: (-sum(r.held[1:]), -r.held[0] if r.held else 0, r.tenant))
     tenants = [
         {"tenant": r.tenant, "held": list(r.held), "caps": list(r.caps), "at_cap": bool(r.at_cap(AT_CAP))}
@@ -118,12 +118,10 @@ def dashboard_data(
     recent: Sequence[Mapping[str, Any]],
     limit: int = 20,
     clock: Callable[[], float] = time.time,
-    frame_bytes: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The page's JSON from ``PrefixCache.stats()`` (None: the server runs without a
     cache), the server's metrics and its last requests (oldest first; the last
-    ``limit`` are kept); ``frame_bytes`` (``retention.tier_frame_bytes``) turns each
-    tier's retained frames into bytes."""
+    ``limit`` are kept)."""
     tenants = _tenants(serving)
     lookups = sum(r["lookups"] for r in tenants)
     prompt = sum(r["prompt_tokens"] for r in tenants)
@@ -165,5 +163,5 @@ def dashboard_data(
         "tiers": tiers,
         "tenants": tenants,
         "recent": [_recent(entry) for entry in list(recent)[-limit:]] if limit > 0 else [],
-        "retention": _retention(s, serving, frame_bytes or {}),
+        "retention": _retention(s, serving),
     }

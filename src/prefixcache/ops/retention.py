@@ -3,11 +3,11 @@
 ``diagnose``; read from ``PrefixCache.stats().retention`` (``cache/retention.py``).
 
 The cache counts a tier's retention in frames. A frame of a full block takes what the
-tier's byte gauge (``prefixcache_tier_used_bytes``) counts for it: its slot in memory and
-on a device (``MemoryStore.slot_for``), its encoded length elsewhere, in the tier's
-codec. Retained bytes are frames times that, so a tenant's retained bytes and the tier's
-used bytes are in one unit (a partial block's frame is counted as a full one: the
-retention's upper bound).
+tier's byte gauge (``prefixcache_tier_used_bytes``) counts for it, and the cache says
+how much in ``TierStats.frame_bytes`` (its store's answer, ``TierStore.footprint``: a
+slot in memory and on a device, the encoded length elsewhere). Retained bytes are frames
+times that, so a tenant's retained bytes and the tier's used bytes are in one unit (a
+partial block's frame is counted as a full one: the retention's upper bound).
 
 Tenant labels are bounded as every per-tenant series is (``metrics.TenantLabels``: the
 top N tenants by prompt tokens looked up keep their name, the rest are ``other``), and
@@ -26,35 +26,15 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from prefixcache.cache.retention import Level, TenantRetention
 from prefixcache.cache.stats import CacheStats, TierStats
-from prefixcache.config import CacheConfig
-from prefixcache.hashing import get_hash
 from prefixcache.ops.metrics import OTHER, TIER_LABELS, TenantLabels
-from prefixcache.storage import codec
-from prefixcache.storage.memory import MemoryStore
 
-__all__ = ["AT_CAP", "RetentionMetrics", "RetentionRow", "fold", "retention_rows", "tier_frame_bytes"]
+__all__ = ["AT_CAP", "RetentionMetrics", "RetentionRow", "fold", "retention_rows"]
 
-SLOTTED = ("memory", "device")  # stores that hold a frame in a fixed slot (their byte gauge counts slots)
 TOP_TENANTS = 20  # as the serving metrics label them
 # A tenant holding this share of a cap is at it (the cap ends its oldest retention before
 # the next block, so a capped tenant sits within a block of it): the dashboard, diagnose
 # and the alert rule (ops/alerts.yml) say so from here
 AT_CAP = 0.9
-
-
-def tier_frame_bytes(config: CacheConfig) -> dict[str, int]:
-    """The bytes a full block's frame takes in each tier of ``config`` (by tier name), as
-    that tier's byte gauge counts them; empty for a cache without tiers."""
-    layout = config.kv_layout
-    if not config.tiers or layout is None:
-        return {}
-    key_len = len(get_hash(config.hash)().digest())
-    shape = layout.shape(config.block_size)
-    out = {}
-    for tier in config.tiers:
-        frame = codec.encoded_size(shape, layout.dtype, key_len, tier.codec)
-        out[tier.label] = MemoryStore.slot_for(frame) if tier.kind in SLOTTED else frame
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,22 +55,20 @@ class RetentionRow:
         return [i for i, (h, c) in enumerate(zip(self.held, self.caps, strict=True)) if c > 0 and h >= ratio * c]
 
 
-def _unit(level: Level, frame_bytes: Mapping[str, int], tiers: Mapping[str, TierStats]) -> int:
-    """Bytes of one counted unit of ``level``: 1 for the cache's tokens, a frame for a tier
-    (without its size given: the tier's bytes per frame of capacity)."""
+def _unit(level: Level, tiers: Mapping[str, TierStats]) -> int:
+    """Bytes of one counted unit of ``level``: 1 for the cache's tokens, a full block's
+    frame for a tier (as its byte gauge counts it; 0 for a tier the stats do not name)."""
     if level.per_token:
         return 1
-    if level.name in frame_bytes:
-        return frame_bytes[level.name]
     tier = tiers.get(level.name)
-    return tier.capacity_bytes // level.capacity if tier is not None and level.capacity else 0
+    return tier.frame_bytes if tier is not None else 0
 
 
-def retention_rows(stats: CacheStats, frame_bytes: Mapping[str, int]) -> list[RetentionRow]:
+def retention_rows(stats: CacheStats) -> list[RetentionRow]:
     """Each tenant's retention in tokens (the cache) and bytes (each tier)."""
     tiers = {t.name: t for t in stats.tiers}
     levels = stats.retention_levels
-    units = [_unit(level, frame_bytes, tiers) for level in levels]
+    units = [_unit(level, tiers) for level in levels]
     return [_row(r, levels, units) for r in stats.retention]
 
 
@@ -131,10 +109,7 @@ class RetentionMetrics:
     """The retention families of ``/metrics``, their tenant labels bounded (see the module
     docstring). One per ``CacheCollector``; it keeps what each label has exported."""
 
-    def __init__(
-        self, frame_bytes: Mapping[str, int], top_tenants: int = TOP_TENANTS, max_label_values: int | None = None
-    ) -> None:
-        self.frame_bytes = dict(frame_bytes)
+    def __init__(self, top_tenants: int = TOP_TENANTS, max_label_values: int | None = None) -> None:
         self.labels = TenantLabels(top_tenants, max_label_values)
         self._fed: dict[str, int] = {}  # tenant -> its lookup tokens the guard has seen
         self._seen: dict[str, tuple[int, ...]] = {}  # tenant -> its counters at the last scrape
@@ -144,7 +119,7 @@ class RetentionMetrics:
     def families(self, stats: CacheStats) -> list[Metric]:
         with self._lock:
             self._feed(stats)
-            rows = retention_rows(stats, self.frame_bytes)
+            rows = retention_rows(stats)
             for row in rows:
                 self._carry(row)
             if not rows and not self._exported:

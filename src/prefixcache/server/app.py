@@ -48,7 +48,6 @@ from prefixcache.cache.stats import CacheStats, to_json, top_tenants
 from prefixcache.engine import Engine
 from prefixcache.ops.collector import CacheCollector
 from prefixcache.ops.dashboard import dashboard_data
-from prefixcache.ops.retention import tier_frame_bytes
 from prefixcache.server.messages import Messages
 from prefixcache.server.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, Completions
 from prefixcache.server.recording import RECENT_REQUESTS, Recorder
@@ -284,8 +283,7 @@ def _operator_routes(app: FastAPI, server: Server) -> None:
     @app.get("/dashboard/data", dependencies=[Depends(auth.dashboard)])
     def dashboard_json() -> dict[str, Any]:
         cache_stats = server.cache.stats() if server.cache is not None else None
-        frames = tier_frame_bytes(server.cache.config) if server.cache is not None else None
-        return dashboard_data(cache_stats, recorder.metrics, list(recorder.recent), RECENT_REQUESTS, frame_bytes=frames)
+        return dashboard_data(cache_stats, recorder.metrics, list(recorder.recent), RECENT_REQUESTS)
 
     @app.post("/admin/epoch", dependencies=[Depends(auth.admin)])
     def bump_epoch(body: EpochRequest) -> dict[str, Any]:
