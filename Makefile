@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-test
 
-.PHONY: test unit serve serve-vllm lint bench setup clean system-deps vllm-test bench-lmcache-venv bench-vllm bench-fairness bench-serve-load bench-io-isolation bench-vllm-hybrid bench-retention-fairness
+.PHONY: test unit serve serve-vllm lint bench setup clean system-deps vllm-test bench-lmcache-venv bench-vllm bench-fairness bench-serve-load bench-io-isolation bench-vllm-hybrid bench-retention-fairness bench-retention
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -128,6 +128,11 @@ bench-io-isolation: $(STAMP)
 # through the real server, capped and uncapped (about 8 minutes on 2 cores).
 bench-retention-fairness: $(STAMP)
 	$(BIN)/python benchmarks/bench_retention_fairness.py
+
+# Retention against the optimum (issue 41): LRU with auto:P retention on the shared agentic
+# and Mooncake conversation traces, beside LRU and Belady (Python engine; about 30 minutes on 2 cores).
+bench-retention: $(STAMP) $(KERNEL)
+	$(BIN)/python benchmarks/bench_retention.py
 
 bench-vllm-hybrid: $(VLLM_STAMP) $(STAMP)
 	$(MODEL_READY)
