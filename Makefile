@@ -130,7 +130,7 @@ bench-retention-fairness: $(STAMP)
 	$(BIN)/python benchmarks/bench_retention_fairness.py
 
 # Retention against the optimum (issue 41): LRU with auto:P retention on the shared agentic
-# and Mooncake conversation traces, beside LRU and Belady (Python engine; about 30 minutes on 2 cores).
+# and Mooncake conversation traces, beside LRU and Belady (Python engine; about 40 minutes on 2 shared cores).
 bench-retention: $(STAMP) $(KERNEL)
 	$(BIN)/python benchmarks/bench_retention.py
 

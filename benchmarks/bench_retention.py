@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -110,6 +111,7 @@ def main() -> int:
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for run, rate, engine, seconds, calls, capped in pool.map(_retained, runs):
             got[run] = (rate, engine, seconds, calls, capped)
+            print(f"  {len(got)}/{len(runs)} {run}: {100 * rate:.1f}% in {seconds:.0f} s", file=sys.stderr, flush=True)
     for name in names:
         _report(name, base, got, percentiles, shares)
     return 0
