@@ -154,7 +154,7 @@ def add_replay_parser(sub: Any) -> None:
         default="auto",
         help="tree mode's engine: native (the compiled kernel: the cache's metadata path, step for step the same, "
         "~30x faster), python (the PrefixCache itself), auto (native where it models the configuration: "
-        "not with --publish, --partial-blocks or --metrics; default auto)",
+        "not with --publish, --partial-blocks, --retention or --metrics; default auto)",
     )
     add_retention_flags(p)
     p.add_argument("--partial-blocks", action="store_true", help="token-granular matching inside a block")
