@@ -380,14 +380,19 @@ def test_sixteen_concurrent_streams_all_complete_without_memory_growth(live: Liv
     # NOTE: two warm-ups: the first run's requests mostly wait for one prefill of the shared
     # system prompt (engine/inflight.py); the second's all hit it and run at once, the peak
     # that the allocator's pools must have seen before the steady run is measured
+    # NOTE: a leak grows with every run, the allocator's noise does not: even trimmed, the
+    # resident set of one run moves by up to about 100 MiB either way with how 16 threads
+    # interleave (a single run's bound of 50 MiB failed one run in a few). So three steady
+    # runs are measured together: a leak of 50 MiB a run (16 requests' KV is about that)
+    # grows them by 150 MiB, beyond any noise seen.
     warm = stream_load(live, 1) + stream_load(live, 2)  # allocator pools, thread stacks, first blocks
     rss, held = rss_bytes(), held_bytes(live)
-    steady = stream_load(live, 3)
+    steady = stream_load(live, 3) + stream_load(live, 4) + stream_load(live, 5)
     grown = rss_bytes() - rss - max(0, held_bytes(live) - held)  # beyond what the tiers now hold
     for results in (warm, steady):
-        assert len(results) in (16, 32)
+        assert len(results) in (32, 48)
         assert all(text and finish in ("stop", "length") for text, finish in results)
-    assert grown < 50 << 20, f"RSS grew {grown >> 20} MiB beyond the tiers over the second run"
+    assert grown < 150 << 20, f"RSS grew {grown >> 20} MiB beyond the tiers over three steady runs"
     admin = {"Authorization": f"Bearer {ADMIN}"}
     assert httpx.get(live.url + "/admin/stats", headers=admin).json()["queue_depth"] == 0
     assert "queue_depth" not in httpx.get(live.url + "/healthz").json()  # anyone's: no load of the tenants
