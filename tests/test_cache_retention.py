@@ -245,3 +245,16 @@ def test_hits_extend_a_retention_without_growing_its_books() -> None:
     assert keeper.sweep() == 0 and c.stats().retention[0].held == (8,)
     CLOCK.now = 500.0 + 10.0
     assert keeper.sweep() == 2 and c.stats().retention[0].expired_tokens == 8
+
+
+def test_a_tenant_at_its_cap_never_ends_anothers_retention_of_a_shared_block() -> None:
+    config = CacheConfig(
+        block_size=BS, capacity_tokens=64, isolation="shared", retention=RetentionConfig(share=0.5, tenants={"b": 0.05})
+    )
+    c = PrefixCache(config, clock=CLOCK)
+    tokens = prompt(2 * BS)
+    c.access(tokens, ctx("a"))
+    assert c.retain(tokens, ctx("a"), 60.0).tokens == 8
+    assert c.retain(tokens, ctx("b"), 60.0).outcome is RetainOutcome.CAPPED  # b's cap (3 tokens) holds no block
+    held = {t.tenant: t.held[0] for t in c.stats().retention}
+    assert held == {"a": 8, "b": 0}

@@ -174,12 +174,12 @@ class Keeper:
         cut = False
         for block in path:
             if block.retainer != tenant:
-                if block.retainer is not None:
-                    self.release(block)  # another tenant's: this one is charged from now on
                 mask = mask_of(block)
                 if not self._make_room(tenant, mask, block.num_tokens, kept):
-                    cut = True
+                    cut = True  # NOTE: another tenant's retention of it stays as it was
                     break
+                if block.retainer is not None:
+                    self.release(block)  # another tenant's: this one is charged from now on
                 self._enter(tenant, block, mask)
             kept.append(block)
             block.retain_s = max(block.retain_s, seconds)
