@@ -93,6 +93,9 @@ class PublishConfig:
         check_int("publish.max_candidates", self.max_candidates, 1)
 
 
+MAX_RETAIN_S = 7 * 24 * 3600  # the longest retention a client may ask (an API's longest is 24 h)
+
+
 @dataclass(frozen=True, slots=True)
 class RetentionConfig:
     """How much a tenant may keep retained (``cache/retention.py``): a share of each level

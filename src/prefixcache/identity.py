@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from prefixcache.config import MAX_RETAIN_S
+
 __all__ = [
     "CLIENT_FIELDS",
     "MAX_NAME_CHARS",
@@ -77,7 +79,6 @@ _LABEL_TAG = b"prefixcache/salt-label/v1\x00"
 RETAIN_KEY = "prefixcache_retain_s"  # kv_transfer_params[RETAIN_KEY]: seconds the gateway asks to retain
 RETAIN_PROOF_KEY = "prefixcache_retain_proof"  # ... and its HMAC, bound to the tenant
 _RETAIN_TAG = b"prefixcache/retain/v1\x00"
-MAX_RETAIN_S = 7 * 24 * 3600  # the longest retention believed (as ``cache.retention.MAX_RETAIN_S``)
 MIN_SECRET_BYTES = 16
 # The longest salt or tenant name believed: a gateway's salt is 36 characters, and a tenant's
 # name comes from its settings; a longer one is no stamp of ours (refused, never hashed).

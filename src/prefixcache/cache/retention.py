@@ -31,13 +31,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from prefixcache.config import MAX_RETAIN_S
+
 if TYPE_CHECKING:
     from prefixcache.cache.tree import Block
     from prefixcache.config import RetentionConfig
 
 __all__ = ["MAX_RETAIN_S", "Keeper", "Level", "RetainOutcome", "RetainSpan", "Retained", "TenantRetention"]
-
-MAX_RETAIN_S = 7 * 24 * 3600.0  # the longest retention a span may ask for (an API's longest is 24 h)
 
 
 @dataclass(frozen=True, slots=True)

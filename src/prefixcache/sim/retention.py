@@ -25,6 +25,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from prefixcache.config import MAX_RETAIN_S
+
 __all__ = [
     "DEFAULT_FIRST_S",
     "FORMS",
@@ -37,10 +39,6 @@ __all__ = [
     "trace_seconds",
 ]
 
-MAX_RETAIN_S = 7 * 24 * 3600.0
-"""The longest retention the cache takes (``PrefixCache.retain`` refuses more).
-NOTE: the cache's own constant is internal to it (tests/sim/test_boundary.py); the
-tests hold the two equal."""
 
 DEFAULT_FIRST_S = 300.0
 """What ``auto:P`` asks before a session has a gap of its own: five minutes, the TTL

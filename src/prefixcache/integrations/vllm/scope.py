@@ -29,8 +29,9 @@ from typing import Any
 
 import msgspec
 
+from prefixcache.config import MAX_RETAIN_S
 from prefixcache.hashing import CacheContext, Segment
-from prefixcache.identity import MAX_RETAIN_S, Unverified, verify, verify_retention
+from prefixcache.identity import Unverified, verify, verify_retention
 from prefixcache.weights import files_fingerprint
 
 __all__ = ["Bypass", "Fingerprints", "Media", "Scope", "decode_scope", "encode_scope", "scope_of"]
