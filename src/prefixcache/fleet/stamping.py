@@ -50,6 +50,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prefixcache.api.errors import APIError
+from prefixcache.api.messages import Ttl
+from prefixcache.api.schemas import RETENTION_24H_S
 from prefixcache.identity import (
     CLIENT_FIELDS,
     MIN_SECRET_BYTES,
@@ -184,26 +186,26 @@ class Stamper:
         return _json(stamped)
 
 
-# OpenAI's prompt_cache_retention and Anthropic's cache_control ttl, in seconds
-_RETENTIONS = {"24h": 24 * 3600}
-_TTLS = {None: 300, "5m": 300, "1h": 3600}
-
-
 def retention_asked(body: dict[str, Any]) -> int | None:
     """The seconds a chat, completion or Messages body asks its prompt be retained, as a
     vLLM backend's connector is told (``identity.stamp``): OpenAI's
     ``prompt_cache_retention``, or the longest ttl of Anthropic's ``cache_control``
-    breakpoints. NOTE: through vLLM a retention keeps the whole prompt (its full blocks):
-    the router cannot place a breakpoint on vLLM's tokens. What the backend refuses as
-    invalid was validated before this (``validate.py``); still, nothing here raises."""
-    asked = body.get("prompt_cache_retention")
-    seconds = _RETENTIONS.get(asked, 0) if isinstance(asked, str) else 0
+    breakpoints, in the seconds each API's schema gives them. NOTE: through vLLM a
+    retention keeps the whole prompt (its full blocks): the router cannot place a
+    breakpoint on vLLM's tokens. What the backend refuses as invalid was validated before
+    this (``validate.py``); still, nothing here raises."""
+    seconds = int(RETENTION_24H_S) if body.get("prompt_cache_retention") == "24h" else 0
     ttls = [_ttl(c.get("ttl")) for c in _cache_controls(body) if c.get("type") == "ephemeral"]
     return max([seconds, *ttls]) or None
 
 
 def _ttl(value: object) -> int:
-    return _TTLS.get(value, 0) if value is None or isinstance(value, str) else 0
+    if value is None:
+        return Ttl.FIVE_MINUTES.seconds  # Anthropic's default
+    return Ttl(value).seconds if isinstance(value, str) and value in _TTLS else 0
+
+
+_TTLS = frozenset(Ttl)
 
 
 def _cache_controls(body: dict[str, Any]) -> list[dict[str, Any]]:
