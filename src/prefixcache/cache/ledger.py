@@ -22,7 +22,7 @@ from prefixcache.cache.lifecycle import Lifecycle
 from prefixcache.cache.plans import Chain, Found, Matched
 from prefixcache.cache.publish import Publisher
 from prefixcache.cache.residency import Books
-from prefixcache.cache.retention import Keeper, Level, Retained, RetainOutcome
+from prefixcache.cache.retention import Keeper, Level, Retained
 from prefixcache.cache.stats import Counters
 from prefixcache.cache.tree import (
     Block,
@@ -152,8 +152,6 @@ class Ledger:
         partial, shared = self.partial(lookup, deepest, alive)
         if partial is not None and shared == partial.num_tokens and partial.end == len(lookup.data) // 4:
             path.append(partial)
-        if not path:
-            return Retained(0, RetainOutcome.RETAINED if self.keeper.may_retain(ctx.tenant) else RetainOutcome.REFUSED)
         return self.keeper.retain(ctx.tenant, path, seconds, self._levels_of)
 
     def _levels_of(self, block: Block) -> int:

@@ -163,7 +163,7 @@ class Lifecycle:
             if not books.demote(k, block):
                 self.lose(block)  # its frame could not be handed on: gone with what hangs below
             return True
-        if block.children or (block.retainer is not None and self.keeper.holds(block)):
+        if block.children or self.keeper.holds(block):
             books.keep(k, block)  # NOTE: retained, it stays where it is rather than leave the cache
             return False
         books.leave(k, block)

@@ -211,8 +211,7 @@ class Owner:
 
     def retain_caps(self, tenant: str) -> tuple[int, ...]:
         with self._lock:
-            keeper = self.ledger.keeper
-            return tuple(keeper.cap(tenant, i, joining=True) for i in range(len(keeper.levels)))
+            return self.ledger.keeper.caps(tenant, joining=True)
 
     # ================================================================ invalidation
 

@@ -86,6 +86,10 @@ class Level:
     # (from a faster tier a retained block goes down under pressure, as any other would)
     binding: bool = True
 
+    def units(self, tokens: int) -> int:
+        """What a block of ``tokens`` counts here."""
+        return tokens if self.per_token else 1
+
 
 @dataclass(frozen=True, slots=True)
 class TenantRetention:
@@ -96,7 +100,7 @@ class TenantRetention:
     caps: tuple[int, ...]  # per level: its cap now
     expired_tokens: int  # tokens whose retention ran out (deadline passed)
     capped_tokens: int  # tokens whose retention the cap ended or refused
-    cap_hits: int  # retain calls the cap cut
+    cap_hits: int  # times the cap bound: a span it cut, or an older retention it ended
     refused: int  # retain calls refused (a zero cap)
 
 
@@ -155,6 +159,10 @@ class Keeper:
 
     def cap(self, tenant: str, level: int, joining: bool = False) -> int:
         return int(self.share(tenant, joining) * self.levels[level].capacity)
+
+    def caps(self, tenant: str, joining: bool = False) -> tuple[int, ...]:
+        """``tenant``'s cap in each level (``joining``: were it to retain now)."""
+        return tuple(self.cap(tenant, i, joining) for i in range(len(self.levels)))
 
     # ------------------------------------------------------------------ retaining
 
@@ -242,11 +250,8 @@ class Keeper:
         if mask == old:
             return
         held = self.held[tenant]
-        for i, level in enumerate(self.levels):
-            bit = 1 << i
-            if (old ^ mask) & bit:
-                units = block.num_tokens if level.per_token else 1
-                held[i] += units if mask & bit else -units
+        self._add(held, block.num_tokens, mask & ~old, 1)
+        self._add(held, block.num_tokens, old & ~mask, -1)
         block.retain_mask = mask
         for i in range(len(self.levels)):
             if mask & ~old & (1 << i):
@@ -265,10 +270,7 @@ class Keeper:
         tenant = block.retainer
         if tenant is None:
             return
-        held = self.held[tenant]
-        for i, level in enumerate(self.levels):
-            if block.retain_mask & (1 << i):
-                held[i] -= block.num_tokens if level.per_token else 1
+        self._add(self.held[tenant], block.num_tokens, block.retain_mask, -1)
         order = self.order[tenant]
         del order[block]
         del self._entry[block]
@@ -277,12 +279,15 @@ class Keeper:
         block.retainer, block.retain_until, block.retain_s, block.retain_mask = None, 0.0, 0.0, 0
 
     def _enter(self, tenant: str, block: Block, mask: int) -> None:
-        held = self.held.setdefault(tenant, [0] * len(self.levels))
-        for i, level in enumerate(self.levels):
-            if mask & (1 << i):
-                held[i] += block.num_tokens if level.per_token else 1
+        self._add(self.held.setdefault(tenant, [0] * len(self.levels)), block.num_tokens, mask, 1)
         self.order.setdefault(tenant, OrderedDict())[block] = None
         block.retainer, block.retain_mask = tenant, mask
+
+    def _add(self, held: list[int], tokens: int, mask: int, sign: int) -> None:
+        """Count a block of ``tokens`` in (``sign`` 1) or out of (-1) the levels of ``mask``."""
+        for i, level in enumerate(self.levels):
+            if mask >> i & 1:
+                held[i] += sign * level.units(tokens)
 
     def _deadline(self, block: Block, until: float) -> None:
         block.retain_until = until
@@ -301,7 +306,7 @@ class Keeper:
         for i, level in enumerate(self.levels):
             if not mask & (1 << i) or not level.binding:
                 continue
-            units = tokens if level.per_token else 1
+            units = level.units(tokens)
             cap = self.cap(tenant, i, joining=True)
             if units > cap:
                 return False
@@ -346,8 +351,9 @@ class Keeper:
         for tenant in sorted(set(self.counts) | set(self.order)):
             held = self.held.get(tenant, [0] * len(self.levels))
             c = self.counts.get(tenant, _Counts())
-            caps = tuple(self.cap(tenant, i) for i in range(len(self.levels)))
             out.append(
-                TenantRetention(tenant, tuple(held), caps, c.expired_tokens, c.capped_tokens, c.cap_hits, c.refused)
+                TenantRetention(
+                    tenant, tuple(held), self.caps(tenant), c.expired_tokens, c.capped_tokens, c.cap_hits, c.refused
+                )
             )
         return out
