@@ -120,8 +120,10 @@ class Job:
         self._stored = False  # whether the end leaves KV worth storing
         self._since: Stamp | None = None  # taken before its match: a purge or bump after it voids its stores
         self._final: DoneEvent | ErrorEvent | None = None  # the end event, until sent
-        # what its retention got: set by the I/O worker that stores the prompt
-        self._retained = RetainOutcome.REQUESTED if handle.request.retain else RetainOutcome.NONE
+        # what its retention got: set by the I/O worker that stores the prompt (without a
+        # cache there is nothing to retain in)
+        asked = RetainOutcome.REQUESTED if runtime.cache is not None else RetainOutcome.REFUSED
+        self._retained = asked if handle.request.retain else RetainOutcome.NONE
 
     @property
     def tenant(self) -> str:
@@ -184,8 +186,6 @@ class Job:
         """Insert the prompt's KV as soon as it is computed (the answer's comes at the end),
         so that requests waiting for the same prefix hit on it."""
         turn, cache = self._turn, self._rt.cache
-        if cache is None and self.handle.request.retain:
-            self._retained = RetainOutcome.REFUSED
         if turn is None or cache is None:
             return
         length = turn.storable(min(length, len(self.handle.request.tokens)))
