@@ -25,6 +25,7 @@ import pytest
 
 from engine_support import MODEL_ID, MODELS_DIR, LiveServer, engine, model, tiered_cache
 from prefixcache.engine import (
+    Admission,
     DoneEvent,
     ErrorEvent,
     Event,
@@ -34,6 +35,8 @@ from prefixcache.engine import (
     Request,
     RequestTimeout,
     SamplingParams,
+    TenantBusy,
+    TenantLimits,
     TokenEvent,
 )
 from prefixcache.engine.job import Job
@@ -313,6 +316,44 @@ def test_one_queue_in_arrival_order_makes_the_light_tenant_wait(lm: LoadedModel,
     assert isinstance(done, DoneEvent)
     assert len(steps.of(first.id)) == 12  # every chunk of the heavy prompt first ...
     assert min(steps.of(waited.job)) > max(steps.of(first.id))  # ... before the light one's first step
+
+
+def test_a_tenant_at_its_limit_sends_its_next_request_the_moment_its_answer_ends(lm: LoadedModel) -> None:
+    """A client with one request in flight at a time, at exactly its tenant's limit,
+    sends the next from inside the end event's sink (in the worker, before any later
+    line of the loop runs): the slot must already be free then, so it is never refused.
+    The answers that end by an error free their slot first as well."""
+    eng = engine(lm, admission=Admission(TenantLimits(max_concurrent=1)))
+    refused: list[str] = []
+    ends: list[Event] = []
+    done = threading.Event()
+    prompts = [heavy(40 + i, 8) for i in range(4)]
+
+    def sink_for(i: int) -> Callable[[Event], None]:
+        def sink(event: Event) -> None:
+            if isinstance(event, TokenEvent):
+                return
+            ends.append(event)
+            if i + 1 == 4:
+                return done.set()
+            # NOTE: the third answer ends by its timeout, the others normally
+            request = Request(prompts[i + 1], "acme", ONE, timeout_s=0.0 if i + 1 == 2 else None)
+            try:
+                eng.submit(request, sink_for(i + 1))
+            except TenantBusy as exc:
+                refused.append(str(exc))
+                done.set()
+
+        return sink
+
+    try:
+        eng.submit(Request(prompts[0], "acme", ONE), sink_for(0))
+        assert done.wait(300)
+    finally:
+        eng.close()
+    assert refused == []
+    assert [type(e) for e in ends] == [DoneEvent, DoneEvent, ErrorEvent, DoneEvent]
+    assert isinstance(ends[2], ErrorEvent) and isinstance(ends[2].error, RequestTimeout)
 
 
 KEYS = {"sk-acme-0123456789": "acme", "sk-globex-0123456789": "globex"}

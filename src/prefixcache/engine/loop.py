@@ -8,7 +8,8 @@ carries the prompts' next chunks, tenants in turn.
              each decoding job samples its next token, a job that ended leaves its row;
              a prompt whose last chunk ran joins the batch, its prompt's KV stored
              (I/O workers) for the requests that wait for that prefix
-           an ended job: its store queued on the I/O workers, then its end event out
+           an ended job: its store queued on the I/O workers, its slot freed, then its
+             end event out
 
 A long prompt delays the others by at most one chunk a step, and a decoding request
 gets a token every step. A chunk that cannot run (``Batch.check``) fails its own job
@@ -202,8 +203,9 @@ class StepLoop:
         return bool(steps)
 
     def _finish(self, job: Job, active: bool = True) -> None:
-        """``job`` ended: queue its store on the I/O workers, then send its end event (so
-        that a request sent after that event finds the KV), then free its slot."""
+        """``job`` ended: queue its store on the I/O workers (so that a request sent after
+        its end event finds the KV), free its slot, then send its end event (so that a
+        client at its tenant's limit may send its next request the moment it reads it)."""
         batch = self._rows.pop(job, None)
         if batch is not None and job.row is not None:
             kv = batch.leave(job.row)
@@ -218,6 +220,6 @@ class StepLoop:
             self._io.store(job, SequenceKV(seq.cache), seq.length, self._settled)
         else:
             self._io.store(job, None, 0, self._settled)
-        job.send_end()
         if active:
             self._scheduler.finish(job)
+        job.send_end()
