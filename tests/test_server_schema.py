@@ -189,6 +189,23 @@ def test_token_ids_and_off_values_may_be_written_as_whole_floats(live: LiveServe
     assert error_of(call(live, "/v1/completions", body | {"prompt": [1.5]}), 400)["param"] == "prompt"
 
 
+@pytest.mark.parametrize(
+    ("prompt", "says"),
+    [
+        ([5, 1 << 20], "token ids must be in [0, "),  # past the vocabulary: only the engine knows its size
+        ([-1, 5], "token ids must be in [0, "),
+        ([""], "the prompt is empty"),  # a list of one text, empty once tokenized
+        ("", "the prompt is empty"),  # the schema's own refusals, for the same code
+        ([], "the prompt is empty"),
+    ],
+    ids=["past the vocabulary", "negative", "one empty text", "empty text", "no token"],
+)
+def test_a_prompt_the_model_cannot_take_has_the_code_of_a_bad_value(live: LiveServer, prompt: Any, says: str) -> None:
+    error = error_of(call(live, "/v1/completions", {"model": STANDIN_ID, "prompt": prompt, "max_tokens": 1}), 400)
+    assert (error["code"], error["param"], error["type"]) == ("invalid_value", "prompt", "invalid_request_error")
+    assert says in error["message"]
+
+
 def test_include_usage_is_a_boolean(live: LiveServer) -> None:
     refused = call(live, "/v1/chat/completions", chat(stream=True, stream_options={"include_usage": "yes"}))
     assert error_of(refused, 400)["param"] == "stream_options"

@@ -21,6 +21,7 @@ __all__ = [
     "ErrorEvent",
     "Event",
     "Handle",
+    "InvalidPrompt",
     "QueueFull",
     "Request",
     "RequestTimeout",
@@ -46,6 +47,14 @@ class EngineError(Exception):
 
 class ContextLengthError(EngineError):
     code = "context_length_exceeded"
+
+
+class InvalidPrompt(EngineError):
+    """A prompt its schema let through that the model cannot take: empty once tokenized, or
+    a token id outside the vocabulary. The code is the schema's own for a bad value, so an
+    empty prompt gets one code whichever check found it."""
+
+    code = "invalid_value"
 
 
 class QueueFull(EngineError):

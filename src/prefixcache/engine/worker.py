@@ -49,6 +49,7 @@ from prefixcache.engine.requests import (
     ErrorEvent,
     Event,
     Handle,
+    InvalidPrompt,
     Request,
     Sink,
 )
@@ -181,10 +182,10 @@ class Engine:
         if self._closed:
             raise EngineClosed("the engine is shutting down")
         if not request.tokens:
-            raise EngineError("the prompt is empty", param="prompt")
+            raise InvalidPrompt("the prompt is empty", param="prompt")
         vocab = self.vocab_size
         if min(request.tokens) < 0 or max(request.tokens) >= vocab:
-            raise EngineError(f"token ids must be in [0, {vocab})", param="prompt")
+            raise InvalidPrompt(f"token ids must be in [0, {vocab})", param="prompt")
         self.check_length(len(request.tokens), request.params.max_tokens)
         self.start()
         timeout = self.timeout_s if request.timeout_s is None else request.timeout_s

@@ -193,7 +193,7 @@ def _generation_routes(app: FastAPI, server: Server) -> None:
     async def complete(request: Request, body: CompletionRequest, tenant: str = Depends(auth.tenant)) -> Response:
         tokens = prompt_tokens(engine, body)
         if not tokens:
-            raise APIError(400, "the prompt is empty", param="prompt")
+            raise APIError(400, "the prompt is empty", code="invalid_value", param="prompt")
         max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         return await completions.generate(request, body, tokens, tenant, max_tokens, max_tokens, chat=False)
 
