@@ -4,7 +4,9 @@ chunks packed into the steps get the logits and KV of their forwards alone.
 
 A hypothesis state machine drives ``Batch`` on a tiny random Llama (fast, no download)
 against one ``Sequence`` per row stepped alone, with the layout constants made small so
-that a few steps grow, shrink and relay the buffers out."""
+that a few steps grow, shrink and relay the buffers out, and rows of a few tokens fall
+on several shelves (length classes). A row's shelf never pays for a longer shelf's
+columns, and an emptied shelf's memory goes."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from prefixcache.engine import batch as batch_module
-from prefixcache.engine.batch import Batch, RowKV
+from prefixcache.engine import shelf as shelf_module
+from prefixcache.engine.batch import Batch, RowKV, shelf_class
 from prefixcache.engine.kv import cut_cache
 from prefixcache.engine.model import LoadedModel, kv_layout
 from prefixcache.engine.runner import Chunk, Sequence
@@ -75,6 +78,7 @@ class BatchMachine(RuleBasedStateMachine):
         self.alone: dict[int, Sequence] = {}  # row -> its sequence, stepped alone
         self.left: list[Left] = []
         self.prompts: list[Prompt] = []
+        self.joined: dict[int, int] = {}  # row -> its length when it joined
 
     @rule(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40), cached=st.integers(0, 30))
     def start(self, tokens: list[int], cached: int) -> None:
@@ -93,6 +97,7 @@ class BatchMachine(RuleBasedStateMachine):
         row = self.batch.join(seq.cache, len(tokens))
         assert row not in self.alone  # a row that left may be reused once laid out anew: its reads must hold
         self.alone[row] = seq
+        self.joined[row] = len(tokens)
 
     @precondition(lambda self: self.alone or self.prompts)
     @rule(data=st.data())
@@ -135,12 +140,14 @@ class BatchMachine(RuleBasedStateMachine):
         row = self.batch.join(prompt.packed.cache, prompt.packed.length)
         assert row not in self.alone
         self.alone[row] = prompt.alone
+        self.joined[row] = prompt.packed.length
 
     @precondition(lambda self: self.alone)
     @rule(data=st.data())
     def leave(self, data: st.DataObject) -> None:
         row = data.draw(st.sampled_from(sorted(self.alone)))
         seq = self.alone.pop(row)
+        del self.joined[row]
         kv = self.batch.leave(row)
         assert kv.length == seq.length
         self.left.append(Left(row, kv, cut_cache(seq.cache, seq.length)))
@@ -163,6 +170,20 @@ class BatchMachine(RuleBasedStateMachine):
         for row, seq in self.alone.items():
             assert self.batch.length(row) == seq.length
 
+    @invariant()
+    def shelves_hold_their_own_rows_only(self) -> None:
+        """Each row on the shelf of its length at join; no shelf without a row in use; a
+        shelf's columns within twice its longest row's (and the room to decode in)."""
+        shelves = self.batch._shelves
+        for row, length in self.joined.items():
+            kind, slot = self.batch._rows[row]
+            assert kind == shelf_class(length)
+        for shelf in shelves.values():
+            assert shelf.live
+            longest = max(n for n in shelf.lengths if n is not None)
+            assert shelf.end - shelf.start <= 2 * longest + shelf_module._HEADROOM
+        assert self.batch.nbytes == sum(s.nbytes for s in shelves.values())
+
     def _check(self, left: Left, begin: int) -> None:
         read = torch.from_numpy(left.kv.read(begin, left.kv.length))
         assert torch.allclose(read, left.expected[:, :, :, begin:], atol=1e-6)
@@ -170,8 +191,9 @@ class BatchMachine(RuleBasedStateMachine):
 
 @pytest.fixture(autouse=True)
 def small_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(batch_module, "_GRAIN", 8)
-    monkeypatch.setattr(batch_module, "_HEADROOM", 4)
+    monkeypatch.setattr(shelf_module, "_GRAIN", 8)
+    monkeypatch.setattr(shelf_module, "_HEADROOM", 4)
+    monkeypatch.setattr(batch_module, "_SHELF_BASE", 8)
 
 
 BatchMachine.TestCase.settings = settings(
@@ -211,3 +233,46 @@ def test_a_chunk_packed_alone_is_its_forward_alone_bit_for_bit(cached: int) -> N
     assert rows == {}
     assert torch.equal(kept[0], Chunk(alone, tokens[cached:], 3).run())
     assert torch.equal(cut_cache(packed.cache, len(tokens)), cut_cache(alone.cache, len(tokens)))
+
+
+@pytest.mark.parametrize("base", [8, 512])
+def test_shelf_classes_double(base: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batch_module, "_SHELF_BASE", base)
+    assert [shelf_class(n) for n in (1, base, base + 1, 2 * base, 2 * base + 1, 4 * base, 4 * base + 1)] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+    ]
+
+
+def _rows(batch: Batch, lengths: list[int]) -> list[int]:
+    out = []
+    for i, length in enumerate(lengths):
+        seq = Sequence(TINY, chunk_tokens=64)
+        seq.prefill([(i + j) % VOCAB for j in range(length)])
+        out.append(batch.join(seq.cache, length))
+    return out
+
+
+def test_one_long_row_does_not_widen_the_short_rows() -> None:
+    """Seven short rows beside one long one hold about the memory of the seven alone plus
+    the long one alone, not eight long rows; when the long row leaves, its memory goes."""
+    short, long = [40] * 7, [400]
+
+    def nbytes(lengths: list[int]) -> int:
+        batch = Batch(TINY)
+        _rows(batch, lengths)
+        return batch.nbytes
+
+    alone, one_long, eight_long = nbytes(short), nbytes(long), nbytes(long * 8)
+    mixed = Batch(TINY)
+    rows = _rows(mixed, short + long)
+    assert mixed.nbytes == alone + one_long
+    assert mixed.nbytes * 3 < eight_long
+    mixed.step({row: 1 for row in rows})
+    mixed.release(mixed.leave(rows[-1]))
+    assert mixed.nbytes == alone

@@ -1,20 +1,18 @@
-"""Decoding many sequences in one forward: their KV in one left-padded buffer per layer.
+"""Decoding many sequences in one forward: their KV on shelves, one per length class.
 
-    buffer (per layer, keys and values)       columns:  start ............ end   cap
-      row 0  [ pad pad pad | k0 k1 k2 ... k_{L0-1} ]    each row's KV ends at ``end``;
-      row 1  [ k0 k1 k2 k3 k4 ........ k_{L1-1}   ]    the next token of every row is
-      row 2  [ (free: zeros, one live column)     ]    written at column ``end``
+    shelf 0 (rows up to 512 positions at join)    [ slots of short rows ]  one buffer per layer
+    shelf 2 (rows up to 2,048)                    [ the long row        ]  as wide as its rows
 
-A step feeds one token per row at its own position (its length) with a mask that lets
-each row see only its own columns (in a layer with a sliding window, the last ``window``
-of them), so a row's logits are those of its sequence alone
-(up to float rounding of the larger matrix products); prompts' chunks may ride along in
-the same forward, each on its own sequence's KV (``packed.py``). A row joins with the KV of its
-prefill (copied in once) and leaves without a copy: its columns stay untouched until
-``release`` (the store reads them meanwhile), or until the buffer is laid out anew,
-which never writes the old buffer. Rows that are free still run (a zero row that sees
-one column keeps every value finite) so that rows never move; the batch forwards only
-up to its last row in use.
+A row joins the shelf of its length class (``shelf.py``: a left-padded buffer per layer
+as wide as that shelf's longest row), so the rows of one step never all pay for the
+longest one's columns: a shelf's width is within a small factor of its own rows'. A
+step feeds one token per row at its own position (its length) with a mask that lets
+each row see only its own columns (in a layer with a sliding window, the last
+``window`` of them), the rows of each shelf attending in one call over that shelf's
+buffer, so a row's logits are those of its sequence alone (up to float rounding of the
+larger matrix products); prompts' chunks may ride along in the same forward, each on
+its own sequence's KV (``packed.py``). A row leaves without a copy (its columns read
+until ``release``); an emptied shelf's buffers go.
 
 No threads here: the engine's worker drives it; ``RowKV.read`` may run on another
 thread while the worker steps (it reads only columns no step writes).
@@ -23,28 +21,30 @@ thread while the worker steps (it reads only columns no step writes).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from prefixcache.engine.arch import serving
-from prefixcache.engine.kv import to_numpy
 from prefixcache.engine.model import LoadedModel
-from prefixcache.engine.packed import Packed, use_packed_attention
+from prefixcache.engine.packed import KV, Packed, use_packed_attention
 from prefixcache.engine.runner import Chunk
+from prefixcache.engine.shelf import RowKV, Shelf
 
-__all__ = ["Batch", "RowKV"]
+__all__ = ["Batch", "RowKV", "shelf_class"]
 
-_GRAIN = 64  # columns are allocated in multiples of this
-_HEADROOM = 64  # columns of room past the longest row after a new layout, at least (half its length at most)
+_SHELF_BASE = 512  # shelf k holds the rows of at most _SHELF_BASE * 2**k positions when they join
+
+
+def shelf_class(length: int) -> int:
+    """The shelf a row of ``length`` positions joins: the least k with length <= 512 * 2**k."""
+    return max(0, (-(-length // _SHELF_BASE) - 1).bit_length())
 
 
 class _Layer(DynamicLayer):  # type: ignore[no-untyped-call]
-    """One decoder layer's view of the batch: the model's ``update`` writes column ``end``."""
+    """One decoder layer's view of the batch: the model's ``update`` writes each shelf's column ``end``."""
 
     def __init__(self, batch: Batch, index: int) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -57,19 +57,19 @@ class _Layer(DynamicLayer):  # type: ignore[no-untyped-call]
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's token into column ``end``, each chunk's onto its sequence's KV; the
-        packed attention reads them from the plan (what this returns goes unread)."""
+        """Each row's token into its shelf's column ``end``, each chunk's onto its sequence's
+        KV; the packed attention reads them from the plan (what this returns goes unread)."""
         b, index = self._batch, self._index
         plan = b._plan
-        assert plan is not None, "a batch's cache runs only in its own step"
-        window, rows = plan.windows[index], None
-        if plan.rows:
-            keys, values = b._keys[index], b._values[index]
-            keys[: plan.rows, :, b._end].copy_(key_states[0, :, : plan.rows].transpose(0, 1))
-            values[: plan.rows, :, b._end].copy_(value_states[0, :, : plan.rows].transpose(0, 1))
-            first = b._end + 1 - plan.columns(window)
-            rows = keys[: plan.rows, :, first : b._end + 1], values[: plan.rows, :, first : b._end + 1]
-        chunks = [
+        assert plan is not None and plan.groups is not None, "a batch's cache runs only in its own step"
+        window, rows = plan.windows[index], []
+        for group, (shelf, (begin, end)) in enumerate(zip(b._stepping, plan.groups, strict=True)):
+            keys, values, n, column = shelf.keys[index], shelf.values[index], end - begin, shelf.end
+            keys[:n, :, column].copy_(key_states[0, :, begin:end].transpose(0, 1))
+            values[:n, :, column].copy_(value_states[0, :, begin:end].transpose(0, 1))
+            first = column + 1 - plan.columns(group, window)
+            rows.append((keys[:n, :, first : column + 1], values[:n, :, first : column + 1]))
+        chunks: list[KV] = [
             chunk.seq.cache.update(key_states[:, :, begin:end], value_states[:, :, begin:end], index)
             for chunk, (begin, end) in zip(plan.chunks, plan.spans, strict=True)
         ]
@@ -77,32 +77,10 @@ class _Layer(DynamicLayer):  # type: ignore[no-untyped-call]
         return key_states, value_states
 
     def get_seq_length(self) -> int:
-        return self._batch._end - self._batch._start
+        return max((shelf.end - shelf.start for shelf in self._batch._shelves.values()), default=0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
-
-
-@dataclass(frozen=True, eq=False)
-class RowKV:
-    """A ``KVSource`` over a row that left: positions ``begin..end-1`` of its sequence."""
-
-    keys: tuple[torch.Tensor, ...]  # per layer, the buffer the row was in
-    values: tuple[torch.Tensor, ...]
-    row: int
-    first: int  # the buffer column of the sequence's position 0
-    length: int
-
-    def read(self, begin: int, end: int) -> np.ndarray[Any, Any]:
-        if not 0 <= begin <= end <= self.length:
-            raise ValueError(f"KV range {begin}..{end} is outside the row's {self.length} positions")
-        first = self.keys[0]
-        out = torch.empty((len(self.keys), 2, first.shape[1], end - begin, first.shape[3]), dtype=first.dtype)
-        a, z = self.first + begin, self.first + end
-        for index, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
-            out[index, 0].copy_(k[self.row, :, a:z])
-            out[index, 1].copy_(v[self.row, :, a:z])
-        return to_numpy(out)
 
 
 class Batch:
@@ -119,81 +97,68 @@ class Batch:
         embeddings: Any = loaded.model.get_input_embeddings()
         self._vocab = int(embeddings.weight.shape[0])
         self._device = loaded.device
-        self._keys: list[torch.Tensor] = []
-        self._values: list[torch.Tensor] = []
-        self._start = self._end = 0
-        self._lengths: list[int | None] = []  # per row: its sequence's length, None when free
-        self._draining: set[int] = set()  # rows that left, their columns still read
+        self._shelves: dict[int, Shelf] = {}  # by length class
+        self._rows: dict[int, tuple[int, int]] = {}  # row -> (its shelf's class, its slot there)
+        self._stepping: list[Shelf] = []  # the step running: the shelves it forwards, in order
         self._cache = DynamicCache(config=config)
         self._cache.layers = [_Layer(self, i) for i in range(self._layers)]
         self._plan: Packed | None = None  # the step running
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self._device)
         use_packed_attention(loaded.model)
-        self._layout(rows=0, width=0)
 
     # ------------------------------------------------------------------ rows
 
     @property
     def rows(self) -> int:
         """Rows in use (decoding)."""
-        return sum(length is not None for length in self._lengths)
+        return len(self._rows)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every shelf's buffers (the rows' KV with its padding and room)."""
+        return sum(shelf.nbytes for shelf in self._shelves.values())
 
     def length(self, row: int) -> int:
-        length = self._lengths[row] if 0 <= row < len(self._lengths) else None
-        if length is None:
+        where = self._rows.get(row)
+        if where is None:
             raise ValueError(f"row {row} is free")
+        length = self._shelves[where[0]].lengths[where[1]]
+        assert length is not None
         return length
 
     @torch.inference_mode()
     def join(self, cache: DynamicCache, length: int) -> int:
         """Copy the ``length`` positions of a prefilled ``cache`` in as a new row; its index."""
-        row = self._free_row()
-        if row >= self._keys[0].shape[0] or length > self._end or self._end + 1 > self._keys[0].shape[2]:
-            live = [n for n in self._lengths if n is not None]
-            self._layout(rows=max(len(self._lengths), row + 1), width=max([length, *live]))
-            row = self._free_row()
-        if row == len(self._lengths):
-            self._lengths.append(None)
-        first = self._end - length
-        self._start = min(self._start, first)
-        layers: list[Any] = list(cache.layers)
-        for index in range(self._layers):
-            keys, values = self._keys[index], self._values[index]
-            keys[row, :, :first].zero_()
-            values[row, :, :first].zero_()
-            keys[row, :, first : self._end].copy_(layers[index].keys[0, :, :length])
-            values[row, :, first : self._end].copy_(layers[index].values[0, :, :length])
-        self._lengths[row] = length
+        kind = shelf_class(length)
+        shelf = self._shelves.get(kind)
+        if shelf is None:
+            shelf = self._shelves[kind] = Shelf(self._layers, self._heads, self._dim, self._dtype, self._device)
+        slot = shelf.join(list(cache.layers), length)
+        row = next(i for i in range(len(self._rows) + 1) if i not in self._rows)
+        self._rows[row] = (kind, slot)
         return row
-
-    def _free_row(self) -> int:
-        """The first row neither in use nor draining (past the last: a new one)."""
-        free = (i for i, n in enumerate(self._lengths) if n is None and i not in self._draining)
-        return next(free, len(self._lengths))
 
     @torch.inference_mode()
     def leave(self, row: int) -> RowKV:
         """Take ``row`` out; its KV stays readable through the result until ``release(row)``."""
-        length = self.length(row)
-        out = RowKV(tuple(self._keys), tuple(self._values), row, self._end - length, length)
-        self._lengths[row] = None
-        self._draining.add(row)
-        while self._lengths and self._lengths[-1] is None and len(self._lengths) - 1 not in self._draining:
-            self._lengths.pop()
-        live = [n for n in self._lengths if n is not None]
-        if not live:
-            self._layout(rows=0, width=0)  # NOTE: the memory of a burst is not kept once it is over
-        elif self._end - self._start > 2 * max(live) + _HEADROOM:
-            self._layout(rows=len(self._lengths), width=max(live))  # the buffer shrinks back
+        self.length(row)
+        kind, slot = self._rows.pop(row)
+        out = self._shelves[kind].leave(slot)
+        self._drop_idle(kind)
         return out
 
     def release(self, kv: RowKV) -> None:
-        """The KV of a row that left is no longer read: the row may be reused (unless a
+        """The KV of a row that left is no longer read: its slot may be reused (unless a
         new layout freed it already, and it is another row's now)."""
-        if kv.keys[0] is self._keys[0]:
-            self._draining.discard(kv.row)
-        while self._lengths and self._lengths[-1] is None and len(self._lengths) - 1 not in self._draining:
-            self._lengths.pop()
+        for kind, shelf in list(self._shelves.items()):
+            if shelf.owns(kv):
+                shelf.release(kv)
+                self._drop_idle(kind)
+                return
+
+    def _drop_idle(self, kind: int) -> None:
+        if self._shelves[kind].idle:
+            del self._shelves[kind]  # NOTE: its memory goes with it
 
     # ------------------------------------------------------------------ a step
 
@@ -236,26 +201,32 @@ class Batch:
         prompts in the same forward (``packed.py``): each row's next-token logits, and
         each chunk's logits ([keep, vocab]). A chunk's sequence gets its KV (its
         ``length`` is the prefill's to move)."""
-        live = {i for i, n in enumerate(self._lengths) if n is not None}
+        live = set(self._rows)
         if set(tokens) != live:
             raise ValueError(f"a step needs one token for each row in use {sorted(live)}, got {sorted(tokens)}")
         if not live and not chunks:
             return {}, []
-        rows = max(live) + 1 if live else 0
-        if live and self._end + 1 > self._keys[0].shape[2]:
-            self._layout(rows=len(self._lengths), width=max(n for n in self._lengths if n is not None))
-        # NOTE: a row's columns end at the new one; those the step reads hold the longest
-        # row in use (the buffer may reach further back, to rows that left)
-        lengths = tuple(self._lengths[row] or 0 for row in range(rows))  # a free row: position 0
+        rows_at = {where: row for row, where in self._rows.items()}
+        shelves = [(kind, self._shelves[kind]) for kind in sorted(self._shelves) if self._shelves[kind].live]
+        order: list[int | None] = []  # per packed row: the batch's row, None for a free slot
+        lengths: list[int] = []
+        groups: list[tuple[int, int]] = []
+        for kind, shelf in shelves:
+            shelf.make_room()
+            begin = len(order)
+            for slot in range(shelf.forwarded):
+                order.append(rows_at.get((kind, slot)))
+                lengths.append(shelf.lengths[slot] or 0)  # a free slot: position 0
+            groups.append((begin, len(order)))
         if max(lengths, default=0) >= self.context_length:
             raise ValueError(f"a row is at position {max(lengths)}, past the {self.context_length} a step serves")
         for chunk in chunks:
             self.check(chunk)
-        ids = [tokens.get(row, 0) for row in range(rows)]
-        plan = Packed(lengths, tuple(chunks), self._arch.windows, self._device)
+        ids = [tokens[row] if row is not None else 0 for row in order]
+        plan = Packed(tuple(lengths), tuple(chunks), self._arch.windows, self._device, groups=tuple(groups))
         for chunk in chunks:
             ids += chunk.tokens
-        self._plan = plan
+        self._plan, self._stepping = plan, [shelf for _, shelf in shelves]
         try:
             out = self._loaded.model(
                 input_ids=torch.tensor([ids], dtype=torch.long, device=self._device),
@@ -267,41 +238,12 @@ class Batch:
                 packed=plan,
             )
         finally:
-            self._plan = None
+            self._plan, self._stepping = None, []
         logits = out.logits[0].float().cpu()
-        if live:
-            self._end += 1
-            for row in live:
-                self._lengths[row] = self.length(row) + 1
-        kept, begin = [], rows
+        for _, shelf in shelves:
+            shelf.stepped()
+        kept, begin = [], len(order)
         for chunk in chunks:
             kept.append(logits[begin : begin + chunk.keep])
             begin += chunk.keep
-        return {row: logits[row] for row in live}, kept
-
-    # ------------------------------------------------------------------ layout
-
-    def _layout(self, rows: int, width: int) -> None:
-        """New buffers for ``rows`` rows whose longest holds ``width`` positions, with room
-        to grow; the rows in use copied in. Rows draining read the old buffers, so they are free here."""
-        cap_rows = max(1, 1 << max(0, rows - 1).bit_length())
-        end = -(-width // _GRAIN) * _GRAIN if width else 0
-        cap = end + max(_HEADROOM, end // 2)  # NOTE: room to decode in, growing with the rows' length
-        keys = [torch.zeros((cap_rows, self._heads, cap, self._dim), dtype=self._dtype, device=self._device)]
-        keys += [torch.zeros_like(keys[0]) for _ in range(self._layers - 1)]
-        values = [torch.zeros_like(keys[0]) for _ in range(self._layers)]
-        for row, length in enumerate(self._lengths):
-            if length is None:
-                continue
-            for index in range(self._layers):
-                keys[index][row, :, end - length : end].copy_(self._keys[index][row, :, self._end - length : self._end])
-                values[index][row, :, end - length : end].copy_(
-                    self._values[index][row, :, self._end - length : self._end]
-                )
-        self._keys, self._values = keys, values
-        self._end = end
-        live = [n for n in self._lengths if n is not None]
-        self._start = end - max(live) if live else end
-        self._draining.clear()
-        while self._lengths and self._lengths[-1] is None:
-            self._lengths.pop()
+        return {row: logits[i] for i, row in enumerate(order) if row is not None}, kept

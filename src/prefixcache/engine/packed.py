@@ -1,21 +1,22 @@
 """One forward for a batch step and prompt chunks together: their tokens packed in one row.
 
-    packed sequence:  [ r0 r1 r2 ... r_{R-1} | chunk a: t t t t t t | chunk b: t t t ]
-    positions:          each row's length      a's KV length + 0..n-1   b's + 0..m-1
-    attention:          rows: one query each,  a: causal over a's own KV (its cached prefix
-                        over the batch's        and the chunk), b: over b's; every other
-                        columns (``batch.py``)  layer sees tokens, not sequences
+    packed sequence:  [ r0 r1 | r2 ... r_{R-1} | chunk a: t t t t t t | chunk b: t t t ]
+    positions:          each row's length         a's KV length + 0..n-1   b's + 0..m-1
+    attention:          rows: one query each,     a: causal over a's own KV (its cached prefix
+                        over its shelf's          and the chunk), b: over b's; every other
+                        columns (``batch.py``)    layer sees tokens, not sequences
 
 Every layer but attention works token by token, so a prompt's chunk rides along the
 decoding rows' step: the weights are read once for both, where a chunk alone and a step
 alone would read them twice. The attention splits the packed queries back by sequence
-and runs transformers' SDPA on each part with the inputs and masks it has when that part
-runs alone: a chunk's KV and logits are those of its forward alone, up to the rounding
-of the larger matrix products (a chunk packed with nothing else is its forward alone).
+and runs transformers' SDPA on each part (the rows of each shelf, each chunk) with the
+inputs and masks it has when that part runs alone: a chunk's KV and logits are those of
+its forward alone, up to the rounding of the larger matrix products (a chunk packed with
+nothing else is its forward alone).
 
 A layer with a sliding window (``arch.py``: Mistral's, Gemma's sliding layers) gets the
 masks transformers gives it alone: a query at position p sees the keys at p - window + 1
-to p. A row reads only the last ``window`` columns of the batch's buffer; a chunk's mask
+to p. A row reads only the last ``window`` columns of its shelf's buffer; a chunk's mask
 covers its sequence's whole KV, as transformers' does, so that a chunk packed with
 nothing else stays its forward alone. What makes the rest exact (one rotation per
 position whatever the other positions in the forward) is checked at start (``arch.py``).
@@ -42,27 +43,35 @@ __all__ = ["NAME", "Packed", "use_packed_attention"]
 NAME = "prefixcache_packed"
 _OURS = ("sdpa", NAME)
 
-# per layer: its window (None: full attention), the rows' KV over the columns it reads
-# (None: no rows), then each chunk's whole KV
-LayerKV = tuple[int | None, tuple[torch.Tensor, torch.Tensor] | None, list[tuple[torch.Tensor, torch.Tensor]]]
+# per layer: its window (None: full attention), each group's rows' KV over the columns
+# it reads, then each chunk's whole KV
+KV = tuple[torch.Tensor, torch.Tensor]
+LayerKV = tuple[int | None, list[KV], list[KV]]
 
 
 @dataclass(eq=False)
 class Packed:
-    """One packed forward: a row for each of ``lengths`` (a token each, the first tokens),
-    then ``chunks``, each over ``spans[i]`` of the packed tokens."""
+    """One packed forward: a row for each of ``lengths`` (a token each, the first tokens)
+    in ``groups`` (spans of rows whose KV shares one buffer: a shelf's), then ``chunks``,
+    each over ``spans[i]`` of the packed tokens."""
 
     lengths: tuple[int, ...]  # per row: its token's position, its sequence's length (a free row: 0)
     chunks: tuple[Chunk, ...]
     windows: tuple[int | None, ...]  # per layer: its sliding window, None for full attention
     device: torch.device
+    groups: tuple[tuple[int, int], ...] | None = None  # None: every row in one group
     spans: tuple[tuple[int, int], ...] = field(init=False)
     layer: LayerKV | None = None  # the current layer's KV, set by the cache's update
     # the masks built for this forward: the rows' per window, a chunk's per (chunk, window)
-    _row_masks: dict[int | None, torch.Tensor] = field(init=False, default_factory=dict)
+    _row_masks: dict[tuple[int, int | None], torch.Tensor] = field(init=False, default_factory=dict)
     _chunk_masks: dict[tuple[int, int | None], torch.Tensor | None] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.groups is None:
+            self.groups = ((0, self.rows),) if self.rows else ()
+        covered = [i for begin, end in self.groups for i in range(begin, end)]
+        if covered != list(range(self.rows)) or any(begin >= end for begin, end in self.groups):
+            raise ValueError(f"the groups {self.groups} do not split the {self.rows} rows in order")
         spans, begin = [], self.rows
         for chunk in self.chunks:
             spans.append((begin, begin + len(chunk.tokens)))
@@ -73,10 +82,12 @@ class Packed:
     def rows(self) -> int:
         return len(self.lengths)
 
-    def columns(self, window: int | None) -> int:
-        """The rows' columns a layer with ``window`` reads, the last of the batch's buffer:
-        the longest row's and the new one's, at most ``window``."""
-        width = 1 + max(self.lengths, default=0)
+    def columns(self, group: int, window: int | None) -> int:
+        """The columns a layer with ``window`` reads for the rows of ``group``, the last of
+        its buffer: its longest row's and the new one's, at most ``window``."""
+        assert self.groups is not None
+        begin, end = self.groups[group]
+        width = 1 + max(self.lengths[begin:end], default=0)
         return width if window is None else min(width, window)
 
     def positions(self) -> torch.Tensor:
@@ -93,15 +104,18 @@ class Packed:
             out += range(end - chunk.keep, end)
         return torch.tensor(out, dtype=torch.long)
 
-    def row_mask(self, window: int | None) -> torch.Tensor:
-        """[rows, 1, 1, columns]: which of a layer's columns each row sees, its last ones
-        (a free row: its own column only, so that its values stay finite)."""
-        if window not in self._row_masks:
-            columns = self.columns(window)
-            seen = torch.tensor([min(length + 1, columns) for length in self.lengths])
+    def row_mask(self, group: int, window: int | None) -> torch.Tensor:
+        """[rows, 1, 1, columns]: which of a layer's columns each row of ``group`` sees,
+        its last ones (a free row: its own column only, so that its values stay finite)."""
+        key = (group, window)
+        if key not in self._row_masks:
+            assert self.groups is not None
+            begin, end = self.groups[group]
+            columns = self.columns(group, window)
+            seen = torch.tensor([min(length + 1, columns) for length in self.lengths[begin:end]])
             mask = torch.arange(columns)[None, :] >= columns - seen[:, None]
-            self._row_masks[window] = mask[:, None, None, :].to(self.device)
-        return self._row_masks[window]
+            self._row_masks[key] = mask[:, None, None, :].to(self.device)
+        return self._row_masks[key]
 
     def chunk_mask(self, index: int, window: int | None) -> torch.Tensor | None:
         """The mask of chunk ``index`` in a layer with ``window``, over its sequence's KV."""
@@ -143,9 +157,10 @@ def _attention(
     window, rows_kv, chunks = plan.layer
     plan.layer = None
     parts = []
-    if rows_kv is not None:
-        rows = query[0, :, : plan.rows].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
-        out, _ = sdpa_attention_forward(module, rows, rows_kv[0], rows_kv[1], plan.row_mask(window), **kwargs)
+    assert plan.groups is not None and len(rows_kv) == len(plan.groups)
+    for group, ((begin, end), (keys, values)) in enumerate(zip(plan.groups, rows_kv, strict=True)):
+        rows = query[0, :, begin:end].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
+        out, _ = sdpa_attention_forward(module, rows, keys, values, plan.row_mask(group, window), **kwargs)
         parts.append(out.transpose(0, 1))  # [1, rows, heads, dim]
     for index, ((begin, end), (keys, values)) in enumerate(zip(plan.spans, chunks, strict=True)):
         mask = plan.chunk_mask(index, window)
