@@ -176,7 +176,7 @@ class BatchMachine(RuleBasedStateMachine):
         shelf's columns within twice its longest row's (and the room to decode in)."""
         shelves = self.batch._shelves
         for row, length in self.joined.items():
-            kind, slot = self.batch._rows[row]
+            kind, _ = self.batch._rows[row]
             assert kind == shelf_class(length)
         for shelf in shelves.values():
             assert shelf.live
