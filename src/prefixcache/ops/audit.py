@@ -10,7 +10,8 @@ between them. Each trial::
     attacker  ──P──> server   (hit group)    ─> time to first token
            or ──Q──> server   (miss group)   ─> time to first token     (Q fresh, as long as P)
 
-P and Q are fresh random prompts (words of one fixed list, from a seeded RNG). Whether
+P and Q are fresh random prompts (words of one fixed list, from a seeded RNG), none
+starting with the first ``PREFIX_WORDS`` words of an earlier prompt of the audit. Whether
 a trial is a hit or a miss trial is drawn at random, so both groups follow the same
 activity (the victim's request just before) and share any drift of the server's load.
 A two-sample Kolmogorov-Smirnov test of the two groups' TTFTs gives a p-value: the
@@ -27,6 +28,16 @@ alpha**2 of them.
 With several victim keys each sends P before the attacker: a server that publishes a
 prefix once k distinct tenants sent it shows no difference with k-1 victims, and one
 with k.
+
+The attacker's ``cached_tokens`` can say outright what another tenant sent, but its own
+earlier prompts give it cached tokens too: of a couple of hundred words, many of its
+prompts begin with the word a later one begins with, and a server that matches single
+tokens reports that word as cached, for hit and miss probes alike, by chance more often
+in one group. As no probe starts with the first ``PREFIX_WORDS`` words of another, the
+attacker's history explains at most the first ``PREFIX_WORDS - 1`` words of a probe (and
+one cache block, where the server rounds to blocks); the report says ``cached_tokens``
+reveals a victim's prompt only for a difference over half the prompt, which that
+history cannot give and a victim's prompt cached whole does.
 """
 
 from __future__ import annotations
@@ -43,7 +54,18 @@ import httpx
 
 from prefixcache.ops.kstest import KSResult, ks_2samp
 
-__all__ = ["ENDPOINTS", "WORDS", "AuditConfig", "AuditError", "AuditResult", "Level", "Run", "Sample", "audit"]
+__all__ = [
+    "ENDPOINTS",
+    "PREFIX_WORDS",
+    "WORDS",
+    "AuditConfig",
+    "AuditError",
+    "AuditResult",
+    "Level",
+    "Run",
+    "Sample",
+    "audit",
+]
 
 ENDPOINTS = ("chat", "completions")
 HIT, MISS = "hit", "miss"
@@ -70,6 +92,7 @@ _WORD_TEXT = """
     film tree source organization hair window evidence population garden river stone bread summer
 """
 WORDS = tuple(dict.fromkeys(_WORD_TEXT.split()))
+PREFIX_WORDS = 3  # no prompt starts with the first this many words of an earlier one
 
 
 class AuditError(Exception):
@@ -104,8 +127,8 @@ class AuditConfig:
             raise ValueError(f"unknown endpoint {self.endpoint!r}; valid: {', '.join(ENDPOINTS)}")
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be between 0 and 1, got {self.alpha}")
-        if self.prompt_words < 1 or self.warmup < 0 or self.timeout_s <= 0:
-            raise ValueError("prompt words must be >= 1, warm-up trials >= 0 and the timeout > 0")
+        if self.prompt_words < PREFIX_WORDS or self.warmup < 0 or self.timeout_s <= 0:
+            raise ValueError(f"prompt words must be >= {PREFIX_WORDS}, warm-up trials >= 0 and the timeout > 0")
         smallest = ks_2samp([0.0] * self.samples, [1.0] * self.samples).p_value if self.samples > 0 else 1.0
         if smallest >= self.alpha:
             raise ValueError(
@@ -170,6 +193,21 @@ class AuditResult:
     @property
     def exit_code(self) -> int:
         return {"no leak": 0, "leak": 1, "inconclusive": 2}[self.verdict]
+
+    @property
+    def cached_reveals(self) -> bool:
+        """The attacker's ``cached_tokens`` says what another tenant sent: in every cross-tenant
+        run, its median for the victims' prompts exceeds that for fresh ones by more than half
+        the prompt's words (each word is a token or more).
+
+        NOTE: not a median's chance edge: the attacker's own history shares at most the first
+        ``PREFIX_WORDS - 1`` words with a probe of either group, so on an isolated server the
+        medians differ by those words' tokens and one cache block at most, under half of any
+        prompt more than twice as long as the server's block."""
+        return all(
+            (run.median_cached(HIT) or 0) - (run.median_cached(MISS) or 0) > self.prompt_words / 2
+            for run in self.cross.runs
+        )
 
 
 # ============================================================================ the client
@@ -290,8 +328,29 @@ def _check(response: httpx.Response, role: str) -> None:
 # ============================================================================ the procedure
 
 
-def prompt(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
+class Prompts:
+    """The audit's prompts: random words, each starting with ``PREFIX_WORDS`` words that no
+    earlier one started with, so that no prompt shares more than a few words of its start
+    with another (whoever sent that)."""
+
+    def __init__(self, rng: random.Random, words: int) -> None:
+        self.rng, self.words = rng, words
+        self.heads: set[tuple[str, ...]] = set()
+
+    def fresh(self) -> str:
+        return self._unique(lambda: [self.rng.choice(WORDS) for _ in range(self.words)])
+
+    def every_word(self) -> str:
+        """Every word once, in a random order (a key's warm-up)."""
+        return self._unique(lambda: self.rng.sample(WORDS, len(WORDS)))
+
+    def _unique(self, draw: Callable[[], list[str]]) -> str:
+        while True:  # NOTE: of len(WORDS) ** PREFIX_WORDS starts (millions), a redraw is rare
+            words = draw()
+            head = tuple(words[:PREFIX_WORDS])
+            if head not in self.heads:
+                self.heads.add(head)
+                return " ".join(words)
 
 
 def audit(
@@ -311,19 +370,20 @@ def audit(
 
 def _audit(config: AuditConfig, target: Target, progress: Callable[[int, int], None]) -> AuditResult:
     rng = random.Random(config.seed)
+    prompts = Prompts(rng, config.prompt_words)
     roles = {config.attacker_key: "attacker key"}
     for i, key in enumerate(config.victim_keys):
         roles[key] = "victim key" if len(config.victim_keys) == 1 else f"victim key {i + 1}"
     target.model = config.model or target.first_model(config.attacker_key, "attacker key")
     for key, role in roles.items():  # every key works, and every word has been tokenized
-        target.ask(key, role, " ".join(rng.sample(WORDS, len(WORDS))))
+        target.ask(key, role, prompts.every_word())
     victims = {CONTROL: (config.attacker_key,), CROSS: config.victim_keys}
 
     def trial(level: str, group: str) -> Sample:
-        p = prompt(rng, config.prompt_words)
+        p = prompts.fresh()
         for key in victims[level]:
             target.ask(key, roles[key], p)
-        measured = p if group == HIT else prompt(rng, config.prompt_words)
+        measured = p if group == HIT else prompts.fresh()
         return target.ask(config.attacker_key, "attacker key", measured)
 
     levels = (CONTROL, CROSS)

@@ -144,11 +144,10 @@ def report(result: AuditResult) -> str:
                 )
             )
     lines.append(f"verdict: {VERDICTS[result.verdict]}")
-    cross = result.cross.runs[0]
-    if (cross.median_cached(HIT) or 0) > (cross.median_cached(MISS) or 0):
+    if result.cached_reveals:
         lines.append(
             "note: across tenants the attacker's usage.prompt_tokens_details.cached_tokens is larger for the "
-            "victim's prompts: the answer itself says what another tenant sent"
+            "victim's prompts, by more than half a prompt: the answer itself says what another tenant sent"
         )
     return "\n".join(lines) + "\n"
 
@@ -164,11 +163,13 @@ def _tokens(value: float | None) -> str:
 
 
 def to_json(result: AuditResult) -> dict[str, Any]:
-    """The result as JSON: every field, the verdict, and per run the medians."""
+    """The result as JSON: every field, the verdict, whether cached_tokens reveals another
+    tenant's prompts (the report's note), and per run the medians."""
     from prefixcache.ops.audit import HIT, MISS
 
     out = dataclasses.asdict(result)
     out["verdict"], out["exit_code"] = result.verdict, result.exit_code
+    out["cached_reveals"] = result.cached_reveals
     for name, level in (("control", result.control), ("cross", result.cross)):
         out[name]["detected"] = level.detected
         for run, plain in zip(level.runs, out[name]["runs"], strict=True):
