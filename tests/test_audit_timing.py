@@ -296,6 +296,7 @@ def test_unreachable_server_is_a_clear_error(capsys: pytest.CaptureFixture[str])
         (["--victim-key", "sk-v", "--attacker-key", "sk-a", "--samples", "3"], "no p-value can be below alpha"),
         (["--victim-key", "sk-v", "--victim-key", "sk-v", "--attacker-key", "sk-a"], "the victim keys must differ"),
         (["--victim-key", "sk-v", "--attacker-key", "sk-a", "--alpha", "1.5"], "alpha must be between 0 and 1"),
+        (["--victim-key", "sk-v", "--attacker-key", "sk-a", "--prompt-tokens", "2"], "prompt words must be >= 3"),
         (["--victim-key", "sk-v", "--attacker-key", "sk-a", "--chat", "--completions"], "not allowed with"),
     ],
 )
