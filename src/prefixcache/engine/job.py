@@ -32,6 +32,7 @@ import torch
 from prefixcache.cache import PrefixCache, Stamp
 from prefixcache.cache.kv import KVSource
 from prefixcache.cache.retention import RetainOutcome
+from prefixcache.engine.memory import reservation
 from prefixcache.engine.model import LoadedModel
 from prefixcache.engine.modes import ServeMode, Turn
 from prefixcache.engine.requests import (
@@ -140,6 +141,12 @@ class Job:
     @property
     def tokens(self) -> int:
         return len(self.handle.request.tokens)
+
+    @property
+    def kv_bytes(self) -> int:
+        """The KV memory it reserves while in flight: its worst case (``memory.py``)."""
+        request, loaded = self.handle.request, self._rt.loaded
+        return reservation(loaded.kv, loaded.context_length, len(request.tokens) + request.params.max_tokens)
 
     @property
     def sequence(self) -> Sequence:

@@ -22,6 +22,7 @@ __all__ = [
     "Event",
     "Handle",
     "InvalidPrompt",
+    "KVBudgetExceeded",
     "QueueFull",
     "Request",
     "RequestTimeout",
@@ -55,6 +56,14 @@ class InvalidPrompt(EngineError):
     empty prompt gets one code whichever check found it."""
 
     code = "invalid_value"
+
+
+class KVBudgetExceeded(EngineError):
+    """A request whose KV reservation alone is over the engine's whole budget: it would
+    never start, so it is refused at once (413: a retry cannot help, a smaller one can)."""
+
+    status = 413
+    code = "kv_budget_exceeded"
 
 
 class QueueFull(EngineError):

@@ -4,6 +4,8 @@ limits, and round robin over the requests in flight.
     submit ──> admit(job) ──> waiting:  acme [a3 a4]   globex [g2]        (max_queue, all tenants)
                                  │ a free slot goes to the next tenant in turn (max_active slots;
                                  │ a tenant holding h of them takes another only while more than h are free)
+                                 │ while the job picked fits the KV budget (kv_budget); one that does not
+                                 │ waits, and the filling with it: no later job passes it
                                  v
                               active:   acme [a1 a2]   globex [g1]
                                  │ next(): acme, globex, acme, ...; a1, a2 in turn within acme
@@ -11,7 +13,8 @@ limits, and round robin over the requests in flight.
                               worker: started() -> stage; next(ready) -> a prefill step;
                                       the batch decodes the rest ... finish(job)
 
-The scheduler knows a job only as ``Work`` (a tenant and a prompt length); what one
+The scheduler knows a job only as ``Work`` (a tenant, a prompt length and the KV memory
+it reserves while in flight, ``memory.py``); what one
 step is (a prefill chunk) is the job's business (``job.py``), and the decoding jobs
 step together in the batch (``loop.py``).
 Submitting threads and the worker share it behind one lock, under which no model work
@@ -72,10 +75,13 @@ class SchedulerConfig:
     max_active: int = 2  # requests in flight, each holding its own KV
     order: Order = Order.FAIR
     admission: Admission = Admission()
+    kv_budget: int | None = None  # bytes the jobs in flight may reserve together (``Work.kv_bytes``); None: any
 
     def __post_init__(self) -> None:
         if self.max_queue < 1 or self.max_active < 1:
             raise ValueError(f"max_queue and max_active must be >= 1, got {self.max_queue}, {self.max_active}")
+        if self.kv_budget is not None and self.kv_budget < 1:
+            raise ValueError(f"kv_budget must be >= 1 or None, got {self.kv_budget}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +99,9 @@ class Work(Protocol):
 
     @property
     def tokens(self) -> int: ...  # prompt tokens, counted against the tenant's max_queued_tokens
+
+    @property
+    def kv_bytes(self) -> int: ...  # KV memory reserved while in flight, counted against kv_budget
 
 
 J = TypeVar("J", bound=Work)
@@ -123,6 +132,8 @@ class Scheduler(Generic[J]):
         self._arrivals = 0
         self._waiting = 0
         self._active = 0
+        self._reserved = 0  # kv_bytes of the active jobs
+        self._stalled = False  # the job picked next waits for memory: no other may start
         self._closed = False
         self._busy_since = 0.0
         self._last_end = 0.0
@@ -137,6 +148,9 @@ class Scheduler(Generic[J]):
         with self._cond:
             if self._closed:
                 raise EngineClosed("the engine is shutting down")
+            budget = self.config.kv_budget
+            if budget is not None and job.kv_bytes > budget:  # NOTE: it would wait forever; the engine refuses it first
+                raise ValueError(f"a job reserving {job.kv_bytes} bytes never fits kv_budget = {budget}")
             tenant = self._tenants.get(job.tenant) or _Tenant()
             self._check(job, tenant)
             self._tenants[job.tenant] = tenant
@@ -166,8 +180,10 @@ class Scheduler(Generic[J]):
                 self.retry_after(),
             )
         free = self.config.max_active - self._active
-        # NOTE: jobs that wait now cannot take a free slot (_fill gave every one it could)
-        starts = free > 0 and (not self._waiting if self.config.order is Order.FIFO else len(tenant.active) < free)
+        # NOTE: jobs that wait now cannot take a free slot (_fill gave every one it could),
+        # and none can while the one picked next waits for memory
+        fair = not self._waiting if self.config.order is Order.FIFO else len(tenant.active) < free
+        starts = free > 0 and fair and not self._stalled and self._fits(job)
         if self._waiting >= self.config.max_queue and not starts:
             raise QueueFull(
                 f"the server is busy ({self._waiting + 1} requests waiting); retry later", self.retry_after()
@@ -227,6 +243,7 @@ class Scheduler(Generic[J]):
             tenant = self._tenants[job.tenant]
             tenant.active.remove(job)
             self._active -= 1
+            self._reserved -= job.kv_bytes
             if not tenant.active:
                 self._turns.remove(job.tenant)
             self._release(job, tenant)
@@ -247,6 +264,10 @@ class Scheduler(Generic[J]):
                 if ended:
                     tenant.waiting = deque(entry for entry in tenant.waiting if entry not in ended)
                     out += self._drop(name, tenant, ended)
+            if out:  # NOTE: one of them may have been the job waiting for memory
+                self._fill()
+                self._version += 1
+                self._cond.notify_all()
             return out
 
     def close(self) -> list[J]:
@@ -257,6 +278,7 @@ class Scheduler(Generic[J]):
             for name, tenant in list(self._tenants.items()):
                 ended, tenant.waiting = list(tenant.waiting), deque()
                 out += self._drop(name, tenant, ended)
+            self._stalled = False
             self._version += 1
             self._cond.notify_all()
             return out
@@ -271,6 +293,11 @@ class Scheduler(Generic[J]):
     def active(self) -> int:
         return self._active
 
+    @property
+    def reserved(self) -> int:
+        """The KV memory the active jobs reserve (``Work.kv_bytes``), against ``kv_budget``."""
+        return self._reserved
+
     def load(self) -> dict[str, TenantLoad]:
         """Each tenant's jobs in the engine now, for stats and tests."""
         with self._cond:
@@ -279,23 +306,37 @@ class Scheduler(Generic[J]):
     # ------------------------------------------------------------------ under the lock
 
     def _fill(self) -> None:
-        """Give free slots to waiting jobs."""
+        """Give free slots to waiting jobs, while the one picked next fits the memory left."""
+        self._stalled = False
         while self._active < self.config.max_active:
             name = self._pick()
             if name is None:
                 return
             tenant = self._tenants[name]
-            _, job = tenant.waiting.popleft()
+            job = tenant.waiting[0][1]
+            if not self._fits(job):
+                # NOTE: its tenant goes back to the head of the turns, so that it is picked
+                # first when memory frees, before any job that came after it
+                if self.config.order is Order.FAIR:
+                    self._queued.rotate(1)
+                self._stalled = True
+                return
+            tenant.waiting.popleft()
             if not tenant.waiting:
                 self._queued.remove(name)
             self._waiting -= 1
             if self._active == 0:
                 self._busy_since = self._clock()
             self._active += 1
+            self._reserved += job.kv_bytes
             if not tenant.active:
                 self._enter(name)
             tenant.active.append(job)
             self._started.append(job)
+
+    def _fits(self, job: J) -> bool:
+        budget = self.config.kv_budget
+        return budget is None or self._reserved + job.kv_bytes <= budget
 
     def _pick(self) -> str | None:
         """The tenant whose waiting job takes the next free slot."""

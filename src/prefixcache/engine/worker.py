@@ -19,7 +19,8 @@ the loop is ``loop.py``; the batch's KV is ``batch.py``.
 A caller gets a ``Handle`` at once and its tokens through a ``sink`` callback, called
 from the worker thread (the server hands them to its event loop). A full queue is a
 ``QueueFull``, a tenant over its admission limits a ``TenantBusy``, both with a retry
-hint; a request waits and runs at most ``timeout_s`` and stops within one step of it
+hint; a request whose KV reservation alone is over the engine's ``kv_budget`` a
+``KVBudgetExceeded`` (``memory.py``); a request waits and runs at most ``timeout_s`` and stops within one step of it
 (``RequestTimeout``); ``Handle.cancel()`` (client gone) stops it at its next step, or
 ends it unstarted when it is still queued; ``Engine.stats`` counts how requests ended.
 """
@@ -39,6 +40,7 @@ from prefixcache.engine.cacheio import IO_PER_TENANT, IO_WORKERS, CacheIO
 from prefixcache.engine.chat import chat_tokens
 from prefixcache.engine.job import Job, Runtime
 from prefixcache.engine.loop import StepLoop
+from prefixcache.engine.memory import KV_COPIES, reservation
 from prefixcache.engine.model import LoadedModel
 from prefixcache.engine.modes import EXACT, ServeMode
 from prefixcache.engine.requests import (
@@ -50,6 +52,7 @@ from prefixcache.engine.requests import (
     Event,
     Handle,
     InvalidPrompt,
+    KVBudgetExceeded,
     Request,
     Sink,
 )
@@ -80,7 +83,10 @@ class Engine:
     decoding requests and up to ``prefill_chunk_tokens`` prompt tokens of the ready ones,
     tenants in turn (``batch_decode``; off, for comparisons: a chunk alone, then
     ``decode_burst`` steps of one forward per decoding request); ``admission`` limits
-    each tenant's share (default: none); ``order`` is which waiting request gets a free slot.
+    each tenant's share (default: none); ``order`` is which waiting request gets a free slot;
+    ``kv_budget`` bounds the bytes of KV the requests in flight reserve together (their
+    worst case, ``memory.py``; default: no bound), a request waiting for memory holding
+    back the ones after it.
     The cache's match, load and stores run on ``io_workers`` threads, at most
     ``io_per_tenant`` of them on one tenant's (``cacheio.py``).
     """
@@ -99,6 +105,7 @@ class Engine:
         max_active: int = 2,
         admission: Admission | None = None,
         order: Order = Order.FAIR,
+        kv_budget: int | None = None,
         prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
         decode_burst: int = DECODE_BURST,
         batch_decode: bool = True,
@@ -118,7 +125,7 @@ class Engine:
         self._clock = clock
         self.stats = EngineStats()
         self.scheduler: Scheduler[Job] = Scheduler(
-            SchedulerConfig(max_queue, max_active, order, admission or Admission()), clock
+            SchedulerConfig(max_queue, max_active, order, admission or Admission(), kv_budget), clock
         )
         self._runtime = Runtime(
             loaded,
@@ -177,8 +184,27 @@ class Engine:
                 param="messages",
             )
 
+    def check_budget(self, prompt_tokens: int, max_tokens: int) -> None:
+        """A request that could never start under the KV budget, as the error a client can act on."""
+        budget = self.scheduler.config.kv_budget
+        need = reservation(self.loaded.kv, self.context_length, prompt_tokens + max_tokens)
+        if budget is None or need <= budget:
+            return
+        per_token = self.loaded.kv.bytes_per_token * KV_COPIES
+        raise KVBudgetExceeded(
+            f"This request reserves {need} bytes of KV memory ({prompt_tokens} prompt tokens + {max_tokens} "
+            f"max_tokens, {per_token} bytes a token), more than this server's whole KV memory budget of {budget} "
+            f"bytes (admission.kv_memory_bytes). A request of at most {budget // per_token} tokens, prompt and "
+            "max_tokens together, fits: reduce max_tokens or the prompt."
+        )
+
+    def kv_memory(self) -> dict[str, int | None]:
+        """The KV budget and what the requests in flight reserve of it now, in bytes (for stats)."""
+        return {"budget_bytes": self.scheduler.config.kv_budget, "reserved_bytes": self.scheduler.reserved}
+
     def submit(self, request: Request, sink: Sink) -> Handle:
-        """Queue ``request``; raises ``TenantBusy``, ``QueueFull``, ``ContextLengthError`` or ``EngineClosed``."""
+        """Queue ``request``; raises ``TenantBusy``, ``QueueFull``, ``ContextLengthError``,
+        ``KVBudgetExceeded`` or ``EngineClosed``."""
         if self._closed:
             raise EngineClosed("the engine is shutting down")
         if not request.tokens:
@@ -187,6 +213,7 @@ class Engine:
         if min(request.tokens) < 0 or max(request.tokens) >= vocab:
             raise InvalidPrompt(f"token ids must be in [0, {vocab})", param="prompt")
         self.check_length(len(request.tokens), request.params.max_tokens)
+        self.check_budget(len(request.tokens), request.params.max_tokens)
         self.start()
         timeout = self.timeout_s if request.timeout_s is None else request.timeout_s
         handle = Handle(next(self._ids), request, sink, self._clock() + timeout, timeout)
