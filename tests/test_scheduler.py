@@ -1,6 +1,7 @@
 """The scheduler alone (no model), under any interleaving of submissions, steps, ends
 and callers that leave: every admitted job ends exactly once, tenants are stepped in
-turn (none starves), and the limits hold: per tenant, in the queue, in flight. And the
+turn (none starves), and the limits hold: per tenant, in the queue, in flight, in KV
+memory (a job that does not fit waits, and no later job passes it). And the
 ``[admission]`` settings that set those limits."""
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from prefixcache.engine.memory import default_budget, machine_memory
 from prefixcache.engine.requests import EngineClosed, QueueFull, TenantBusy
 from prefixcache.engine.scheduler import Admission, Order, Scheduler, SchedulerConfig, TenantLimits
 from prefixcache.settings import load_settings
 from prefixcache.settings.admission import AdmissionSettings, TenantAdmission
 
 TENANTS = ("a", "b", "c")
+KV_MAX = 100  # the most a fake job reserves
 
 
 @dataclass(eq=False)
@@ -35,6 +38,7 @@ class FakeJob:
     stepped: int = 0
     ended: int = 0
     gone: bool = False  # its caller left
+    kv_bytes: int = 0  # what it reserves while in flight
 
 
 @dataclass
@@ -55,9 +59,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         order=st.sampled_from(Order),
         default=limits,
         b=limits,
+        budget=st.one_of(st.none(), st.integers(KV_MAX, 3 * KV_MAX)),
     )
-    def setup(self, max_active: int, max_queue: int, order: Order, default: TenantLimits, b: TenantLimits) -> None:
-        self.config = SchedulerConfig(max_queue, max_active, order, Admission(default, {"b": b}))
+    def setup(
+        self, max_active: int, max_queue: int, order: Order, default: TenantLimits, b: TenantLimits, budget: int | None
+    ) -> None:
+        self.config = SchedulerConfig(max_queue, max_active, order, Admission(default, {"b": b}), budget)
         self.clock = Clock()
         self.sched: Scheduler[FakeJob] = Scheduler(self.config, self.clock)
         self.admitted: list[FakeJob] = []
@@ -66,12 +73,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.active_since: dict[str, int] = {}  # tenants in flight: since which step
         self.arrival: dict[int, int] = {}  # id(job) -> order of admission
         self.first: dict[int, int] = {}  # id(job) -> the step that started it
+        self.started: list[FakeJob] = []  # in the order they took a slot
 
     # ------------------------------------------------------------------ rules
 
-    @rule(tenant=st.sampled_from(TENANTS), tokens=st.integers(1, 300), steps=st.integers(1, 4))
-    def submit(self, tenant: str, tokens: int, steps: int) -> None:
-        job = FakeJob(tenant, tokens, steps)
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        tokens=st.integers(1, 300),
+        steps=st.integers(1, 4),
+        kv=st.integers(1, KV_MAX),
+    )
+    def submit(self, tenant: str, tokens: int, steps: int, kv: int) -> None:
+        job = FakeJob(tenant, tokens, steps, kv_bytes=kv)
         before = self.sched.load().get(tenant)
         jobs = 0 if before is None else before.waiting + before.active
         held = 0 if before is None else before.tokens
@@ -143,6 +156,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert limit.max_queued_tokens is None or jobs <= 1 or t.tokens <= limit.max_queued_tokens
             living = [j for j in self.admitted if j.tenant == tenant and not j.ended]
             assert jobs == len(living) and t.tokens == sum(j.tokens for j in living)
+        active = [j for j in self.started if not j.ended]
+        assert self.sched.reserved == sum(j.kv_bytes for j in active) and len(active) == self.sched.active
+        assert self.config.kv_budget is None or self.sched.reserved <= self.config.kv_budget
 
     @invariant()
     def slots_are_used_and_shared(self) -> None:
@@ -150,10 +166,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         load, free = self.sched.load(), self.config.max_active - self.sched.active
         if self.config.order is Order.FIFO:
-            assert self.sched.waiting == 0 or free == 0  # a waiting job means no free slot
+            assert self.sched.waiting == 0 or free == 0 or self._stalled()  # a waiting job: no slot or no memory
             return
         for t in load.values():
-            if t.waiting:
+            if t.waiting and not self._stalled():
                 assert t.active >= free  # a waiting job's tenant holds as many slots as are free
             if self.config.max_active > 1:
                 assert t.active < self.config.max_active  # no tenant alone fills every slot
@@ -169,9 +185,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.active == 0 and self.sched.waiting == 0
         assert all(j.ended == 1 for j in self.admitted)
         assert all(j.stepped in (0, j.steps) for j in self.admitted)
-        if self.config.order is Order.FIFO and self.config.max_active == 1:  # one at a time, in the order they came
-            started = sorted((j for j in self.admitted if j.stepped), key=lambda j: self.first[id(j)])
-            assert [self.arrival[id(j)] for j in started] == sorted(self.arrival[id(j)] for j in started)
+        if self.config.order is Order.FIFO:  # slots taken in the order they came, whatever their size
+            assert [self.arrival[id(j)] for j in self.started] == sorted(self.arrival[id(j)] for j in self.started)
         assert self.sched.next(ANY) is None
         assert self.sched.close() == []
         assert not self.sched.wait(self.sched.version, 0)  # closed and empty: the worker stops
@@ -189,7 +204,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.last_step[tenant] = self.index
         self.index += 1
 
+    def _stalled(self) -> bool:
+        """Whether a waiting job that is the next of its tenant does not fit the memory left."""
+        budget = self.config.kv_budget
+        if budget is None:
+            return False
+        waiting = [j for j in self.admitted if not j.ended and not j.gone and j not in self.started]
+        heads = {j.tenant: j for j in reversed(waiting)}  # each tenant's first
+        return any(self.sched.reserved + j.kv_bytes > budget for j in heads.values())
+
     def _track(self) -> None:
+        self.started += self.sched.started()
         for name, t in self.sched.load().items():
             if t.active and name not in self.active_since:
                 self.active_since[name] = self.index
@@ -290,6 +315,90 @@ def test_limits_refuse_with_the_limit_named_and_a_retry_hint() -> None:
         sched.admit(FakeJob("umbrella", 1, 1))
 
 
+def sized(tenant: str, kv_bytes: int) -> FakeJob:
+    """A job of one step that reserves ``kv_bytes``."""
+    return FakeJob(tenant, 10, 1, kv_bytes=kv_bytes)
+
+
+def test_a_job_waits_while_the_memory_is_reserved_and_starts_when_one_ends() -> None:
+    sched: Scheduler[FakeJob] = Scheduler(SchedulerConfig(max_queue=8, max_active=4, kv_budget=100))
+    a, b, c = sized("a", 60), sized("b", 40), sized("c", 30)
+    for job in (a, b, c):
+        sched.admit(job)
+    assert sched.started() == [a, b] and sched.reserved == 100  # slots are free; memory is not
+    assert (sched.active, sched.waiting) == (2, 1)
+    sched.finish(b)
+    assert sched.started() == [c] and sched.reserved == 90
+    sched.finish(a)
+    sched.finish(c)
+    assert sched.reserved == 0 and sched.active == 0
+
+
+def test_a_later_small_job_does_not_pass_a_waiting_big_one() -> None:
+    """Not the same tenant's, not another's: the big one would never find room else."""
+    for order in Order:
+        sched: Scheduler[FakeJob] = Scheduler(SchedulerConfig(max_queue=8, max_active=4, order=order, kv_budget=100))
+        running = sized("a", 50)
+        big, mine, other = sized("b", 80), sized("b", 10), sized("c", 10)
+        for job in (running, big, mine, other):
+            sched.admit(job)
+        assert sched.started() == [running], order  # 50 of 100 free: the small ones would fit, and wait
+        late = sized("d", 1)
+        sched.admit(late)  # a tenant that arrives later waits too
+        assert sched.started() == [] and sched.waiting == 4
+        sched.finish(running)
+        assert sched.started() == ([big, other, late] if order is Order.FAIR else [big, mine, other]), order
+        assert sched.reserved == (91 if order is Order.FAIR else 100)
+
+
+def test_a_waiting_job_that_leaves_lets_the_next_start() -> None:
+    sched: Scheduler[FakeJob] = Scheduler(SchedulerConfig(max_queue=8, max_active=4, kv_budget=100))
+    running, big, small = sized("a", 50), sized("b", 80), sized("c", 10)
+    for job in (running, big, small):
+        sched.admit(job)
+    assert sched.started() == [running]
+    seen = sched.version
+    assert sched.reap(lambda job: job is big) == [big]  # past its deadline
+    assert sched.started() == [small] and sched.version != seen  # the worker is woken to stage it
+
+
+def test_with_memory_to_spare_the_budget_changes_no_order() -> None:
+    """The same submissions and ends, with a budget that never binds and with none: the
+    same slots taken in the same order, the same steps."""
+
+    def run(budget: int | None) -> list[tuple[str, int]]:
+        sched: Scheduler[FakeJob] = Scheduler(SchedulerConfig(max_queue=16, max_active=3, kv_budget=budget))
+        trace: list[tuple[str, int]] = []
+        jobs = [
+            FakeJob(t, 10, steps, kv_bytes=10)
+            for t, steps in zip("aabacbcaab", [2, 3, 1, 2, 1, 3, 2, 1, 1, 2], strict=True)
+        ]
+        for job in jobs[:6]:
+            sched.admit(job)
+        pending = jobs[6:]
+        while sched.active:
+            trace += [("start", jobs.index(j)) for j in sched.started()]
+            job = sched.next(ANY)
+            assert job is not None
+            trace.append(("step", jobs.index(job)))
+            job.stepped += 1
+            if job.stepped == job.steps:
+                sched.finish(job)
+                if pending:
+                    sched.admit(pending.pop(0))
+        return trace
+
+    assert run(None) == run(1000)
+    assert run(1000) != run(20)  # a budget of two jobs does change it
+
+
+def test_a_job_over_the_whole_budget_is_never_queued() -> None:
+    sched: Scheduler[FakeJob] = Scheduler(SchedulerConfig(max_queue=8, max_active=4, kv_budget=100))
+    with pytest.raises(ValueError, match="never fits kv_budget = 100"):  # the engine refuses it first (413)
+        sched.admit(sized("a", 101))
+    assert sched.waiting == 0
+
+
 # ---------------------------------------------------------------------- [admission] settings
 
 
@@ -317,6 +426,29 @@ def test_admission_settings_from_the_file_and_the_environment(tmp_path: Path) ->
     assert by_env.engine_args()["order"] is Order.FIFO
 
 
+def test_the_kv_budget_is_half_the_memory_unless_set(tmp_path: Path) -> None:
+    assert default_budget(lambda: 8 << 30) == 4 << 30
+    assert AdmissionSettings().engine_args()["kv_budget"] == default_budget()
+    cgroup = Path("/sys/fs/cgroup/memory.max")
+    if Path("/proc/meminfo").is_file() and not (cgroup.is_file() and cgroup.read_text().strip().isdigit()):
+        total = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal:"))
+        assert default_budget() == int(total.split()[1]) * 1024 // 2  # half of MemTotal
+    path = tmp_path / "prefixcache.toml"
+    path.write_text("[admission]\nkv_memory_bytes = 1073741824\n")
+    assert load_settings(path, env={}).admission.engine_args()["kv_budget"] == 1 << 30
+    env = {"PREFIXCACHE_ADMISSION_KV_MEMORY_BYTES": str(2 << 30)}
+    assert load_settings(path, env=env).admission.engine_args()["kv_budget"] == 2 << 30
+
+
+def test_the_memory_is_the_cgroup_limit_when_lower(tmp_path: Path) -> None:
+    limit = tmp_path / "memory.max"
+    total = machine_memory(tmp_path / "none")
+    limit.write_text("max\n")
+    assert machine_memory(limit) == total
+    limit.write_text(f"{1 << 30}\n")
+    assert machine_memory(limit) == min(total, 1 << 30)
+
+
 @pytest.mark.parametrize(
     ("toml", "message"),
     [
@@ -324,6 +456,7 @@ def test_admission_settings_from_the_file_and_the_environment(tmp_path: Path) ->
         ("[admission.tenants.acme]\nmax_queued_tokens = -5\n", "admission.tenants.acme.max_queued_tokens"),
         ("[admission]\norder = 'lifo'\n", "admission.order"),
         ("[admission]\nmax_concurent = 3\n", "admission.max_concurent"),
+        ("[admission]\nkv_memory_bytes = 0\n", "admission.kv_memory_bytes"),
     ],
 )
 def test_bad_admission_settings_name_the_setting(tmp_path: Path, toml: str, message: str) -> None:

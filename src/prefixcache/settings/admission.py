@@ -5,12 +5,18 @@ engine's ``Admission`` and scheduling arguments (``engine/scheduler.py``).
     max_concurrent = 4            # each tenant's requests queued or running
     max_queued_tokens = 32768     # their prompt tokens
     retain_share = 0.25           # each level of the cache a tenant may keep retained (below)
+    kv_memory_bytes = 8589934592  # the KV the requests in flight may reserve (default: half the memory)
     [admission.tenants.acme]      # a key's tenant (auth.api_keys KEY=TENANT): its own limits,
     max_concurrent = 8            # the defaults above for what it does not set
     retain_share = 0.5            # its own share (0: its retention is refused, served without)
 
 A tenant over its share gets 429 with Retry-After (``tenant_busy``) while the others
 are served; ``server.max_queue`` still bounds the requests waiting in all.
+
+``kv_memory_bytes`` is the engine's, all tenants together (``engine/memory.py``): a
+request reserves its worst case, (prompt + max_tokens) tokens of KV twice, while in
+flight; one that does not fit what is left waits, and those after it with it; one over
+the whole budget gets 413 ``kv_budget_exceeded``.
 
 Retention (``cache/retention.py``) is a tenant's share of the cache too, so it is set
 here, beside the other shares, and becomes the cache's ``RetentionConfig``:
@@ -28,6 +34,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from prefixcache.config import RetentionConfig
 from prefixcache.engine.cacheio import IO_PER_TENANT, IO_WORKERS
+from prefixcache.engine.memory import default_budget
 from prefixcache.engine.scheduler import Admission, Order, TenantLimits
 from prefixcache.engine.worker import PREFILL_CHUNK_TOKENS
 
@@ -87,6 +94,9 @@ class AdmissionSettings(BaseModel):
     # tier stalls holds that many, never another tenant's share (engine/ioqueue.py).
     io_workers: int = Field(default=IO_WORKERS, ge=1)
     io_per_tenant: int = Field(default=IO_PER_TENANT, ge=1)
+    # The bytes of KV the requests in flight may reserve together, each its worst case
+    # (engine/memory.py); unset: half of the machine's memory (or of its cgroup's limit).
+    kv_memory_bytes: int | None = Field(default=None, ge=1)
     # The share of each cache level (the cache, each tier) that the tenants without one of
     # their own may keep retained, split among those that retain at the time; unset:
     # ``cache.retention``'s (a quarter by default).
@@ -126,6 +136,7 @@ class AdmissionSettings(BaseModel):
             "order": Order(self.order),
             "io_workers": self.io_workers,
             "io_per_tenant": self.io_per_tenant,
+            "kv_budget": self.kv_memory_bytes if self.kv_memory_bytes is not None else default_budget(),
         }
 
     def check_tenants(self, known: Iterable[str]) -> None:
