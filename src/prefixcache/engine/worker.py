@@ -20,9 +20,10 @@ A caller gets a ``Handle`` at once and its tokens through a ``sink`` callback, c
 from the worker thread (the server hands them to its event loop). A full queue is a
 ``QueueFull``, a tenant over its admission limits a ``TenantBusy``, both with a retry
 hint; a request whose KV reservation alone is over the engine's ``kv_budget`` a
-``KVBudgetExceeded`` (``memory.py``); a request waits and runs at most ``timeout_s`` and stops within one step of it
-(``RequestTimeout``); ``Handle.cancel()`` (client gone) stops it at its next step, or
-ends it unstarted when it is still queued; ``Engine.stats`` counts how requests ended.
+``KVBudgetExceeded`` (``memory.py``); a request waits and runs at most ``timeout_s``
+and stops within one step of it (``RequestTimeout``); ``Handle.cancel()`` (client gone)
+stops it at its next step, or ends it unstarted when it is still queued;
+``Engine.stats`` counts how requests ended.
 """
 
 from __future__ import annotations
