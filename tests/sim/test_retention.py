@@ -111,6 +111,8 @@ def test_the_sims_bound_is_the_caches() -> None:
         ("AUTO:99.5", RetentionSpec(RetentionMode.AUTO, 99.5)),
         ("auto:1", RetentionSpec(RetentionMode.AUTO, 1)),
         ("auto:100", RetentionSpec(RetentionMode.AUTO, 100)),
+        ("auto:75:4", RetentionSpec(RetentionMode.AUTO, 75, 4)),
+        ("auto:50:1", RetentionSpec(RetentionMode.AUTO, 50)),
     ],
 )
 def test_retention_forms(text: str, spec: RetentionSpec) -> None:
@@ -118,7 +120,26 @@ def test_retention_forms(text: str, spec: RetentionSpec) -> None:
     assert parse_retention(spec.label) == spec
 
 
-@pytest.mark.parametrize("text", ["on", "auto", "auto:", "auto:0", "auto:101", "auto:x", "auto:nan", "trace:5", ""])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "on",
+        "auto",
+        "auto:",
+        "auto:0",
+        "auto:101",
+        "auto:x",
+        "auto:nan",
+        "trace:5",
+        "",
+        "auto:50:",
+        "auto:50:0",
+        "auto:50:1.5",
+        "auto:50:x",
+        "auto:50:-2",
+        "auto:50:4:1",
+    ],
+)
 def test_a_bad_retention_is_an_error_naming_the_forms(text: str) -> None:
     with pytest.raises(ValueError, match="off, trace, auto:P"):
         parse_retention(text)
@@ -183,6 +204,27 @@ def test_auto_asks_the_percentile_of_the_sessions_own_gaps_so_far() -> None:
     # s's gaps so far: -, [10], [10 30], [10 20 30], [10 20 30 40]; u's: -, [6]
     assert asked[50] == [("s", first), ("u", first), ("s", 10), ("u", 6), ("s", 10), ("s", 20), ("s", 20)]
     assert asked[90] == [("s", first), ("u", first), ("s", 10), ("u", 6), ("s", 30), ("s", 30), ("s", 40)]
+
+
+def test_auto_from_a_turn_asks_nothing_before_it_and_counts_every_gap() -> None:
+    """auto:50:3: session s's first two turns ask nothing; its third asks the median of
+    both gaps so far (those turns' gaps count though they retained nothing)."""
+    plan = RetentionPlan(RetentionSpec(RetentionMode.AUTO, 50, 3), BS)
+    asked = [plan.seconds(request(t, "s")) for t in (0, 10, 40, 60)]
+    assert asked == [None, None, 10, 20]  # gaps [10], [10 30], [10 20 30]
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        (dict(mode=RetentionMode.AUTO, percentile=50, from_turn=0), "first turn N >= 1"),
+        (dict(mode=RetentionMode.AUTO, percentile=50, from_turn=True), "first turn N >= 1"),
+        (dict(mode=RetentionMode.TRACE, from_turn=2), "takes no percentile nor first turn"),
+    ],
+)
+def test_a_bad_first_turn_is_an_error(spec: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        RetentionSpec(**spec)
 
 
 def test_the_same_session_name_in_two_tenants_is_two_sessions() -> None:

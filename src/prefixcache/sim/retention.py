@@ -10,6 +10,9 @@ access, for as long as the request asks, charged to the request's tenant
 ``auto:P``     each session retains its prompt for the P-th percentile (1..100, nearest
                rank) of its own inter-turn gaps seen so far, ``DEFAULT_FIRST_S`` before it
                has one: what a client that knows its own loop would ask (``sessions``)
+``auto:P:N``   the same from a session's N-th turn on (N >= 1), nothing before it: a
+               client that knows most of its conversations end early (a chat's first
+               turns) keeps the cap for the ones that have shown they go on
 =============  ============================================================================
 
 A trace line's retention (our JSONL, and Mooncake's or Bailian's lines when they carry
@@ -45,7 +48,7 @@ DEFAULT_FIRST_S = 300.0
 Anthropic's ``cache_control`` gets when it names none (what a client that knows nothing
 of its loop yet is given)."""
 
-FORMS = "off, trace, auto:P (P a percentile from 1 to 100, e.g. auto:90)"
+FORMS = "off, trace, auto:P or auto:P:N (P a percentile from 1 to 100, N a first turn >= 1; e.g. auto:90, auto:75:4)"
 
 # The trace fields that carry a retention, and OpenAI's values of its own.
 RETENTION_FIELDS = ("retention", "prompt_cache_retention")
@@ -62,11 +65,12 @@ class RetentionMode(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class RetentionSpec:
-    """How long a replay retains each prompt (``--retention``); ``percentile`` only with
-    ``auto``."""
+    """How long a replay retains each prompt (``--retention``); ``percentile`` and
+    ``from_turn`` (a session's first turn that retains; 1: every turn) only with ``auto``."""
 
     mode: RetentionMode = RetentionMode.OFF
     percentile: float | None = None
+    from_turn: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, RetentionMode):
@@ -75,8 +79,11 @@ class RetentionSpec:
         if self.mode is RetentionMode.AUTO:
             if isinstance(p, bool) or not isinstance(p, int | float) or not math.isfinite(p) or not 1 <= p <= 100:
                 raise ValueError(f"retention auto:P needs a percentile P from 1 to 100, got {p!r}")
-        elif p is not None:
-            raise ValueError(f"retention {self.mode.value} takes no percentile, got {p!r}")
+            n = self.from_turn
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"retention auto:P:N needs a first turn N >= 1, got {n!r}")
+        elif p is not None or self.from_turn != 1:
+            raise ValueError(f"retention {self.mode.value} takes no percentile nor first turn, got {p!r}")
 
     @property
     def on(self) -> bool:
@@ -86,7 +93,8 @@ class RetentionSpec:
     def label(self) -> str:
         if self.mode is RetentionMode.AUTO:
             assert self.percentile is not None
-            return f"auto:{self.percentile:g}"
+            turn = f":{self.from_turn}" if self.from_turn > 1 else ""
+            return f"auto:{self.percentile:g}{turn}"
         return self.mode.value
 
 
@@ -94,20 +102,25 @@ RETENTION_OFF = RetentionSpec()
 
 
 def parse_retention(text: str) -> RetentionSpec:
-    """``--retention``'s value: ``off``, ``trace`` or ``auto:P``; anything else a
-    ``ValueError`` naming the forms."""
+    """``--retention``'s value: ``off``, ``trace``, ``auto:P`` or ``auto:P:N``; anything
+    else a ``ValueError`` naming the forms."""
     value = text.strip().lower()
     if value in (RetentionMode.OFF.value, RetentionMode.TRACE.value):
         return RetentionSpec(RetentionMode(value))
     head, sep, tail = value.partition(":")
     if head == RetentionMode.AUTO.value and sep:
+        pct, turn_sep, turn = tail.partition(":")
         try:
-            percentile = float(tail)
+            percentile = float(pct)
         except ValueError:
             percentile = math.nan
-        if math.isfinite(percentile) and 1 <= percentile <= 100:
-            return RetentionSpec(RetentionMode.AUTO, int(percentile) if percentile.is_integer() else percentile)
-        raise ValueError(f"invalid retention {text!r}: auto:P needs a percentile P from 1 to 100; valid: {FORMS}")
+        if not (math.isfinite(percentile) and 1 <= percentile <= 100):
+            raise ValueError(f"invalid retention {text!r}: auto:P needs a percentile P from 1 to 100; valid: {FORMS}")
+        from_turn = int(turn) if turn.isdigit() else 0
+        if turn_sep and from_turn < 1:
+            raise ValueError(f"invalid retention {text!r}: auto:P:N needs a first turn N >= 1; valid: {FORMS}")
+        p = int(percentile) if percentile.is_integer() else percentile
+        return RetentionSpec(RetentionMode.AUTO, p, from_turn if turn_sep else 1)
     raise ValueError(f"invalid retention {text!r}; valid: {FORMS}")
 
 

@@ -38,7 +38,8 @@ def add_retention_flags(p: Any) -> None:
         help=f"tree mode: retain each prompt after its access, charged to its tenant; comma-separated: {FORMS}. "
         "off (default) ignores the trace's retention; trace uses each line's 'retention' (seconds); auto:P retains "
         "a session's prompt for the P-th percentile of its own inter-turn gaps so far (5 minutes before its first "
-        "gap; Mooncake's conversations are derived from the prefix chain). Runs the Python engine (the compiled "
+        "gap; Mooncake's conversations are derived from the prefix chain); auto:P:N the same from a session's N-th "
+        "turn on, nothing before. Runs the Python engine (the compiled "
         "kernel does not model retention)",
     )
     p.add_argument(

@@ -2,7 +2,8 @@
 
 ``auto:P`` is what a client that knows its own loop would ask: a session keeps its
 prompt for the P-th percentile of its own gaps between turns so far, so that its next
-turn finds it. That needs sessions:
+turn finds it (``auto:P:N``: from its N-th turn on, its turns counted as its gaps are).
+That needs sessions:
 
 - a trace that names them (our JSONL's ``session``, Bailian's ``chat_id``): the
   (tenant, session) pair;
@@ -129,5 +130,7 @@ class RetentionPlan:
             return None
         assert spec.percentile is not None
         gaps = self._gaps.arrive(self.session(req), req.timestamp)
+        if len(gaps) + 1 < spec.from_turn:
+            return None  # NOTE: a turn before the N-th asks nothing, so its gap still counts later
         seconds = nearest_rank(gaps, spec.percentile) if gaps else DEFAULT_FIRST_S
         return seconds or None  # NOTE: a 0 s gap (a tie in time) asks nothing
