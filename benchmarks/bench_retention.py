@@ -4,13 +4,14 @@ client's retention closes, on an agentic trace and on Mooncake's conversation tr
 Per trace: LRU and the optimum at a sweep of capacities (the compiled kernel; one
 pass), then, at every capacity of the sweep, LRU with ``--retention auto:P`` (each
 session retains its prompt for the P-th percentile of its own inter-turn gaps so far;
-the Python engine, the real ``PrefixCache``: the kernel does not model retention) for
-each P and each cap share (the cache's ``[retention] share``, split among the tenants
-that retain; 0.25 is the default). Printed per capacity: LRU, optimum, their gap, and
-per (P, share) the hit rate, its difference from LRU and the fraction of LRU's gap it
-closes; then, per (P, share), the gap closed at the capacity where LRU's gap is largest
-and the worst shortfall below LRU anywhere, against the issue's target (at least 20 %
-of the gap closed at the worst capacity, never more than 1 point below LRU).
+``auto:P:N`` from its N-th turn on; the Python engine, the real ``PrefixCache``: the
+kernel does not model retention) for each form and each cap share (the cache's
+``[retention] share``, split among the tenants that retain; 0.25 is the default).
+Printed per capacity: LRU, optimum, their gap, and per (form, share) the hit rate, its
+difference from LRU and the fraction of LRU's gap it closes; then, per (form, share),
+the gap closed at the capacity where LRU's gap is largest and the worst shortfall below
+LRU anywhere, against the issue's target (at least 20 % of the gap closed at the worst
+capacity, never more than 1 point below LRU).
 
 The traces (``/work/shared/traces``, see its README): ``agentic_sessions.jsonl.gz``
 (89 Claude Code sessions over 8 tenants, 64-token blocks, sessions named: retention is
@@ -20,7 +21,7 @@ blocks, one tenant, no session ids: conversations from the prefix chain,
 counted, as the README's eviction table); token hit rate.
 
 Run:  .venv/bin/python benchmarks/bench_retention.py [--jobs 2] [--shares 0.25,0.5,1]
-      [--percentiles 50,90] [--trace agentic|conversation]
+      [--retention auto:50,auto:90,auto:75:4] [--trace agentic|conversation]
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pathlib import Path
 from prefixcache.config import CacheConfig, RetentionConfig
 from prefixcache.sim.replay import replay
 from prefixcache.sim.results import ReplayConfig, ReplayResult
-from prefixcache.sim.retention import RetentionMode, RetentionSpec
+from prefixcache.sim.retention import RetentionSpec, parse_retention
 from prefixcache.sim.summary import summarize
 from prefixcache.sim.traces import read_trace
 
@@ -54,15 +55,15 @@ SAFE_POINTS = 1.0  # never more than this many points of token hit rate below LR
 class Run:
     trace: str
     capacity: float
-    percentile: float | None  # None: LRU alone (native, with the optimum)
+    retention: RetentionSpec | None  # None: LRU alone (native, with the optimum)
     share: float = RetentionConfig().share
 
 
 def _config(run: Run) -> ReplayConfig:
     cache = CacheConfig(capacity_tokens=int(run.capacity), retention=RetentionConfig(share=run.share))
-    if run.percentile is None:
+    if run.retention is None:
         return ReplayConfig(cache)
-    return ReplayConfig(cache, retention=RetentionSpec(RetentionMode.AUTO, run.percentile))
+    return ReplayConfig(cache, retention=run.retention)
 
 
 def _replay(path: Path, runs: list[Run], optimal: bool) -> list[ReplayResult]:
@@ -90,11 +91,11 @@ def _pct(x: float | None) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", choices=(*TRACES, "all"), default="all")
-    parser.add_argument("--percentiles", default="50,90")
+    parser.add_argument("--retention", default="auto:50,auto:90,auto:75:4", help="auto:P or auto:P:N, comma-separated")
     parser.add_argument("--shares", default="0.25,0.5,1")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
-    percentiles = [float(p) for p in args.percentiles.split(",")]
+    forms = [parse_retention(t) for t in args.retention.split(",")]
     shares = [float(s) for s in args.shares.split(",")]
     names = list(TRACES) if args.trace == "all" else [args.trace]
     print(f"{os.cpu_count()} CPUs, load average {', '.join(f'{x:.1f}' for x in os.getloadavg())}; warm-up {WARMUP}")
@@ -105,7 +106,7 @@ def main() -> int:
         for cap, r in zip(caps, results, strict=True):
             assert r.optimal_token_hit_rate is not None
             base[(name, cap)] = (r.token_hit_rate, r.optimal_token_hit_rate, r.engine)
-    runs = [Run(n, c, p, s) for n in names for c in TRACES[n][1] for p in percentiles for s in shares]
+    runs = [Run(n, c, f, s) for n in names for c in TRACES[n][1] for f in forms for s in shares]
     runs.sort(key=lambda r: r.capacity)  # NOTE: the smallest capacities evict most and run longest: start them first
     got: dict[Run, tuple[float, str, float, int, int]] = {}
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -113,7 +114,7 @@ def main() -> int:
             got[run] = (rate, engine, seconds, calls, capped)
             print(f"  {len(got)}/{len(runs)} {run}: {100 * rate:.1f}% in {seconds:.0f} s", file=sys.stderr, flush=True)
     for name in names:
-        _report(name, base, got, percentiles, shares)
+        _report(name, base, got, forms, shares)
     return 0
 
 
@@ -121,33 +122,33 @@ def _report(
     name: str,
     base: dict[tuple[str, float], tuple[float, float, str]],
     got: dict[Run, tuple[float, str, float, int, int]],
-    percentiles: list[float],
+    forms: list[RetentionSpec],
     shares: list[float],
 ) -> None:
     path, caps = TRACES[name]
     requests = summarize(lambda: read_trace(path)).requests
     print(f"\n{path.name}: {requests:,} requests (whole trace), LRU, tree mode, token hit rate")
-    combos = [(p, s) for p in percentiles for s in shares]
+    combos = [(f, s) for f in forms for s in shares]
     for cap in caps:
         lru, opt, engine = base[(name, cap)]
         print(f"  capacity {cap:,.0f} tokens: LRU {100 * lru:5.1f}% ({engine}), optimum {100 * opt:5.1f}%, ", end="")
         print(f"gap {100 * (opt - lru):4.1f} points")
-        for p, s in combos:
-            rate, engine, seconds, calls, capped = got[Run(name, cap, p, s)]
+        for f, s in combos:
+            rate, engine, seconds, calls, capped = got[Run(name, cap, f, s)]
             closed = _closed(rate, lru, opt)
             print(
-                f"    auto:{p:g} share {s:g}: {100 * rate:5.1f}% ({engine}, {seconds:5.0f} s; {calls:,} retains, "
+                f"    {f.label} share {s:g}: {100 * rate:5.1f}% ({engine}, {seconds:5.0f} s; {calls:,} retains, "
                 f"{capped:,} capped)  vs LRU {100 * (rate - lru):+5.1f} points, gap closed {_pct(closed)}"
             )
     worst_cap = max(caps, key=lambda c: base[(name, c)][1] - base[(name, c)][0])
     lru, opt, _ = base[(name, worst_cap)]
     print(f"  the capacity where LRU's gap is largest: {worst_cap:,.0f} tokens ({100 * (opt - lru):.1f} points)")
-    for p, s in combos:
-        closed = _closed(got[Run(name, worst_cap, p, s)][0], lru, opt)
-        below = max(base[(name, c)][0] - got[Run(name, c, p, s)][0] for c in caps)
+    for f, s in combos:
+        closed = _closed(got[Run(name, worst_cap, f, s)][0], lru, opt)
+        below = max(base[(name, c)][0] - got[Run(name, c, f, s)][0] for c in caps)
         met = closed is not None and closed >= TARGET_CLOSED and 100 * below <= SAFE_POINTS
         print(
-            f"    auto:{p:g} share {s:g}: gap closed there {_pct(closed)} (target >= {100 * TARGET_CLOSED:.0f}%); "
+            f"    {f.label} share {s:g}: gap closed there {_pct(closed)} (target >= {100 * TARGET_CLOSED:.0f}%); "
             f"worst vs LRU anywhere {-100 * below:+.1f} points (target >= -{SAFE_POINTS:g}): "
             + ("met" if met else "not met")
         )
