@@ -8,19 +8,25 @@ who went first is the order of the events."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
+import torch
 
 from engine_support import MODEL_ID, MODELS_DIR, LiveServer, encode, engine, model
 from prefixcache.engine import DoneEvent, Event, LoadedModel, Request, SamplingParams, TokenEvent
+from prefixcache.engine import loop as loop_module
 from prefixcache.engine.memory import KV_COPIES, default_budget, reservation
+from prefixcache.engine.shelf import RowKV, Shelf
 from prefixcache.server.main import build_service, open_engine
 from prefixcache.settings import AuthSettings, ModelSettings, ServerSettings, Settings
 from prefixcache.settings.admission import AdmissionSettings
+from support import wait_for
 
 pytestmark = pytest.mark.model  # the real model
 
@@ -117,3 +123,30 @@ def test_the_default_budget_is_half_the_memory_and_reaches_the_engine() -> None:
         assert eng.scheduler.config.kv_budget == default_budget()
     finally:
         eng.close()
+
+
+def test_a_long_rows_kv_goes_once_it_ended_and_was_stored(lm: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode buffers of a long row beside a short one are no one's once both ended
+    and the engine is idle (no loop or I/O thread keeps the last one it handled), and
+    that much freed memory is handed back to the system."""
+    left: list[weakref.ref[torch.Tensor]] = []
+    leave, trims = Shelf.leave, []
+
+    def watched(self: Shelf, slot: int) -> RowKV:
+        kv = leave(self, slot)
+        left.extend(weakref.ref(t) for t in (*kv.keys, *kv.values))
+        return kv
+
+    monkeypatch.setattr(Shelf, "leave", watched)
+    monkeypatch.setattr(loop_module, "give_back", lambda: trims.append(1) or True)
+    eng = engine(lm, max_active=2)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    try:
+        long = eng.generate(Request([1000 + i % 3000 for i in range(700)], "acme", params))
+        short = eng.generate(Request(list(encode(lm, PROMPT)), "globex", params))
+        assert isinstance(long.result(), DoneEvent) and isinstance(short.result(), DoneEvent)
+        assert eng.wait_idle(120)
+        wait_for(lambda: not gc.collect() and all(ref() is None for ref in left), 60)
+    finally:
+        eng.close()
+    assert left and trims  # a 700-token row's buffers: more than TRIM_BYTES

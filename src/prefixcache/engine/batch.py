@@ -147,14 +147,16 @@ class Batch:
         self._drop_idle(kind)
         return out
 
-    def release(self, kv: RowKV) -> None:
+    def release(self, kv: RowKV) -> bool:
         """The KV of a row that left is no longer read: its slot may be reused (unless a
-        new layout freed it already, and it is another row's now)."""
+        new layout freed it already, and it is another row's now). Whether its buffers
+        are still a shelf's (False: they go with the last ``RowKV`` over them)."""
         for kind, shelf in list(self._shelves.items()):
             if shelf.owns(kv):
                 shelf.release(kv)
                 self._drop_idle(kind)
-                return
+                return kind in self._shelves
+        return False
 
     def _drop_idle(self, kind: int) -> None:
         if self._shelves[kind].idle:

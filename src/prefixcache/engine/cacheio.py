@@ -220,6 +220,8 @@ class CacheIO:
                 with self._cond:
                     self._queue.done(task)
                     self._cond.notify_all()
+            # NOTE: a done task's closure (a job, a row's KV) is not kept while this worker waits
+            del task
 
     def _take(self, generation: int) -> Task[Callable[[], None]] | None:
         """The next task this worker runs; None once its generation closed and nothing is left."""

@@ -29,6 +29,7 @@ from prefixcache.engine.batch import Batch, RowKV
 from prefixcache.engine.cacheio import CacheIO
 from prefixcache.engine.job import Job, Phase
 from prefixcache.engine.kv import SequenceKV
+from prefixcache.engine.memory import TRIM_BYTES, give_back
 from prefixcache.engine.model import LoadedModel
 from prefixcache.engine.runner import Chunk
 from prefixcache.engine.scheduler import Scheduler
@@ -89,12 +90,26 @@ class StepLoop:
             for gone in self._io.overdue(_gone):
                 gone.prefill()
                 self._finish(gone)
-            while not self._released.empty():
-                batch, kv = self._released.get()
-                batch.release(kv)
+            self._release_stored()
             worked = self._step(self._chunks()) if self._batched else self._apart()
             if not worked and not scheduler.wait(seen, _IDLE_WAIT_S):
                 return
+
+    def _release_stored(self) -> None:
+        """The rows whose store ended may be reused; their KV goes with its last reference
+        (a method of its own, so that none stays in the loop's frame while it waits), and
+        much of it freed at once goes back to the system."""
+        freed = 0
+        while not self._released.empty():
+            freed += self._release(self._released.get())
+        if freed >= TRIM_BYTES:
+            give_back()
+
+    @staticmethod
+    def _release(item: tuple[Batch, RowKV]) -> int:
+        """Release one row's KV: the bytes of its buffers when they are no shelf's any more."""
+        batch, kv = item
+        return 0 if batch.release(kv) else kv.nbytes
 
     def _chunks(self) -> list[tuple[Job, Chunk]]:
         """The prompt chunks of this step: the ready jobs' in turn, up to ``chunk_tokens``
@@ -212,6 +227,7 @@ class StepLoop:
 
             def after() -> None:
                 self._released.put((batch, kv))
+                self._scheduler.poke()  # NOTE: an idle loop wakes to release it: its memory goes now
                 self._settled()
 
             self._io.store(job, kv if job.storable else None, kv.length, after)

@@ -12,13 +12,16 @@ outgrow the budget, whatever the slots (``max_active``) allow.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 from prefixcache.config import KVLayout
 
-__all__ = ["KV_COPIES", "KV_SHARE", "default_budget", "machine_memory", "reservation"]
+__all__ = ["KV_COPIES", "KV_SHARE", "TRIM_BYTES", "default_budget", "give_back", "machine_memory", "reservation"]
 
 # NOTE: a running request holds its KV twice at its peak: the cache its prefill builds,
 # and its row in the decode batch, into which that cache is copied when it joins.
@@ -28,6 +31,8 @@ KV_COPIES = 2
 KV_SHARE = 0.5
 
 _CGROUP_MAX = Path("/sys/fs/cgroup/memory.max")
+# Freed KV of at least this many bytes at once is handed back to the system (``give_back``).
+TRIM_BYTES = 32 << 20
 
 
 def reservation(kv: KVLayout, context_length: int, tokens: int) -> int:
@@ -49,3 +54,24 @@ def machine_memory(cgroup: Path = _CGROUP_MAX) -> int:
 def default_budget(memory: Callable[[], int] = machine_memory) -> int:
     """The budget when the settings name none: ``KV_SHARE`` of ``memory()``."""
     return int(memory() * KV_SHARE)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim if name else None  # type: ignore[assignment]
+    except (OSError, AttributeError):  # not glibc: its allocator gives memory back its own way
+        return None
+    return trim
+
+
+def give_back() -> bool:
+    """Return the allocator's free memory to the system, where it can (glibc's
+    ``malloc_trim``): the KV buffers a long row freed are not all large enough to be
+    returned on their own, and an idle server would keep holding them. Whether it ran."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True

@@ -41,6 +41,11 @@ class RowKV:
     first: int  # the buffer column of the sequence's position 0
     length: int
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the buffers it reads (what goes when it is the last over them)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
     def read(self, begin: int, end: int) -> np.ndarray[Any, Any]:
         if not 0 <= begin <= end <= self.length:
             raise ValueError(f"KV range {begin}..{end} is outside the row's {self.length} positions")
