@@ -131,11 +131,14 @@ Event = BlocksStored | BlocksRemoved | EpochBumped | PrefixPublished | TierEnter
 class Drained:
     """``PrefixCache.drain``: the events since the last drain, how many the log has
     dropped since the cache opened (a consumer that sees it grow knows it missed some),
-    and, when asked, every block's tier residency after those events, parents first."""
+    and, when asked, every block's tier residency after those events, parents first, and
+    the keys of the frames the tiers hold that no block owns (found on open: a disk's
+    from before a restart) by tier kind."""
 
     events: list[Event]
     dropped: int
     resident: list[TierEntered] | None = None
+    orphans: dict[str, frozenset[bytes]] | None = None
 
 
 class EventLog:

@@ -441,4 +441,4 @@ def _open_tiers(
     def frame_bytes(tokens: int) -> int:
         return codec.encoded_size(layout.shape(tokens), layout.dtype, key_len)
 
-    return Books(books, queue, frame_bytes), transfer
+    return Books(books, queue, frame_bytes, config.block_size), transfer

@@ -283,10 +283,11 @@ class Owner:
         with self._lock:
             ledger, books = self.ledger, self.books
             events = ledger.events.take()
-            resident = None
+            resident = orphans = None
             if residency:
                 resident = resident_events(books.owner.values(), books.kinds) if books is not None else []
-            return Drained(events, ledger.events.dropped, resident)
+                orphans = books.orphans() if books is not None else {}
+            return Drained(events, ledger.events.dropped, resident, orphans)
 
     def stats(self, writer_mode: str | None) -> CacheStats:
         """The counters and occupancy now; the tiers' gauges are read from each store's own

@@ -41,7 +41,7 @@ from prefixcache.cache.retention import Keeper
 from prefixcache.cache.tierbook import TierBook
 from prefixcache.cache.tierevents import record_change
 from prefixcache.cache.tree import Block, Node
-from prefixcache.events import EventLog, RemovalReason
+from prefixcache.events import EventLog, RemovalReason, TierLeft
 from prefixcache.storage.base import Frame
 from prefixcache.storage.queue import FrameSource, Job, JobKind, LazyFrame, WriteQueue, store_copy
 
@@ -85,13 +85,16 @@ def masks(block: Block) -> tuple[int, int]:
 class Books:
     """The residency of every block across the tiers, and the moves between them."""
 
-    def __init__(self, tiers: Sequence[TierBook], queue: WriteQueue, frame_bytes: Callable[[int], int]) -> None:
+    def __init__(
+        self, tiers: Sequence[TierBook], queue: WriteQueue, frame_bytes: Callable[[int], int], block_size: int = 0
+    ) -> None:
         self.tiers = list(tiers)
         self.queue = queue
         self.frame_bytes = frame_bytes  # tokens -> bytes of a frame that holds them
         self.owner: dict[bytes, Block] = {}  # key -> the block whose frames the tiers hold (or will)
         self.copyouts: list[LazyFrame] = []  # detached memory slots to copy out once the lock is released
         self.events: EventLog | None = None  # where residency changes are recorded (the ledger's log)
+        self.block_size = block_size  # what an orphan leaving is announced as (a partial tail is never adopted)
         self.keeper: Keeper | None = None  # retained blocks (the ledger's): counted where they are
         kinds: dict[str, int] = {}
         for tier in self.tiers:
@@ -273,6 +276,21 @@ class Books:
         self.drop_frame(k, key)
         tier.used -= 1
         tier.counts.eviction()
+        kind = tier.config.kind
+        if self.events is not None and self.events.capacity and not any(key in t.orphans for t in self._of(kind)):
+            # NOTE: a publisher may have announced it from its journal (``fleet/journal.py``)
+            self.events.record(TierLeft(key, self.block_size, kind))
+
+    def orphans(self) -> dict[str, frozenset[bytes]]:
+        """The keys of the frames no block owns, by tier kind."""
+        out: dict[str, set[bytes]] = {}
+        for tier in self.tiers:
+            if tier.orphans:
+                out.setdefault(tier.config.kind, set()).update(tier.orphans)
+        return {kind: frozenset(keys) for kind, keys in out.items()}
+
+    def _of(self, kind: str) -> list[TierBook]:
+        return [t for t in self.tiers if t.config.kind == kind]
 
     def only_copy(self, k: int, block: Block) -> bool:
         res = block.res
