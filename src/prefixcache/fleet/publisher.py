@@ -14,6 +14,13 @@ batch of an incarnation is ``AllBlocksCleared`` and the cache's whole residency,
 stream alone rebuilds the index; so is the batch after the cache's event log overflowed
 (events were lost before they were read: the state is sent again, whole).
 
+A disk tier's blocks outlive the process; its tree does not. So that a restarted
+server announces what its disk holds (a router would score it cold otherwise), the
+publisher keeps a journal of the blocks that enter the disk tier (``journal.py``, in the
+tier's folder): the whole-residency batches announce, beside the tree's blocks, the
+frames found on open that a journal record names (parents first), and an orphan that
+leaves the tier is announced removed like any block.
+
 Redis down or slow: a batch that cannot be sent is dropped, counted
 (``prefixcache_fleet_batches_dropped_total``) and logged at most once per
 ``log_every_s``, and its seq is spent anyway, so a router sees the gap (a seq that is in
@@ -38,7 +45,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from prefixcache.cache import PrefixCache
-from prefixcache.events import Drained, TierEntered
+from prefixcache.events import Drained, TierEntered, TierLeft
+from prefixcache.fleet.journal import Journal, orphan_entries
 from prefixcache.fleet.translate import stored_whole, wire_events
 from prefixcache.fleet.wire import (
     AllBlocksCleared,
@@ -57,6 +65,8 @@ __all__ = ["FleetPublisher", "PublisherConfig"]
 log = logging.getLogger("prefixcache.fleet")
 
 MAX_EVENTS = 256  # wire events per batch (one stream entry): a flood is sent as several entries
+JOURNALED = "disk"  # the tier kind whose blocks outlive the process and the tree
+COMPACT_AT = 4  # the journal is rewritten once it has this many records per block it names
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +93,8 @@ class FleetPublisher:
     ``model`` is the model id the cache's contexts carry (what ``BackendInfo`` names);
     ``client`` (default: one from ``config.redis_url``), ``clock`` (``time.monotonic``,
     for retries and log limits), ``wall`` (``time.time``, the batches' ``ts``) and ``inc``
-    (default: a random id) are injectable for tests."""
+    (default: a random id) are injectable for tests. ``journal``: where the disk tier's
+    blocks are recorded for the next incarnation (None: nowhere)."""
 
     def __init__(
         self,
@@ -96,6 +107,7 @@ class FleetPublisher:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         inc: str | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self.cache, self.config, self.model = cache, config, model
         self.inc = inc if inc is not None else uuid.uuid4().hex
@@ -111,6 +123,9 @@ class FleetPublisher:
         self._retry_at = 0.0
         self._log_at = 0.0
         self._unlogged = 0
+        self._journal = journal
+        self._journaled: dict[bytes, TierEntered] = {}  # the disk's blocks the tree knows, as recorded
+        self._kept: dict[bytes, TierEntered] | None = None  # the journal's orphans, read at the first drain
         r = registry if registry is not None else CollectorRegistry()
         self.published = Counter(
             "prefixcache_fleet_batches_published", "KV event batches sent to the fleet stream.", registry=r
@@ -135,7 +150,7 @@ class FleetPublisher:
             drained = self.cache.drain(residency=True)
             self._send_all(self._batches(drained))
             assert drained.resident is not None
-            return Snapshot(self.inc, self.seq, self._whole(drained.resident))
+            return Snapshot(self.inc, self.seq, self._whole(drained))
 
     # ================================================================ running
 
@@ -184,18 +199,69 @@ class FleetPublisher:
         lost = self._dropped_events >= 0 and drained.dropped > self._dropped_events
         self._dropped_events = drained.dropped
         events: list[Event]
+        self._record(drained)
         if lost and drained.resident is None:
             again = self.cache.drain(residency=True)  # the state after everything, events since included
             self._dropped_events = again.dropped
-            events = [AllBlocksCleared(), *self._whole(again.resident or [])]
+            self._record(again)
+            events = [AllBlocksCleared(), *self._whole(again)]
         elif drained.resident is not None and (lost or self.seq == 0):
-            events = [AllBlocksCleared(), *self._whole(drained.resident)]
+            events = [AllBlocksCleared(), *self._whole(drained)]
         else:
             events = list(wire_events(drained.events, self.block_size, self._kinds))
         return [events[i : i + MAX_EVENTS] for i in range(0, len(events), MAX_EVENTS)]
 
-    def _whole(self, resident: Sequence[TierEntered]) -> list[BlockStored]:
-        return stored_whole(resident, self.block_size, self._kinds)
+    def _whole(self, drained: Drained) -> list[BlockStored]:
+        """The residency of a drain as stores: the tree's blocks, then the disk's orphans
+        its journal names."""
+        resident = drained.resident or []
+        kept: Sequence[TierEntered] = ()
+        if self._kept:
+            held = (drained.orphans or {}).get(JOURNALED, frozenset())
+            kept = orphan_entries(self._kept.values(), set(held), {e.key for e in resident})
+        return stored_whole([*resident, *kept], self.block_size, self._kinds)
+
+    # ================================================================ the journal
+
+    def _record(self, drained: Drained) -> None:
+        """Keep the journal: the disk's blocks that came (appended) and went, the whole
+        residency when one was taken, and a rewrite once it has grown."""
+        journal = self._journal
+        if journal is None:
+            return
+        whole = self.block_size * 4
+        if drained.resident is not None:
+            self._journaled = {e.key: e for e in drained.resident if e.kind == JOURNALED and len(e.tokens) == whole}
+            if self._kept is None:  # NOTE: the first residency: what the last incarnation left
+                held = (drained.orphans or {}).get(JOURNALED, frozenset())
+                self._kept = {e.key: e for e in journal.read() if e.key in held}
+                self._guarded_io(lambda: journal.rewrite([*self._named()]))
+        came: list[TierEntered] = []
+        for event in drained.events:
+            if isinstance(event, TierEntered) and event.kind == JOURNALED and len(event.tokens) == whole:
+                self._journaled[event.key] = event
+                if self._kept is not None:
+                    self._kept.pop(event.key, None)
+                came.append(event)
+            elif isinstance(event, TierLeft) and event.kind == JOURNALED:
+                self._journaled.pop(event.key, None)
+                if self._kept is not None:
+                    self._kept.pop(event.key, None)
+        if came:
+            self._guarded_io(lambda: journal.append(came))
+        if journal.appended > COMPACT_AT * max(len(self._journaled) + len(self._kept or ()), 1024):
+            self._guarded_io(lambda: journal.rewrite([*self._named()]))
+
+    def _named(self) -> list[TierEntered]:
+        """What the journal names now: the last incarnation's orphans still held, then the tree's."""
+        return [*(self._kept or {}).values(), *self._journaled.values()]
+
+    def _guarded_io(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except OSError as exc:  # NOTE: the journal is a hint for the next incarnation: serving goes on
+            path = self._journal.path if self._journal is not None else "-"
+            log.warning("event=fleet_journal_failed path=%s (%s: %s)", path, type(exc).__name__, exc)
 
     def _send_all(self, batches: list[list[Event]]) -> int:
         for events in batches:

@@ -34,6 +34,7 @@ from prefixcache.config import CacheConfig
 from prefixcache.engine import Engine, LoadedModel, load_model
 from prefixcache.engine.model import ModelError
 from prefixcache.engine.threads import serial_torch
+from prefixcache.fleet.journal import beside
 from prefixcache.fleet.publisher import FleetPublisher, PublisherConfig
 from prefixcache.quality.codec_gate import CodecGateRefused, CodecStart, check_codecs
 from prefixcache.quality.reference import model_fingerprint
@@ -51,7 +52,9 @@ def fleet_publisher(settings: Settings, model_id: str) -> PublisherFactory | Non
     if not fleet.publish:
         return None
     config = PublisherConfig(fleet.redis_url, settings.fleet_name, fleet.stream_prefix, fleet.maxlen)
-    return lambda cache, registry: FleetPublisher(cache, config, model_id, registry=registry)
+    return lambda cache, registry: FleetPublisher(
+        cache, config, model_id, registry=registry, journal=beside(cache.config.tiers, config.name)
+    )
 
 
 def create_app(
