@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-test
 
-.PHONY: test unit serve serve-vllm lint bench setup clean system-deps vllm-test bench-lmcache-venv bench-vllm bench-fairness bench-serve-load bench-io-isolation bench-vllm-hybrid bench-retention-fairness bench-retention
+.PHONY: test unit serve serve-vllm lint bench setup clean system-deps vllm-test bench-lmcache-venv bench-vllm bench-fairness bench-serve-load bench-io-isolation bench-vllm-hybrid bench-retention-fairness bench-retention bench-kv-memory
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -128,6 +128,10 @@ bench-io-isolation: $(STAMP)
 # through the real server, capped and uncapped (about 8 minutes on 2 cores).
 bench-retention-fairness: $(STAMP)
 	$(BIN)/python benchmarks/bench_retention_fairness.py
+
+# The engine's KV memory with one 4,000-token prompt among seven short chats (issue 44).
+bench-kv-memory: $(STAMP)
+	$(BIN)/python benchmarks/bench_kv_memory.py
 
 # Retention against the optimum (issue 41): LRU with auto:P retention on the shared agentic
 # and Mooncake conversation traces, beside LRU and Belady (Python engine; about 40 minutes on 2 shared cores).
