@@ -252,7 +252,9 @@ def test_admin_stats_and_tier_logs_hold_no_redis_password(caplog: pytest.LogCapt
         tokens = list(range(8))
         cache.insert(tokens, CacheContext(tenant="t", model="m"), kv=np.zeros(layout.shape(8), dtype=np.float16))
         assert cache.stats().tiers[1].writes_failed >= 1  # Redis is not there: a write failed, and was logged
-        engine = SimpleNamespace(model_id="m", queue_depth=lambda: 0, stats=EngineStats())
+        engine = SimpleNamespace(
+            model_id="m", queue_depth=lambda: 0, stats=EngineStats(), kv_memory=lambda: {"budget_bytes": None}
+        )
         settings = Settings(auth=AuthSettings(api_keys={"sk-acme-0123456789": "acme"}, admin_key="adm-0123456789"))
         with TestClient(create_app(cast(Engine, engine), settings, cache)) as http:
             stats = http.get("/admin/stats", headers={"Authorization": "Bearer adm-0123456789"})
