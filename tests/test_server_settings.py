@@ -80,6 +80,7 @@ def test_every_cache_field_is_a_setting_by_file_and_by_variable(tmp_path: Path) 
         "writer": ("inline", "inline"),
         "write_queue_bytes": ("1048576", 1048576),
         "retention": ('{"share": 0.5, "tenants": {"acme": 0.25}}', RetentionConfig(share=0.5, tenants={"acme": 0.25})),
+        "strict_isolation": ("false", False),  # true refuses shared_quota and publish (test_strict_isolation.py)
     }  # fmt: skip
     others = {f.name for f in dataclasses.fields(CacheConfig)} - {"kv_layout", "capacity_bytes", "bytes_per_token"}
     assert set(values) == others  # (capacity in bytes is the same setting in another unit: below)

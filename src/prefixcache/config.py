@@ -342,6 +342,13 @@ class CacheConfig:
     of frames (a write beyond that is dropped and counted, never waited for), and run by
     ``writer``: ``"background"`` (a thread of their own), ``"inline"`` (by the thread that
     queued them, before its call returns) or ``"deferred"`` (only on ``flush``).
+
+    ``strict_isolation`` forbids every reuse of KV across tenants (OWASP AISVS 5.5.5): it
+    is refused beside any setting that allows one (``strict_conflicts``), and the cache
+    then never reads the public namespace nor takes a prefix declared public.
+    NOTE: a flag beside ``isolation``, not a fourth mode of it: it holds ``namespace``
+    and ``partitioned`` alike (quotas stay), and it refuses what they would share rather
+    than drop it silently.
     """
 
     block_size: int = 16
@@ -365,6 +372,7 @@ class CacheConfig:
     writer: str = "background"
     write_queue_bytes: int = 256 << 20
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    strict_isolation: bool = False
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, 1)
@@ -384,7 +392,15 @@ class CacheConfig:
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0):
             raise ValueError(f"ttl_seconds must be a positive number or None, got {self.ttl_seconds!r}")
         check_int("events_capacity", self.events_capacity, 0)
+        self._check_strict()
         self._check_tenancy()
+
+    def _check_strict(self) -> None:
+        if not isinstance(self.strict_isolation, bool):
+            raise ValueError(f"strict_isolation must be true or false, got {self.strict_isolation!r}")
+        conflicts = strict_conflicts(self)
+        if conflicts:
+            raise StrictIsolationError(conflicts)
 
     def _check_tiers(self) -> None:
         object.__setattr__(self, "tiers", tuple(self.tiers))
@@ -459,6 +475,47 @@ class CacheConfig:
         if self.capacity_bytes is not None and self.bytes_per_token is not None:
             return units // self.bytes_per_token
         return units
+
+
+STRICT = "cache.strict_isolation = true"
+
+
+def strict_conflicts(cache: CacheConfig) -> list[str]:
+    """The settings of ``cache`` that let one tenant's KV serve another, each with how,
+    when ``strict_isolation`` forbids that (else none)."""
+    if not cache.strict_isolation:
+        return []
+    found = []
+    if cache.isolation == "shared":
+        found.append("cache.isolation = 'shared' (all tenants' blocks have one namespace: each reuses the others')")
+    if cache.publish is not None:
+        found.append(
+            "cache.publish (a prefix sent by publish.min_tenants tenants is copied to the public pool, "
+            "where every tenant reuses it)"
+        )
+    if cache.shared_quota is not None:
+        found.append("cache.shared_quota (the public pool of partitioned isolation: every tenant reads it)")
+    return found
+
+
+class StrictIsolationError(ValueError):
+    """Strict isolation refused beside settings that share KV across tenants: the message
+    names each (``conflicts``), so that one start lists them all."""
+
+    def __init__(self, conflicts: Sequence[str]) -> None:
+        self.conflicts = list(conflicts)
+        super().__init__(
+            f"{STRICT} forbids every reuse of KV across tenants (OWASP AISVS 5.5.5), and "
+            f"{'these settings allow' if len(self.conflicts) > 1 else 'this setting allows'} one: "
+            f"{'; '.join(self.conflicts)}. Remove {'them' if len(self.conflicts) > 1 else 'it'}, "
+            "or turn strict isolation off"
+        )
+
+
+def refuse_public(what: str) -> ValueError:
+    """The run-time refusal of ``what`` (a path that would publish or read the public
+    namespace) under strict isolation."""
+    return ValueError(f"{what} is refused: {STRICT} forbids public prefixes (every tenant's KV stays its own)")
 
 
 # NOTE: the configuration stays free of pydantic; the settings that validate these

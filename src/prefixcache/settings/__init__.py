@@ -32,7 +32,16 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    ValidationError,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -42,7 +51,16 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from prefixcache.config import SECRET, CacheConfig, KVLayout, RetentionConfig, local_tiers, secret_depth, valid_names
+from prefixcache.config import (
+    SECRET,
+    CacheConfig,
+    KVLayout,
+    RetentionConfig,
+    StrictIsolationError,
+    local_tiers,
+    secret_depth,
+    valid_names,
+)
 from prefixcache.engine.model import DEFAULT_MODEL
 from prefixcache.identity import MIN_SECRET_BYTES
 from prefixcache.settings.admission import AdmissionSettings
@@ -261,6 +279,22 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _strict(cls, data: Any, handler: ModelWrapValidatorHandler[Settings]) -> Settings:
+        """Strict isolation refused with every setting that shares KV across tenants named
+        at once: the cache's own (``CacheConfig`` refuses them) and this one of [auth]."""
+        try:
+            settings = handler(data)
+        except ValidationError as exc:
+            refused = next((e["ctx"]["error"] for e in exc.errors() if _strict_refusal(e)), None)
+            if refused is None or not _allows_reuse(data):
+                raise
+            raise StrictIsolationError([*refused.conflicts, _ALLOW_REUSE]) from None
+        if settings.cache.strict_isolation and settings.auth.allow_cross_tenant_reuse:
+            raise StrictIsolationError([_ALLOW_REUSE])
+        return settings
+
     @model_validator(mode="after")
     def _fleet_events(self) -> Settings:
         if self.fleet.publish and self.cache.events_capacity == 0:
@@ -315,6 +349,23 @@ class Settings(BaseSettings):
             raise ValueError("cache.kv_layout comes from the model; remove it from the settings")
         retention = self.admission.retention(self.cache.retention)
         return dataclasses.replace(self.cache, kv_layout=layout, retention=retention)
+
+
+_ALLOW_REUSE = "auth.allow_cross_tenant_reuse = true (it accepts shared isolation's reuse across tenants)"
+
+
+def _strict_refusal(error: Any) -> bool:
+    return isinstance((error.get("ctx") or {}).get("error"), StrictIsolationError)
+
+
+def _allows_reuse(data: Any) -> bool:
+    """Whether the raw settings (a layer's values, before validation) set
+    auth.allow_cross_tenant_reuse; False where [auth] is itself invalid (its own error shows)."""
+    auth = data.get("auth") if isinstance(data, Mapping) else None
+    try:
+        return AuthSettings.model_validate(auth if auth is not None else {}).allow_cross_tenant_reuse
+    except ValidationError:
+        return False
 
 
 def load_settings(

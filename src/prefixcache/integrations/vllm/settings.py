@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from prefixcache.config import CacheConfig, local_tiers, valid_names
+from prefixcache.config import CacheConfig, StrictIsolationError, local_tiers, valid_names
 from prefixcache.identity import MIN_SECRET_BYTES, SECRET_ENV, Unverified
 from prefixcache.weights import model_key  # the connector's key: one fingerprint everywhere
 
@@ -69,6 +69,9 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         settings = ConnectorSettings(**dict(extra or {}))
     except ValidationError as exc:
         error = exc.errors()[0]
+        refused = (error.get("ctx") or {}).get("error")
+        if isinstance(refused, StrictIsolationError):  # named with the connector's own, at once
+            raise StrictIsolationError(refused.conflicts + _strict_conflicts(dict(extra or {}))) from None
         where = ".".join(str(p) for p in error["loc"] if not isinstance(p, int)) or "settings"
         if error["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             names = [str(p) for p in error["loc"] if not isinstance(p, int)][:-1]
@@ -78,7 +81,17 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     if settings.cache.kv_layout is not None:
         raise ValueError("kv_connector_extra_config cache.kv_layout comes from vLLM; remove it")
     _check_codecs(settings)
+    conflicts = _strict_conflicts(dict(extra or {})) if settings.cache.strict_isolation else []
+    if conflicts:
+        raise StrictIsolationError(conflicts)
     return settings
+
+
+def _strict_conflicts(extra: Mapping[str, Any]) -> list[str]:
+    """The connector's settings that strict isolation refuses (the cache's refuse themselves)."""
+    if str(extra.get("unverified", "")).lower() != Unverified.DEFAULT.value:
+        return []
+    return ["unverified = 'default' (requests whose tenant does not verify share default_tenant's KV)"]
 
 
 def _check_codecs(settings: ConnectorSettings) -> None:
