@@ -38,7 +38,7 @@ from prefixcache.cache.tierbook import TierBook
 from prefixcache.cache.tiered import TieredPath
 from prefixcache.cache.tree import Pin, path_to
 from prefixcache.cache.writer import Writer
-from prefixcache.config import CacheConfig, KVLayout, TierConfig
+from prefixcache.config import CacheConfig, KVLayout, TierConfig, refuse_public
 from prefixcache.events import Drained, Event, RemovalReason
 from prefixcache.hashing import ONESHOT, CacheContext, HashFactory, Segment, get_hash
 from prefixcache.policies import make_policy
@@ -333,6 +333,8 @@ class PrefixCache:
         """An operator's word that this prefix (e.g. a system prompt) may be shared by
         every tenant of ``ctx.model``: from the next request that sends it, its full
         blocks are stored once, in the public pool."""
+        if self.config.strict_isolation:
+            raise refuse_public("declare_public")
         if self._ledger.tenancy.mode == "shared":
             raise ValueError("declare_public applies to 'namespace' and 'partitioned' isolation")
         self._owner.declare_public(tokens, ctx)

@@ -81,7 +81,9 @@ class Ledger:
         """The request's chains. ``probing`` (a match or a peek that may ask the tiers): the
         public chain too, even with nothing of it in the tree (``plan_probe``)."""
         namespace = self.tenancy.namespace(getattr(ctx, "tenant", ""))
-        public = self.tenancy.mode != "shared"
+        # NOTE: strict isolation never reads the public root, not even blocks a tier holds
+        # that another server published there (a Redis shared with a server not strict)
+        public = self.tenancy.mode != "shared" and not self.config.strict_isolation
         # NOTE: a probing tier may hold published blocks of the public root that this tree
         # never saw (warmed offline, published by another server): look there too.
         books = self.books

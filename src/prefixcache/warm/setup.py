@@ -13,9 +13,10 @@ The checks come before the model loads, each naming the setting to change:
   write-back tier copies a block down only when it evicts it, so a warm's blocks would
   end with its process; keys and codecs are the settings' own;
 - ``--public`` needs an isolation mode with public prefixes: ``namespace``, or
-  ``partitioned`` with a public pool (``shared_quota`` or ``[cache.publish]``). A
-  public warm is the operator's declaration (``PrefixCache.declare_public``), the same
-  one the cache takes from code; nothing a tenant sends can make it.
+  ``partitioned`` with a public pool (``shared_quota`` or ``[cache.publish]``), and
+  no ``strict_isolation``. A public warm is the operator's declaration
+  (``PrefixCache.declare_public``), the same one the cache takes from code; nothing a
+  tenant sends can make it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ class WarmSetupError(ValueError):
 def check_public(settings: Settings) -> None:
     """Refuse ``--public`` where the isolation mode has no public prefixes."""
     cache = settings.cache
+    if cache.strict_isolation:
+        raise WarmSetupError(
+            "--public is refused: cache.strict_isolation = true forbids public prefixes (a tenant's KV stays its "
+            "own); warm each tenant with --tenant"
+        )
     if cache.isolation == "shared":
         raise WarmSetupError(
             "--public: isolation = 'shared' has no public pool (every tenant already reuses every prefix); "
