@@ -11,6 +11,7 @@ moves no p-value. What real TTFTs show is ``benchmarks/``'s to measure.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -332,17 +333,20 @@ LIVE_KEYS = {"sk-victim-0123": "victim", "sk-attacker-0123": "attacker"}
 
 
 @contextlib.contextmanager
-def serving(isolation: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, WorkClock, Settled]]:
-    """A live server on the stand-in in ``isolation``; the audits the command runs meanwhile
-    keep time on its ``WorkClock``, each request after the one before it settled."""
+def serving(
+    isolation: str, monkeypatch: pytest.MonkeyPatch, *, strict: bool = False, keys: dict[str, str] = LIVE_KEYS
+) -> Iterator[tuple[str, WorkClock, Settled]]:
+    """A live server on the stand-in in ``isolation`` (``strict``: with strict isolation, its
+    cache opened from the validated settings as ``serve`` opens it); the audits the command
+    runs meanwhile keep time on its ``WorkClock``, each request after the one before it settled."""
     lm = standin()
     memory = (TierConfig(kind="memory", capacity_bytes=256 << 20),)
-    cache = PrefixCache(
-        CacheConfig(block_size=16, kv_layout=lm.kv, tiers=memory, partial_blocks=True, isolation=isolation)
-    )
-    auth = AuthSettings(api_keys=LIVE_KEYS, allow_cross_tenant_reuse=isolation == "shared")
+    config = CacheConfig(block_size=16, tiers=memory, partial_blocks=True, isolation=isolation, strict_isolation=strict)
+    auth = AuthSettings(api_keys=keys, allow_cross_tenant_reuse=isolation == "shared")
+    settings = Settings(auth=auth, cache=config) if strict else Settings(auth=auth)
+    cache = PrefixCache(dataclasses.replace(config, kv_layout=lm.kv))
     eng = Engine(lm, STANDIN_ID, cache=cache)
-    server = LiveServer(create_app(eng, Settings(auth=auth), cache), eng).start()
+    server = LiveServer(create_app(eng, settings, cache), eng).start()
     clock, settled = WorkClock(lm.model), Settled(eng)
     monkeypatch.setattr(audit_module, "audit", functools.partial(audit, clock=clock, transport=settled))
     try:
@@ -393,6 +397,27 @@ def test_partitioned_isolation_shows_no_leak(monkeypatch: pytest.MonkeyPatch) ->
         result = audit(config, clock=clock, transport=settled)
     assert result.control.runs[0].test.p_value < 0.001
     assert not result.cross.detected and result.verdict == "no leak"
+
+
+STRICT_KEYS = {**LIVE_KEYS, "sk-third-0123": "third", "sk-fourth-0123": "fourth"}
+
+
+@pytest.mark.model
+def test_strict_isolation_shows_no_leak_whatever_the_victims(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Strict isolation (AISVS 5.5.5, docs/operations.md): three victims send each prompt,
+    enough to publish it were publication on, and still neither time nor cached_tokens
+    tells the attacker anything; the control level shows the audit could see a hit."""
+    victims = ["--victim-key", "sk-third-0123", "--victim-key", "sk-fourth-0123"]
+    with serving("namespace", monkeypatch, strict=True, keys=STRICT_KEYS) as (url, *_):
+        rc = cli.main(audit_argv(url, *victims, "--json"))
+    data = json.loads(capsys.readouterr().out)
+    assert data["control"]["runs"][0]["test"]["p_value"] < 0.001  # the attacker's own prompts do hit
+    assert (rc, data["verdict"], data["cross"]["victims"]) == (0, "no leak", 3)
+    assert not data["cross"]["detected"] and data["cached_reveals"] is False
+    cross = data["cross"]["runs"][0]["median_cached_tokens"]
+    assert cross["hit"] < PROMPT_WORDS / 2 and cross["miss"] < PROMPT_WORDS / 2  # only the template's own
 
 
 @pytest.mark.model
