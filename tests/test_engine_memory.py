@@ -21,7 +21,7 @@ import torch
 from engine_support import MODEL_ID, MODELS_DIR, LiveServer, encode, engine, model
 from prefixcache.engine import DoneEvent, Event, LoadedModel, Request, SamplingParams, TokenEvent
 from prefixcache.engine import loop as loop_module
-from prefixcache.engine.memory import KV_COPIES, default_budget, reservation
+from prefixcache.engine.memory import KV_COPIES, KVMemory, default_budget, reservation
 from prefixcache.engine.shelf import RowKV, Shelf
 from prefixcache.server.main import build_service, open_engine
 from prefixcache.settings import AuthSettings, ModelSettings, ServerSettings, Settings
@@ -65,7 +65,7 @@ def test_a_request_waits_for_the_memory_and_starts_when_the_one_before_ends(lm: 
         eng.submit(Request(prompt, "globex", params), lambda event: events.append(("second", event)))
         scheduler = eng.scheduler
         assert (scheduler.active, scheduler.waiting) == (1, 1)  # three slots free, no memory
-        assert eng.kv_memory() == {"budget_bytes": need + need // 2, "reserved_bytes": need}
+        assert eng.kv_memory() == KVMemory(budget_bytes=need + need // 2, reserved_bytes=need)
         go.set()
         assert eng.wait_idle(300)
     finally:
@@ -75,7 +75,7 @@ def test_a_request_waits_for_the_memory_and_starts_when_the_one_before_ends(lm: 
     first_done = next(i for i, (name, e) in enumerate(events) if name == "first" and isinstance(e, DoneEvent))
     assert names.index("second") > first_done  # it started once the first had ended
     assert sum(isinstance(e, DoneEvent) for _, e in events) == 2
-    assert eng.kv_memory()["reserved_bytes"] == 0
+    assert eng.kv_memory().reserved_bytes == 0
 
 
 @pytest.fixture(scope="module")

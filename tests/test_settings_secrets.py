@@ -236,6 +236,7 @@ def test_admin_stats_and_tier_logs_hold_no_redis_password(caplog: pytest.LogCapt
     from prefixcache.cache import PrefixCache
     from prefixcache.config import CacheConfig, KVLayout, TierConfig
     from prefixcache.engine import Engine
+    from prefixcache.engine.memory import KVMemory
     from prefixcache.engine.requests import EngineStats
     from prefixcache.hashing import CacheContext
     from prefixcache.server.app import create_app
@@ -253,7 +254,7 @@ def test_admin_stats_and_tier_logs_hold_no_redis_password(caplog: pytest.LogCapt
         cache.insert(tokens, CacheContext(tenant="t", model="m"), kv=np.zeros(layout.shape(8), dtype=np.float16))
         assert cache.stats().tiers[1].writes_failed >= 1  # Redis is not there: a write failed, and was logged
         engine = SimpleNamespace(
-            model_id="m", queue_depth=lambda: 0, stats=EngineStats(), kv_memory=lambda: {"budget_bytes": None}
+            model_id="m", queue_depth=lambda: 0, stats=EngineStats(), kv_memory=lambda: KVMemory(None, 0)
         )
         settings = Settings(auth=AuthSettings(api_keys={"sk-acme-0123456789": "acme"}, admin_key="adm-0123456789"))
         with TestClient(create_app(cast(Engine, engine), settings, cache)) as http:

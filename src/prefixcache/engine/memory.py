@@ -17,11 +17,21 @@ import ctypes.util
 import functools
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefixcache.config import KVLayout
 
-__all__ = ["KV_COPIES", "KV_SHARE", "TRIM_BYTES", "default_budget", "give_back", "machine_memory", "reservation"]
+__all__ = [
+    "KV_COPIES",
+    "KV_SHARE",
+    "TRIM_BYTES",
+    "KVMemory",
+    "default_budget",
+    "give_back",
+    "machine_memory",
+    "reservation",
+]
 
 # NOTE: a running request holds its KV twice at its peak: the cache its prefill builds,
 # and its row in the decode batch, into which that cache is copied when it joins.
@@ -33,6 +43,14 @@ KV_SHARE = 0.5
 _CGROUP_MAX = Path("/sys/fs/cgroup/memory.max")
 # Freed KV of at least this many bytes at once is handed back to the system (``give_back``).
 TRIM_BYTES = 32 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class KVMemory:
+    """The KV budget (None: none) and what the requests in flight reserve of it now, in bytes."""
+
+    budget_bytes: int | None
+    reserved_bytes: int
 
 
 def reservation(kv: KVLayout, context_length: int, tokens: int) -> int:

@@ -41,7 +41,7 @@ from prefixcache.engine.cacheio import IO_PER_TENANT, IO_WORKERS, CacheIO
 from prefixcache.engine.chat import chat_tokens
 from prefixcache.engine.job import Job, Runtime
 from prefixcache.engine.loop import StepLoop
-from prefixcache.engine.memory import KV_COPIES, reservation
+from prefixcache.engine.memory import KV_COPIES, KVMemory, reservation
 from prefixcache.engine.model import LoadedModel
 from prefixcache.engine.modes import EXACT, ServeMode
 from prefixcache.engine.requests import (
@@ -199,9 +199,9 @@ class Engine:
             "max_tokens together, fits: reduce max_tokens or the prompt."
         )
 
-    def kv_memory(self) -> dict[str, int | None]:
-        """The KV budget and what the requests in flight reserve of it now, in bytes (for stats)."""
-        return {"budget_bytes": self.scheduler.config.kv_budget, "reserved_bytes": self.scheduler.reserved}
+    def kv_memory(self) -> KVMemory:
+        """The KV budget and what the requests in flight reserve of it now (for stats)."""
+        return KVMemory(self.scheduler.config.kv_budget, self.scheduler.reserved)
 
     def submit(self, request: Request, sink: Sink) -> Handle:
         """Queue ``request``; raises ``TenantBusy``, ``QueueFull``, ``ContextLengthError``,

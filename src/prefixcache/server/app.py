@@ -325,7 +325,7 @@ def _operator_routes(app: FastAPI, server: Server) -> None:
             "model": server.model_id,
             "queue_depth": engine.queue_depth(),
             "engine": dataclasses.asdict(engine.stats),
-            "kv_memory": engine.kv_memory(),
+            "kv_memory": dataclasses.asdict(engine.kv_memory()),
             "prefill_seconds_per_token": recorder.prefill_rate.value,
             "cache": to_json(_bounded(server.cache.stats())) if server.cache is not None else None,
         }
