@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from prefixcache.config import CacheConfig, PublishConfig, StrictIsolationError, TierConfig
+from prefixcache.config import CacheConfig, PublishConfig, TierConfig
 from prefixcache.hashing import CacheContext
 from prefixcache.integrations.vllm.settings import parse_settings
 from prefixcache.settings import AuthSettings, Settings, load_settings
+from prefixcache.strict import StrictIsolationError
 from prefixcache.warm.setup import WarmSetupError, check_public
 from support import run_cli
 from test_blend_chunks import DOC, open_chunks

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from prefixcache.hashing import get_hash
 from prefixcache.policies import check_policy
+from prefixcache.strict import StrictIsolationError, strict_conflicts
 
 ISOLATION_MODES = ("shared", "namespace", "partitioned")
 DEFAULT_CAPACITY_TOKENS = 1 << 20
@@ -475,47 +476,6 @@ class CacheConfig:
         if self.capacity_bytes is not None and self.bytes_per_token is not None:
             return units // self.bytes_per_token
         return units
-
-
-STRICT = "cache.strict_isolation = true"
-
-
-def strict_conflicts(cache: CacheConfig) -> list[str]:
-    """The settings of ``cache`` that let one tenant's KV serve another, each with how,
-    when ``strict_isolation`` forbids that (else none)."""
-    if not cache.strict_isolation:
-        return []
-    found = []
-    if cache.isolation == "shared":
-        found.append("cache.isolation = 'shared' (all tenants' blocks have one namespace: each reuses the others')")
-    if cache.publish is not None:
-        found.append(
-            "cache.publish (a prefix sent by publish.min_tenants tenants is copied to the public pool, "
-            "where every tenant reuses it)"
-        )
-    if cache.shared_quota is not None:
-        found.append("cache.shared_quota (the public pool of partitioned isolation: every tenant reads it)")
-    return found
-
-
-class StrictIsolationError(ValueError):
-    """Strict isolation refused beside settings that share KV across tenants: the message
-    names each (``conflicts``), so that one start lists them all."""
-
-    def __init__(self, conflicts: Sequence[str]) -> None:
-        self.conflicts = list(conflicts)
-        super().__init__(
-            f"{STRICT} forbids every reuse of KV across tenants (OWASP AISVS 5.5.5), and "
-            f"{'these settings allow' if len(self.conflicts) > 1 else 'this setting allows'} one: "
-            f"{'; '.join(self.conflicts)}. Remove {'them' if len(self.conflicts) > 1 else 'it'}, "
-            "or turn strict isolation off"
-        )
-
-
-def refuse_public(what: str) -> ValueError:
-    """The run-time refusal of ``what`` (a path that would publish or read the public
-    namespace) under strict isolation."""
-    return ValueError(f"{what} is refused: {STRICT} forbids public prefixes (every tenant's KV stays its own)")
 
 
 # NOTE: the configuration stays free of pydantic; the settings that validate these

@@ -38,7 +38,7 @@ from prefixcache.cache.tierbook import TierBook
 from prefixcache.cache.tiered import TieredPath
 from prefixcache.cache.tree import Pin, path_to
 from prefixcache.cache.writer import Writer
-from prefixcache.config import CacheConfig, KVLayout, TierConfig, refuse_public
+from prefixcache.config import CacheConfig, KVLayout, TierConfig
 from prefixcache.events import Drained, Event, RemovalReason
 from prefixcache.hashing import ONESHOT, CacheContext, HashFactory, Segment, get_hash
 from prefixcache.policies import make_policy
@@ -47,6 +47,7 @@ from prefixcache.storage.base import EpochKeeper, TierStore
 from prefixcache.storage.open import open_store
 from prefixcache.storage.queue import WriteQueue
 from prefixcache.storage.transfer import Transfer
+from prefixcache.strict import refuse_public
 
 __all__ = ["Match", "PrefixCache"]
 

@@ -56,7 +56,6 @@ from prefixcache.config import (
     CacheConfig,
     KVLayout,
     RetentionConfig,
-    StrictIsolationError,
     local_tiers,
     secret_depth,
     valid_names,
@@ -67,6 +66,7 @@ from prefixcache.settings.admission import AdmissionSettings
 from prefixcache.settings.blend import BlendSettings
 from prefixcache.settings.env import CONFIG_VAR, ENV_PREFIX, Env
 from prefixcache.settings.redact import masked, scrub
+from prefixcache.strict import StrictIsolationError
 
 __all__ = [
     "CONFIG_VAR",

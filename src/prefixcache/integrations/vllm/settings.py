@@ -21,8 +21,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from prefixcache.config import CacheConfig, StrictIsolationError, local_tiers, valid_names
+from prefixcache.config import CacheConfig, local_tiers, valid_names
 from prefixcache.identity import MIN_SECRET_BYTES, SECRET_ENV, Unverified
+from prefixcache.strict import StrictIsolationError
 from prefixcache.weights import model_key  # the connector's key: one fingerprint everywhere
 
 __all__ = ["VLLM_CACHE", "ConnectorSettings", "model_key", "parse_settings", "read_secret"]
