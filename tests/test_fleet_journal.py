@@ -181,7 +181,7 @@ def test_an_orphan_that_leaves_the_disk_is_announced_removed(
 def test_the_journal_is_rewritten_once_it_grows(
     tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("prefixcache.fleet.publisher.COMPACT_AT", 1)
+    monkeypatch.setattr("prefixcache.fleet.journal.COMPACT_AT", 1)
     disk = tmp_path / "disk"
     journal = Journal(disk / "fleet" / "b1.journal")
     cache = make_cache(disk, memory_frames=3, disk_frames=6, write="through")

@@ -27,18 +27,20 @@ import os
 import re
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import msgspec
 
 from prefixcache.config import TierConfig
-from prefixcache.events import TierEntered
+from prefixcache.events import Drained, TierEntered, TierLeft
 
-__all__ = ["MAX_RECORD", "Journal", "beside", "orphan_entries"]
+__all__ = ["COMPACT_AT", "JOURNALED", "MAX_RECORD", "DiskRecorder", "Journal", "beside", "orphan_entries"]
 
 log = logging.getLogger("prefixcache.fleet")
 
+JOURNALED = "disk"  # the tier kind whose blocks outlive the process and the tree
+COMPACT_AT = 4  # the journal is rewritten once it has this many records per block it names
 MAGIC = b"PXJOURNAL1\n"
 MAX_RECORD = 1 << 16  # bytes of one record's payload: a block's tokens and names, with room
 _HEAD = struct.Struct("<II")
@@ -91,6 +93,64 @@ class Journal:
         tmp.write_bytes(MAGIC + b"".join(_record(e) for e in entries))
         os.replace(tmp, self.path)
         self.appended = 0
+
+
+class DiskRecorder:
+    """Keeps a journal from a cache's drains (``observe``: what entered and left the disk
+    tier, the whole residency when one was taken, a rewrite once it has grown) and says
+    which of the last incarnation's blocks to announce (``orphans``). One caller at a
+    time: the publisher's step, or the vLLM connector's events hook."""
+
+    def __init__(self, journal: Journal, block_size: int) -> None:
+        self.journal = journal
+        self._whole = 4 * block_size  # the token bytes of a whole block: only those are announced
+        self._journaled: dict[bytes, TierEntered] = {}  # the disk's blocks the tree knows, as recorded
+        self._kept: dict[bytes, TierEntered] | None = None  # the journal's orphans, read at the first residency
+
+    def observe(self, drained: Drained) -> None:
+        journal = self.journal
+        if drained.resident is not None:
+            self._journaled = {e.key: e for e in drained.resident if self._ours(e)}
+            if self._kept is None:  # NOTE: the first residency: what the last incarnation left
+                held = (drained.orphans or {}).get(JOURNALED, frozenset())
+                self._kept = {e.key: e for e in journal.read() if e.key in held}
+                self._guarded(lambda: journal.rewrite(self._named()))
+        came: list[TierEntered] = []
+        for event in drained.events:
+            if isinstance(event, TierEntered) and self._ours(event):
+                self._journaled[event.key] = event
+                if self._kept is not None:
+                    self._kept.pop(event.key, None)
+                came.append(event)
+            elif isinstance(event, TierLeft) and event.kind == JOURNALED:
+                self._journaled.pop(event.key, None)
+                if self._kept is not None:
+                    self._kept.pop(event.key, None)
+        if came:
+            self._guarded(lambda: journal.append(came))
+        if journal.appended > COMPACT_AT * max(len(self._journaled) + len(self._kept or ()), 1024):
+            self._guarded(lambda: journal.rewrite(self._named()))
+
+    def orphans(self, drained: Drained) -> list[TierEntered]:
+        """The last incarnation's blocks to announce beside ``drained``'s residency (taken
+        with it): those the disk still holds, under announced parents, parents first."""
+        if not self._kept:
+            return []
+        held = (drained.orphans or {}).get(JOURNALED, frozenset())
+        return orphan_entries(self._kept.values(), set(held), {e.key for e in drained.resident or ()})
+
+    def _ours(self, entry: TierEntered) -> bool:
+        return entry.kind == JOURNALED and len(entry.tokens) == self._whole
+
+    def _named(self) -> list[TierEntered]:
+        """What the journal names now: the last incarnation's orphans still held, then the tree's."""
+        return [*(self._kept or {}).values(), *self._journaled.values()]
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except OSError as exc:  # NOTE: the journal is a hint for the next incarnation: serving goes on
+            log.warning("event=fleet_journal_failed path=%s (%s: %s)", self.journal.path, type(exc).__name__, exc)
 
 
 def beside(tiers: Iterable[TierConfig], name: str) -> Journal | None:

@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +45,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from prefixcache.cache import PrefixCache
-from prefixcache.events import Drained, TierEntered, TierLeft
-from prefixcache.fleet.journal import Journal, orphan_entries
+from prefixcache.events import Drained
+from prefixcache.fleet.journal import DiskRecorder, Journal
 from prefixcache.fleet.translate import stored_whole, wire_events
 from prefixcache.fleet.wire import (
     AllBlocksCleared,
@@ -65,8 +65,6 @@ __all__ = ["FleetPublisher", "PublisherConfig"]
 log = logging.getLogger("prefixcache.fleet")
 
 MAX_EVENTS = 256  # wire events per batch (one stream entry): a flood is sent as several entries
-JOURNALED = "disk"  # the tier kind whose blocks outlive the process and the tree
-COMPACT_AT = 4  # the journal is rewritten once it has this many records per block it names
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +121,7 @@ class FleetPublisher:
         self._retry_at = 0.0
         self._log_at = 0.0
         self._unlogged = 0
-        self._journal = journal
-        self._journaled: dict[bytes, TierEntered] = {}  # the disk's blocks the tree knows, as recorded
-        self._kept: dict[bytes, TierEntered] | None = None  # the journal's orphans, read at the first drain
+        self._recorder = DiskRecorder(journal, self.block_size) if journal is not None else None
         r = registry if registry is not None else CollectorRegistry()
         self.published = Counter(
             "prefixcache_fleet_batches_published", "KV event batches sent to the fleet stream.", registry=r
@@ -215,53 +211,12 @@ class FleetPublisher:
         """The residency of a drain as stores: the tree's blocks, then the disk's orphans
         its journal names."""
         resident = drained.resident or []
-        kept: Sequence[TierEntered] = ()
-        if self._kept:
-            held = (drained.orphans or {}).get(JOURNALED, frozenset())
-            kept = orphan_entries(self._kept.values(), set(held), {e.key for e in resident})
+        kept = self._recorder.orphans(drained) if self._recorder is not None else []
         return stored_whole([*resident, *kept], self.block_size, self._kinds)
 
-    # ================================================================ the journal
-
     def _record(self, drained: Drained) -> None:
-        """Keep the journal: the disk's blocks that came (appended) and went, the whole
-        residency when one was taken, and a rewrite once it has grown."""
-        journal = self._journal
-        if journal is None:
-            return
-        whole = self.block_size * 4
-        if drained.resident is not None:
-            self._journaled = {e.key: e for e in drained.resident if e.kind == JOURNALED and len(e.tokens) == whole}
-            if self._kept is None:  # NOTE: the first residency: what the last incarnation left
-                held = (drained.orphans or {}).get(JOURNALED, frozenset())
-                self._kept = {e.key: e for e in journal.read() if e.key in held}
-                self._guarded_io(lambda: journal.rewrite([*self._named()]))
-        came: list[TierEntered] = []
-        for event in drained.events:
-            if isinstance(event, TierEntered) and event.kind == JOURNALED and len(event.tokens) == whole:
-                self._journaled[event.key] = event
-                if self._kept is not None:
-                    self._kept.pop(event.key, None)
-                came.append(event)
-            elif isinstance(event, TierLeft) and event.kind == JOURNALED:
-                self._journaled.pop(event.key, None)
-                if self._kept is not None:
-                    self._kept.pop(event.key, None)
-        if came:
-            self._guarded_io(lambda: journal.append(came))
-        if journal.appended > COMPACT_AT * max(len(self._journaled) + len(self._kept or ()), 1024):
-            self._guarded_io(lambda: journal.rewrite([*self._named()]))
-
-    def _named(self) -> list[TierEntered]:
-        """What the journal names now: the last incarnation's orphans still held, then the tree's."""
-        return [*(self._kept or {}).values(), *self._journaled.values()]
-
-    def _guarded_io(self, step: Callable[[], None]) -> None:
-        try:
-            step()
-        except OSError as exc:  # NOTE: the journal is a hint for the next incarnation: serving goes on
-            path = self._journal.path if self._journal is not None else "-"
-            log.warning("event=fleet_journal_failed path=%s (%s: %s)", path, type(exc).__name__, exc)
+        if self._recorder is not None:
+            self._recorder.observe(drained)
 
     def _send_all(self, batches: list[list[Event]]) -> int:
         for events in batches:
