@@ -27,11 +27,9 @@ from prefixcache.config import TierConfig
 from prefixcache.events import TierEntered
 from prefixcache.fleet.journal import MAGIC, Journal, beside, orphan_entries
 from prefixcache.fleet.publisher import FleetPublisher, PublisherConfig
-from prefixcache.fleet.wire import Snapshot
+from prefixcache.fleet.wire import BlockStored, Snapshot
 from redis_server import RedisServer, free_port
 from test_fleet_publisher import ACME, BS, GLOBEX, MODEL, Index, entries, insert, make_cache, truth
-
-pytestmark = pytest.mark.redis
 
 
 def publisher(cache: PrefixCache, srv: RedisServer, journal: Journal, inc: str = "inc-1") -> FleetPublisher:
@@ -108,6 +106,7 @@ def test_the_journal_sits_beside_the_first_disk_tier_under_a_safe_name(tmp_path:
 # ====================================================================== through the publisher
 
 
+@pytest.mark.redis
 def test_a_restarted_backend_announces_its_disk_and_the_router_keys_match(
     tmp_path: Path, redis_server: RedisServer, client: redis.Redis
 ) -> None:
@@ -150,6 +149,7 @@ def test_a_restarted_backend_announces_its_disk_and_the_router_keys_match(
     again.close()
 
 
+@pytest.mark.redis
 def test_an_orphan_that_leaves_the_disk_is_announced_removed(
     tmp_path: Path, redis_server: RedisServer, client: redis.Redis
 ) -> None:
@@ -178,6 +178,7 @@ def test_an_orphan_that_leaves_the_disk_is_announced_removed(
     cache.close()
 
 
+@pytest.mark.redis
 def test_the_journal_is_rewritten_once_it_grows(
     tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -195,6 +196,7 @@ def test_the_journal_is_rewritten_once_it_grows(
     cache.close()
 
 
+@pytest.mark.redis
 def test_a_journal_that_cannot_be_written_leaves_the_publisher_serving(
     tmp_path: Path, redis_server: RedisServer, client: redis.Redis
 ) -> None:
@@ -268,6 +270,7 @@ def _until(cond: object, proc: subprocess.Popen[bytes], timeout: float = 240.0) 
         time.sleep(0.25)
 
 
+@pytest.mark.redis
 @pytest.mark.model
 @pytest.mark.slow
 def test_a_server_killed_and_started_again_announces_its_disk(tmp_path: Path, redis_server: RedisServer) -> None:
@@ -301,3 +304,38 @@ def test_a_server_killed_and_started_again_announces_its_disk(tmp_path: Path, re
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+# ====================================================================== the vLLM connector
+
+
+def test_the_vllm_connector_announces_its_disk_after_a_restart(tmp_path: Path) -> None:
+    """The connector's first events after a start name the disk's blocks from before it
+    (vLLM hands them to its own publisher, which a router follows): the same hashes and
+    tokens as when they were stored; without the journal, nothing."""
+    from prefixcache.integrations.vllm.scope import Scope
+    from prefixcache.integrations.vllm.worker import SaveSpec
+    from prefixcache.integrations.vllm.worker_hooks import WorkerHooks
+    from test_vllm_parts import N, cpu_caches, worker
+
+    tokens = tuple(range(100, 100 + 3 * N))
+    hooks = WorkerHooks(worker(tmp_path, cpu_caches(1)), async_load=False)
+    hooks.start_loads([])
+    hooks.save([SaveSpec("r", Scope("acme"), tokens, ((1, 2, 3),))])
+    before = [e for e in hooks.events() if isinstance(e, BlockStored) and e.medium == "disk"]
+    assert sum(len(e.block_hashes) for e in before) == 3
+    hooks.close(5)
+
+    def first_events() -> list[BlockStored]:
+        again = WorkerHooks(worker(tmp_path, cpu_caches(2)), async_load=False)
+        try:
+            return [e for e in again.events() if isinstance(e, BlockStored)]
+        finally:
+            again.close(5)
+
+    after = first_events()
+    assert [(e.block_hashes, e.token_ids, e.medium) for e in after] == [
+        (e.block_hashes, e.token_ids, e.medium) for e in before
+    ]
+    (tmp_path / "disk" / "fleet" / "vllm-connector.journal").unlink()
+    assert first_events() == []

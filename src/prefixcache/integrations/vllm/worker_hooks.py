@@ -38,13 +38,15 @@ from typing import Final
 
 from prefixcache.cache import Stamp
 from prefixcache.fleet import wire
-from prefixcache.fleet.translate import wire_events
+from prefixcache.fleet.journal import DiskRecorder, beside
+from prefixcache.fleet.translate import stored_whole, wire_events
 from prefixcache.integrations.vllm.wall import Wall
 from prefixcache.integrations.vllm.worker import ConnectorWorker, Loaded, LoadSpec, SaveSpec, Tally, VoidLoad
 
 __all__ = ["WorkerHooks"]
 
 STAMPS_KEPT: Final = 4096  # requests whose stamps are kept: far more than vLLM runs at once
+JOURNAL_NAME: Final = "vllm-connector"  # its disk tier's journal (one store per folder: one name is enough)
 
 
 class WorkerHooks:
@@ -69,6 +71,8 @@ class WorkerHooks:
         # A request whose first chunk completed no block is stamped one step late.
         self._step: Stamp | None = None
         self._stamps: OrderedDict[str, Stamp] = OrderedDict()
+        self._journal_opened = False  # the disk tier's journal is opened at the first events call
+        self._recorder: DiskRecorder | None = None
 
     def start_loads(self, loads: Sequence[LoadSpec], voids: Sequence[VoidLoad] = ()) -> None:
         """vLLM's ``start_load_kv``: this step's loads, inside the step or on I/O threads."""
@@ -157,11 +161,26 @@ class WorkerHooks:
         return None
 
     def events(self) -> list[wire.BlockStored | wire.BlockRemoved]:
-        """The cache's tier moves since the last call (for ``get_kv_connector_kv_cache_events``)."""
+        """The cache's tier moves since the last call (for ``get_kv_connector_kv_cache_events``).
+
+        The first call also announces what the disk tier kept from before a restart and
+        a journal beside it names (``fleet/journal.py``, as a server's publisher does),
+        and every call keeps that journal for the next start."""
         with self.wall.hold("get_kv_connector_kv_cache_events"):
             cache = self.worker.cache
+            size = cache.config.block_size
             kinds = [tier.kind for tier in cache.config.tiers]
-            return list(wire_events(cache.take_events(), cache.config.block_size, kinds))
+            first = not self._journal_opened
+            if first:
+                self._journal_opened = True
+                journal = beside(cache.config.tiers, JOURNAL_NAME)
+                self._recorder = DiskRecorder(journal, size) if journal is not None else None
+            drained = cache.drain(residency=first and self._recorder is not None)
+            out: list[wire.BlockStored | wire.BlockRemoved] = list(wire_events(drained.events, size, kinds))
+            if self._recorder is not None:
+                self._recorder.observe(drained)
+                out += stored_whole(self._recorder.orphans(drained), size, kinds)
+            return out
         return []
 
     def close(self, flush_timeout_s: float) -> bool:
