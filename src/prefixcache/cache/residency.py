@@ -277,8 +277,10 @@ class Books:
         tier.used -= 1
         tier.counts.eviction()
         kind = tier.config.kind
-        if self.events is not None and self.events.capacity and not any(key in t.orphans for t in self._of(kind)):
-            # NOTE: a publisher may have announced it from its journal (``fleet/journal.py``)
+        # NOTE: a publisher may have announced it from its journal (``fleet/journal.py``);
+        # not while a block owns the key, or another tier of the kind still holds it
+        kept = key in self.owner or any(key in t.orphans for t in self._of(kind))
+        if self.events is not None and self.events.capacity and not kept:
             self.events.record(TierLeft(key, self.block_size, kind))
 
     def orphans(self) -> dict[str, frozenset[bytes]]:
