@@ -9,18 +9,31 @@ that would share is named at start, all of it at once, never dropped silently
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from prefixcache.config import CacheConfig
+__all__ = ["STRICT", "Sharing", "StrictIsolationError", "refuse_public", "strict_conflicts"]
 
-__all__ = ["STRICT", "StrictIsolationError", "refuse_public", "strict_conflicts"]
+
+class Sharing(Protocol):
+    """What of a cache's configuration (``config.CacheConfig``) decides whether KV is shared."""
+
+    @property
+    def strict_isolation(self) -> bool: ...
+
+    @property
+    def isolation(self) -> str: ...
+
+    @property
+    def publish(self) -> object | None: ...
+
+    @property
+    def shared_quota(self) -> object | None: ...
 
 
 STRICT = "cache.strict_isolation = true"
 
 
-def strict_conflicts(cache: CacheConfig) -> list[str]:
+def strict_conflicts(cache: Sharing) -> list[str]:
     """The settings of ``cache`` that let one tenant's KV serve another, each with how,
     when ``strict_isolation`` forbids that (else none)."""
     if not cache.strict_isolation:
