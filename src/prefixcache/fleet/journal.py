@@ -134,9 +134,9 @@ class DiskRecorder:
     def orphans(self, drained: Drained) -> list[TierEntered]:
         """The last incarnation's blocks to announce beside ``drained``'s residency (taken
         with it): those the disk still holds, under announced parents, parents first."""
-        if not self._kept:
-            return []
         held = (drained.orphans or {}).get(JOURNALED, frozenset())
+        if not self._kept or not held:
+            return []
         return orphan_entries(self._kept.values(), set(held), {e.key for e in drained.resident or ()})
 
     def _ours(self, entry: TierEntered) -> bool:

@@ -179,7 +179,8 @@ class WorkerHooks:
             out: list[wire.BlockStored | wire.BlockRemoved] = list(wire_events(drained.events, size, kinds))
             if self._recorder is not None:
                 self._recorder.observe(drained)
-                out += stored_whole(self._recorder.orphans(drained), size, kinds)
+                if drained.resident is not None:  # NOTE: the first call only, not every step
+                    out += stored_whole(self._recorder.orphans(drained), size, kinds)
             return out
         return []
 
