@@ -31,6 +31,10 @@ _GRAIN = 64  # columns are allocated in multiples of this
 _HEADROOM = 64  # columns of room past the longest row after a new layout, at least (half its length at most)
 
 
+def _nbytes(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in (*keys, *values))
+
+
 @dataclass(frozen=True, eq=False)
 class RowKV:
     """A ``KVSource`` over a row that left: positions ``begin..end-1`` of its sequence."""
@@ -44,7 +48,7 @@ class RowKV:
     @property
     def nbytes(self) -> int:
         """The bytes of the buffers it reads (what goes when it is the last over them)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return _nbytes(self.keys, self.values)
 
     def read(self, begin: int, end: int) -> np.ndarray[Any, Any]:
         if not 0 <= begin <= end <= self.length:
@@ -90,7 +94,7 @@ class Shelf:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return _nbytes(self.keys, self.values)
 
     def owns(self, kv: RowKV) -> bool:
         return kv.keys[0] is self.keys[0]
