@@ -41,7 +41,7 @@ from prefixcache.engine.cacheio import IO_PER_TENANT, IO_WORKERS, CacheIO
 from prefixcache.engine.chat import chat_tokens
 from prefixcache.engine.job import Job, Runtime
 from prefixcache.engine.loop import StepLoop
-from prefixcache.engine.memory import KV_COPIES, KVMemory, reservation
+from prefixcache.engine.memory import KVMemory, reservation
 from prefixcache.engine.model import LoadedModel
 from prefixcache.engine.modes import EXACT, ServeMode
 from prefixcache.engine.requests import (
@@ -191,7 +191,7 @@ class Engine:
         need = reservation(self.loaded.kv, self.context_length, prompt_tokens + max_tokens)
         if budget is None or need <= budget:
             return
-        per_token = self.loaded.kv.bytes_per_token * KV_COPIES
+        per_token = reservation(self.loaded.kv, self.context_length, 1)
         raise KVBudgetExceeded(
             f"This request reserves {need} bytes of KV memory ({prompt_tokens} prompt tokens + {max_tokens} "
             f"max_tokens, {per_token} bytes a token), more than this server's whole KV memory budget of {budget} "
